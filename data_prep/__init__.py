@@ -1,0 +1,1 @@
+"""Offline data preparation: corpus, sentencepiece tokenizer and Megatron .bin/.idx datasets."""

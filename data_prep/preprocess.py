@@ -1,0 +1,189 @@
+"""Tokenizes documents into Megatron indexed datasets (PREFIX_{key}_document.bin/.idx)."""
+
+import argparse
+import collections
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.pool
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from tqdm import tqdm
+
+from data_prep.records import BadRecordError, SkippedRecords, iter_documents
+from megatron_ext.tokenizer import SentencePieceTokenizer
+
+logger = logging.getLogger(__name__)
+
+Batch = list[dict[str, str]]
+# Per key: (all token ids of the batch concatenated, per-document lengths). Flat arrays pickle
+# far cheaper between processes than lists of lists.
+EncodedBatch = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class PreprocessResult:
+    prefixes: list[str]  # dataset prefixes to hand to training (path without .bin/.idx)
+    documents: int
+    tokens: int
+    seconds: float
+    skipped: SkippedRecords = field(default_factory=SkippedRecords)
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron-LM tools/preprocess_data.py naming (document level, no sentence splitting)."""
+    return f"{output_prefix}_{key}_document"
+
+
+# Worker-process state, set once per process by _init_worker.
+_tokenizer: SentencePieceTokenizer | None = None
+_append_eod = False
+
+
+def _init_worker(model_path: str, append_eod: bool) -> None:
+    global _tokenizer, _append_eod
+    _tokenizer, _append_eod = SentencePieceTokenizer(model_path), append_eod
+    # Ctrl-C is handled once, by the parent, which then tears the pool down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _encode_batch(batch: Batch) -> EncodedBatch:
+    encoded = {}
+    for key in batch[0]:
+        docs = _tokenizer.tokenize_batch([fields[key] for fields in batch])
+        if _append_eod:
+            # As Megatron-LM's Encoder.encode: EOD only after a non-empty document
+            # (`if len(doc_ids) > 0 and append_eod`), so an empty text stays empty.
+            docs = [ids + [_tokenizer.eod] if ids else ids for ids in docs]
+        lengths = np.fromiter((len(ids) for ids in docs), dtype=np.int64, count=len(docs))
+        encoded[key] = (np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int32,
+                                    count=int(lengths.sum())), lengths)
+    return encoded
+
+
+def _batches(docs: Iterator, size: int) -> Iterator[Batch]:
+    while batch := [doc.fields for doc in itertools.islice(docs, size)]:
+        yield batch
+
+
+def _encode_in_order(pool: multiprocessing.pool.Pool, batches: Iterator[Batch],
+                     max_in_flight: int) -> Iterator[EncodedBatch]:
+    """Yield encoded batches in input order, whatever the worker count.
+
+    Pool.imap would keep the order too, but its feeder thread drains the whole input up front;
+    a bounded queue of apply_async results keeps memory at max_in_flight batches.
+    """
+    pending = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_batch, (batch,)))
+        if len(pending) >= max_in_flight:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def preprocess(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer_model: str,
+    json_keys: list[str] = ("text",),
+    append_eod: bool = True,
+    workers: int = 1,
+    skip_bad_records: bool = False,
+    chunk_docs: int = 256,
+) -> PreprocessResult:
+    """Write one .bin/.idx pair per json key; on any failure no new pair is left behind."""
+    start = time.perf_counter()
+    json_keys = list(json_keys)
+    dtype = DType.optimal_dtype(SentencePieceTokenizer(tokenizer_model).vocab_size)
+    prefixes = dict(zip(json_keys, (output_prefix_for(output_prefix, key) for key in json_keys)))
+    tmp = f".tmp-{os.getpid()}"
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    skipped = SkippedRecords()
+    documents = tokens = 0
+    try:
+        for key, prefix in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(f"{prefix}.bin{tmp}", dtype=dtype)
+        docs = iter_documents(inputs, json_keys, skip_bad_records, skipped)
+        with (multiprocessing.Pool(workers, _init_worker, (tokenizer_model, append_eod)) as pool,
+              tqdm(unit="doc", desc="tokenize", disable=None) as bar):
+            for batch in _encode_in_order(pool, _batches(docs, chunk_docs), 2 * workers):
+                for key, (ids, lengths) in batch.items():
+                    builder, offset = builders[key], 0
+                    for n in lengths.tolist():
+                        # Megatron-LM adds every document, empty ones too, as one "sentence" of
+                        # n tokens; an empty document has no sentences, i.e. add_document([], []).
+                        builder.add_document(ids[offset:offset + n], [n] if n else [])
+                        offset += n
+                    tokens += offset
+                documents += len(lengths)
+                bar.update(len(lengths))
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        for key, prefix in prefixes.items():
+            builders[key].finalize(f"{prefix}.idx{tmp}")
+        for prefix in prefixes.values():
+            _publish(prefix, tmp)
+    except BaseException:
+        for builder in builders.values():
+            builder.data_file.close()  # finalize may not have run; the builder owns the handle
+        for prefix in prefixes.values():
+            for path in (f"{prefix}.bin{tmp}", f"{prefix}.idx{tmp}"):
+                if os.path.exists(path):
+                    os.remove(path)
+        raise
+    return PreprocessResult(list(prefixes.values()), documents, tokens, time.perf_counter() - start, skipped)
+
+
+def _publish(prefix: str, tmp: str) -> None:
+    # Drop any old .idx first and move the new one last, so a crash in between leaves a .bin
+    # without .idx (unloadable) rather than a new .bin paired with a stale .idx.
+    if os.path.exists(f"{prefix}.idx"):
+        os.remove(f"{prefix}.idx")
+    os.replace(f"{prefix}.bin{tmp}", f"{prefix}.bin")
+    os.replace(f"{prefix}.idx{tmp}", f"{prefix}.idx")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--input", nargs="+", required=True, help="files or globs (.jsonl, .jsonl.gz, .txt, .parquet)")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
+    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--append-eod", action="store_true", help="append the EOS id to every non-empty document")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--skip-bad-records", action="store_true",
+                        help="skip and count malformed records instead of stopping at the first")
+    parser.add_argument("--chunk-docs", type=int, default=256, help="documents per worker task")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.workers < 1 or args.chunk_docs < 1:
+        parser.error("--workers and --chunk-docs must be >= 1")
+    if not os.path.isfile(args.tokenizer_model):
+        parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    try:
+        result = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
+                            args.append_eod, args.workers, args.skip_bad_records, args.chunk_docs)
+    except BadRecordError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: no output written")
+    logger.info(
+        "tokenized %d documents into %d tokens in %.1fs (%.0f tokens/s); skipped bad records: %s",
+        result.documents, result.tokens, result.seconds, result.tokens / max(result.seconds, 1e-9),
+        result.skipped.summary(),
+    )
+    for prefix in result.prefixes:
+        logger.info("wrote %s.bin/.idx  (data path for training: %s)", prefix, prefix)
+
+
+if __name__ == "__main__":
+    main()

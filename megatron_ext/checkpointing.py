@@ -1,0 +1,201 @@
+"""Save/resume through megatron-core dist_checkpointing (torch_dist): reshardable across TP/PP/VPP/DP.
+
+Layout: ``<save>/iter_XXXXXXX/`` holds model chunks, optimizer, LR scheduler, RNG states,
+consumed samples and the run config; ``<save>/latest_checkpointed_iteration.txt`` is replaced
+atomically only after every rank finished writing, so a crash mid-save never points at a
+half-written checkpoint.
+
+Also works around two megatron-core 0.16.1 bugs in loading the distributed optimizer when
+the torch Adam fallback is used (no TE/apex): see :func:`_fill_empty_adam_state` and
+:func:`_load_optimizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> Optional[int]:
+    """The iteration recorded in `root`'s tracker file, or None when there is no complete checkpoint."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def _rng_state() -> ShardedObject:
+    """Per-(PP, TP) rank RNG states; DP replicas hold the same streams, so only DP rank 0 saves."""
+    state = {
+        "random_rng_state": random.getstate(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    ps = parallel_state
+    return ShardedObject(
+        "rng_state",
+        [state],
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def _set_rng_state(rng: list[dict[str, Any]]) -> None:
+    state = rng[0]
+    random.setstate(state["random_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state["cuda_rng_state"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _model_state(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    # sharded_state_dict() of the DDP-wrapped module, not the wrapper: keys must not get "module.".
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], scheduler, is_loading: bool,
+                   with_rng: bool) -> dict[str, Any]:
+    state = _model_state(model_chunks)
+    if optimizer is not None:
+        _fill_empty_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
+            metadata=_OPTIMIZER_METADATA,
+        )
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_state()
+    return state
+
+
+def _adam_states(optimizer: MegatronOptimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                yield inner.state[param], param
+
+
+def _fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
+    """A fresh torch Adam has empty state, and megatron-core's DistributedOptimizer.state_dict()
+    asserts on exactly one 'step' value (distrib_optimizer.py:642), both to save before the first
+    step and to load into a new run: give every param the zero state Adam would start from."""
+    for state, param in _adam_states(optimizer):
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _load_optimizer(optimizer: MegatronOptimizer, state: dict[str, Any]) -> None:
+    """optimizer.load_state_dict with megatron-core 0.16.1's torch-Adam load path repaired.
+
+    load_state_dict first gives every param one *shared* 'step' tensor (distrib_optimizer.py:818-824),
+    then copies each param's saved tensors over its state keys, where 'step' has no source
+    (KeyError at distrib_optimizer.py:940). Each copy is done with 'step' set aside and then
+    restored as the param's own tensor, because torch Adam increments it in place once per param.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_set_main_param_and_optimizer_states"):
+            opt._set_main_param_and_optimizer_states = _step_preserving(opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
+
+
+def _step_preserving(opt):
+    copy_states = type(opt)._set_main_param_and_optimizer_states
+
+    def copy_without_step(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        copy_states(opt, model_param, tensors)
+        if step is not None:
+            state["step"] = step.clone()
+
+    return copy_without_step
+
+
+def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler,
+                    consumed_samples: int, run_config: dict[str, Any]) -> Path:
+    """Collective: every rank writes its shards into iter_XXXXXXX, then rank 0 updates the tracker."""
+    target = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        if target.exists():  # left over from a crashed save of the same iteration
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True)
+    state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config)
+    dist_checkpointing.save(state, str(target))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = Path(root) / f".{TRACKER}.tmp"
+        tmp.write_text(f"{iteration}\n")
+        os.replace(tmp, Path(root) / TRACKER)
+    dist.barrier()
+    return target
+
+
+def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler) -> tuple[int, int]:
+    """Resume from `root`'s latest checkpoint; returns (iteration, consumed_samples)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
+    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=True)
+    loaded = dist_checkpointing.load(state, str(iteration_dir(root, iteration)))
+    _load_model(model_chunks, loaded)
+    _load_optimizer(optimizer, loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    _set_rng_state(loaded["rng_state"])
+    return int(loaded["iteration"]), int(loaded["consumed_samples"])
+
+
+def load_pretrained_weights(root: str | Path, model_chunks) -> int:
+    """Model weights only from `root`'s latest checkpoint (any layout); training starts at iteration 0."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
+    loaded = dist_checkpointing.load(_model_state(model_chunks), str(iteration_dir(root, iteration)))
+    _load_model(model_chunks, loaded)
+    return iteration
+
+
+def _load_model(model_chunks, loaded: dict[str, Any]) -> None:
+    if len(model_chunks) == 1:
+        model_chunks[0].module.load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model_chunks):
+            chunk.module.load_state_dict(loaded[f"model{i}"])

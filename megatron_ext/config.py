@@ -1,0 +1,441 @@
+"""Typed recipe config: YAML + ``section.key=value`` overrides, validated before any process group exists.
+
+Field names follow megatron-core's own (``TransformerConfig``, ``OptimizerConfig``, parallel_state).
+OmegaConf structured configs give type checking and dotlist overrides; :func:`validate` adds the
+cross-field rules of 4D parallelism so a bad layout fails with one message naming the key, the
+value and what would be valid, instead of a traceback (or a hang) deep inside megatron-core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the key, the value and what is valid."""
+
+
+@dataclass
+class RecipeMeta:
+    name: str = "unnamed"
+    description: str = ""
+    gpus: Optional[int] = None  # the GPU count this recipe's layout is written for
+    published_params: Optional[int] = None  # parameter count published for this model shape
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None  # None = multi-head attention (one group per head)
+    ffn_hidden_size: Optional[int] = None  # None = Llama's 8/3·h rounded up to a multiple of 256
+    kv_channels: Optional[int] = None  # None = hidden_size / num_attention_heads
+    seq_length: int = 256
+    vocab_size: Optional[int] = None  # None = the tokenizer's vocabulary size
+    make_vocab_size_divisible_by: int = 128  # padded vocab is a multiple of this × TP
+    rotary_base: float = 10000.0
+    rope_scaling_factor: Optional[float] = None  # Llama-3.1-style long-context RoPE scaling (e.g. 8.0, 32.0)
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = True
+    attention_backend: str = "auto"  # auto | te | sdpa
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seed: int = 1234
+    eval_interval: int = 50
+    eval_iters: int = 4
+    precision: str = "fp32"  # fp32 | bf16
+    recompute_granularity: Optional[str] = None  # None | selective | full
+    exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
+    exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # None = train_iters (or warmup + 1 for runs shorter than warmup)
+    lr_decay_style: str = "cosine"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    # A Megatron-style blend: [prefix] or [w1, prefix1, w2, prefix2, ...] (weights need not sum to 1).
+    blend: Optional[list[Any]] = None
+    # Per-split blends override `blend` + `split` (each in the same form as `blend`).
+    train_blend: Optional[list[Any]] = None
+    valid_blend: Optional[list[Any]] = None
+    test_blend: Optional[list[Any]] = None
+    split: str = "98,2,0"
+    tokenizer_model: Optional[str] = None
+    num_workers: int = 0
+    path_to_cache: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None  # resume: model, optimizer, scheduler, RNG, consumed samples
+    pretrained_checkpoint: Optional[str] = None  # weights only, start at iteration 0
+    save_interval: Optional[int] = None  # None = only at the end
+    async_save: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: Optional[str] = None
+    log_interval: int = 1
+    gpu_peak_tflops: Optional[float] = None  # overrides the built-in table for MFU
+
+
+@dataclass
+class RecipeConfig:
+    recipe: RecipeMeta = field(default_factory=RecipeMeta)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _yaml_line(path: Path, dotted_key: str) -> Optional[int]:
+    """1-based line of `dotted_key` in a YAML file, so errors can point at it."""
+    try:
+        node = yaml.compose(path.read_text())
+    except yaml.YAMLError:
+        return None
+    for part in dotted_key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        for key_node, value_node in node.value:
+            if key_node.value == part:
+                node = value_node
+                break
+        else:
+            return None
+    return node.start_mark.line + 1
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
+    """YAML file (optional) merged over the defaults, then `section.key=value` overrides."""
+    merged = OmegaConf.structured(RecipeConfig)
+    path = Path(path) if path is not None else None
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            from_file = OmegaConf.load(path)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        try:
+            merged = OmegaConf.merge(merged, from_file)
+        except OmegaConfBaseException as e:
+            line = _yaml_line(path, e.full_key) if e.full_key else None
+            where = f"{path}:{line}" if line else str(path)
+            raise ConfigError(f"{where}: {e.full_key}: {e.msg}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {item!r}: {e.full_key or item}: {e.msg}") from None
+    return OmegaConf.to_object(merged)
+
+
+def default_ffn_hidden_size(hidden_size: int) -> int:
+    """Llama's SwiGLU width: 2/3 of 4h, rounded up to a multiple of 256."""
+    return 256 * math.ceil(int(8 * hidden_size / 3) / 256)
+
+
+def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's rule: the embedding rows are a multiple of make_divisible_by × TP."""
+    multiple = make_divisible_by * tensor_parallel_size
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
+    p = cfg.parallel
+    return world_size // (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
+
+
+def _require(ok: bool, key: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False) -> None:
+    """Every check: the model shape and 4D layout for `world_size` processes, then the data files."""
+    validate_layout(cfg, world_size, te_available)
+    _validate_data(cfg)
+
+
+def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False) -> None:
+    """Cross-field checks of the model shape and the 4D layout for `world_size` processes."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size
+    for key, value in [
+        ("parallel.tensor_model_parallel_size", tp),
+        ("parallel.pipeline_model_parallel_size", pp),
+        ("parallel.context_parallel_size", cp),
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.seq_length", m.seq_length),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.eval_interval", t.eval_interval),
+        ("logging.log_interval", cfg.logging.log_interval),
+    ]:
+        _require(value >= 1, key, value, "must be a positive integer")
+    _require(t.train_iters >= 0, "train.train_iters", t.train_iters, "must be >= 0")
+    _require(t.eval_iters >= 0, "train.eval_iters", t.eval_iters, "must be >= 0")
+
+    model_parallel = tp * pp * cp
+    _require(
+        world_size % model_parallel == 0,
+        "world size (processes started)",
+        world_size,
+        f"must be a multiple of parallel.tensor_model_parallel_size × pipeline_model_parallel_size × "
+        f"context_parallel_size = {tp}×{pp}×{cp} = {model_parallel} (DP = world size / {model_parallel}); "
+        f"valid world sizes: {model_parallel}, {2 * model_parallel}, {4 * model_parallel}, ...",
+    )
+    dp = world_size // model_parallel
+
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    _require(
+        m.hidden_size % heads == 0 or m.kv_channels is not None,
+        "model.hidden_size",
+        m.hidden_size,
+        f"must be divisible by model.num_attention_heads={heads} (or set model.kv_channels)",
+    )
+    _require(
+        heads % groups == 0,
+        "model.num_query_groups",
+        groups,
+        f"must divide model.num_attention_heads={heads}",
+    )
+    _require(
+        heads % tp == 0,
+        "model.num_attention_heads",
+        heads,
+        f"must be divisible by parallel.tensor_model_parallel_size={tp}",
+    )
+    _require(
+        groups % tp == 0,
+        "model.num_query_groups",
+        groups,
+        f"must be divisible by parallel.tensor_model_parallel_size={tp} "
+        f"(valid TP sizes: {[d for d in range(1, groups + 1) if groups % d == 0 and heads % d == 0]})",
+    )
+    ffn = m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size)
+    _require(
+        ffn % tp == 0,
+        "model.ffn_hidden_size",
+        ffn,
+        f"must be divisible by parallel.tensor_model_parallel_size={tp}",
+    )
+    _require(
+        m.attention_backend in ("auto", "te", "sdpa"),
+        "model.attention_backend",
+        m.attention_backend,
+        "one of auto, te, sdpa",
+    )
+    _require(
+        m.attention_backend != "te" or te_available,
+        "model.attention_backend",
+        m.attention_backend,
+        "TransformerEngine is not importable here; use auto or sdpa",
+    )
+
+    _validate_pipeline(cfg)
+
+    if p.sequence_parallel:
+        _require(tp > 1, "parallel.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
+    if cp > 1:
+        _require(
+            m.seq_length % (2 * cp) == 0,
+            "model.seq_length",
+            m.seq_length,
+            f"must be divisible by 2×context_parallel_size={2 * cp} "
+            "(the load-balanced causal split cuts the sequence into 2×CP chunks)",
+        )
+        _require(
+            te_available,
+            "parallel.context_parallel_size",
+            cp,
+            "context parallelism needs TransformerEngine's attention in this release; "
+            "set it to 1 here (a portable ring attention is planned in megatron_ext)",
+        )
+    if p.sequence_parallel:
+        _require(
+            (m.seq_length // cp) % tp == 0,
+            "model.seq_length",
+            m.seq_length,
+            f"with sequence_parallel the per-CP-rank length seq_length/CP must be divisible by TP={tp}",
+        )
+
+    per_step = t.micro_batch_size * dp
+    _require(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of micro_batch_size×DP = {t.micro_batch_size}×{dp} = {per_step}",
+    )
+    if vpp is not None and pp > 1:
+        microbatches = t.global_batch_size // per_step
+        _require(
+            microbatches % pp == 0,
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"the interleaved schedule needs the number of microbatches ({microbatches}) to be a "
+            f"multiple of pipeline_model_parallel_size={pp}",
+        )
+    _require(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "one of fp32, bf16")
+    _require(
+        t.recompute_granularity in (None, "selective", "full"),
+        "train.recompute_granularity",
+        t.recompute_granularity,
+        "one of null, selective, full",
+    )
+    _require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
+             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
+    _require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
+    _require(
+        o.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        "optimizer.lr_decay_style",
+        o.lr_decay_style,
+        "one of constant, linear, cosine, inverse-square-root, WSD",
+    )
+    _require(p.overlap_param_gather is False or p.use_distributed_optimizer,
+             "parallel.overlap_param_gather", True, "needs parallel.use_distributed_optimizer=true")
+
+
+def _validate_pipeline(cfg: RecipeConfig) -> None:
+    m, p = cfg.model, cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if vpp is not None:
+        _require(vpp >= 1, "parallel.virtual_pipeline_model_parallel_size", vpp, "must be >= 1 or null")
+        _require(
+            pp > 1,
+            "parallel.virtual_pipeline_model_parallel_size",
+            vpp,
+            "needs pipeline_model_parallel_size > 1",
+        )
+    if first is not None or last is not None:
+        # megatron-core 0.16.1 divides by zero (transformer_layer.py) if both are set at PP=2.
+        _require(
+            pp > 2 or first is None or last is None,
+            "parallel.num_layers_in_last_pipeline_stage",
+            last,
+            "set only one of num_layers_in_first/last_pipeline_stage when pipeline_model_parallel_size=2",
+        )
+        _require(vpp is None, "parallel.virtual_pipeline_model_parallel_size", vpp,
+                 "uneven pipeline stages are not combined with virtual stages here")
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle_layers = m.num_layers - (first or 0) - (last or 0)
+        _require(
+            middle_layers >= 0 and (middle_stages == 0 and middle_layers == 0
+                                    or middle_stages > 0 and middle_layers % middle_stages == 0),
+            "model.num_layers",
+            m.num_layers,
+            f"after the first/last stage overrides ({first}/{last}) the remaining {middle_layers} "
+            f"layers must divide evenly over the other {middle_stages} pipeline stages",
+        )
+        return
+    chunks = pp * (vpp or 1)
+    _require(
+        m.num_layers % chunks == 0,
+        "model.num_layers",
+        m.num_layers,
+        f"must be divisible by pipeline_model_parallel_size×virtual_pipeline_model_parallel_size="
+        f"{chunks}, or set parallel.num_layers_in_first_pipeline_stage/last for an uneven split",
+    )
+
+
+def parse_blend(blend: Optional[list[Any]], key: str) -> Optional[tuple[list[str], Optional[list[float]]]]:
+    """Megatron's [w1, p1, w2, p2] or [p1, p2] list → (prefixes, weights) as megatron-core wants it."""
+    if not blend:
+        return None
+    items = list(blend)
+    if all(isinstance(x, str) for x in items):
+        return items, None
+    if len(items) % 2 or not all(
+        isinstance(w, (int, float)) and isinstance(pfx, str) for w, pfx in zip(items[::2], items[1::2])
+    ):
+        raise ConfigError(
+            f"{key}={items!r} is invalid: use [prefix, ...] or [weight1, prefix1, weight2, prefix2, ...]"
+        )
+    weights = [float(w) for w in items[::2]]
+    _require(all(w > 0 for w in weights), key, items, "every weight must be > 0")
+    return list(items[1::2]), weights
+
+
+def _validate_data(cfg: RecipeConfig) -> None:
+    d = cfg.data
+    has_split_blends = any(b for b in (d.train_blend, d.valid_blend, d.test_blend))
+    _require(bool(d.blend) or has_split_blends, "data.blend", d.blend,
+             "give a dataset prefix list (or data.train_blend/valid_blend)")
+    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
+        parsed = parse_blend(getattr(d, key), f"data.{key}")
+        for prefix in parsed[0] if parsed else []:
+            for suffix in (".bin", ".idx"):
+                _require(Path(prefix + suffix).is_file(), f"data.{key}", prefix,
+                         f"{prefix}{suffix} does not exist (a prefix names PREFIX.bin + PREFIX.idx)")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    _require(len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0, "data.split", d.split,
+             "three non-negative numbers like 98,2,0 (train,valid,test)")
+    _require(d.tokenizer_model is not None and Path(d.tokenizer_model).is_file(),
+             "data.tokenizer_model", d.tokenizer_model, "path of an existing sentencepiece .model file")
+    from megatron_ext.tokenizer import SentencePieceTokenizer
+
+    vocab = SentencePieceTokenizer(d.tokenizer_model).vocab_size
+    _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= vocab, "model.vocab_size",
+             cfg.model.vocab_size, f"must be >= the vocabulary of {d.tokenizer_model} ({vocab}) or null")

@@ -1,0 +1,100 @@
+"""CPU rehearsal: lets megatron-core's real CUDA-only code paths run on CPU processes over gloo.
+
+megatron-core 0.16.1 hard-codes CUDA in a few places (``device="cuda"`` in the pipeline
+schedules, ``torch.cuda.current_device()`` in p2p, the CUDA RNG tracker, ``tensor.type()``
+checks for ``torch.cuda.*`` in gradient clipping and the distributed optimizer, ``.cuda()``
+in dist_checkpointing). Instead of forking megatron-core, :func:`install` makes those calls
+land on the CPU:
+
+* a :class:`torch.overrides.TorchFunctionMode` rewrites a ``cuda``/integer ``device`` argument
+  to ``cpu``, turns ``Tensor.cuda()`` into a no-op and makes ``Tensor.type()`` report the CUDA
+  type name megatron-core asserts on;
+* ``torch.cuda`` RNG, ``current_device`` and ``synchronize`` are mapped onto the CPU
+  generator / no-ops, and so are megatron-core's private CUDA RNG helpers.
+
+It is applied only when no GPU is present; on a GPU machine :func:`install` does nothing.
+See ``../shared/notes/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed_mode: TorchFunctionMode | None = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # megatron passes torch.cuda.current_device() (an int) as a device
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA device placement to the CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads / distrib_optimizer assert on "torch.cuda.FloatTensor" style names.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _RngStateChangedFilter(logging.Filter):
+    """Drops megatron's per-dropout warning that is expected once CUDA RNG maps onto the CPU one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _cpu_get_rng_state(device: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def needed() -> bool:
+    """True when there is no usable GPU, i.e. when training runs as a CPU rehearsal."""
+    return not torch.cuda.is_available()
+
+
+def install() -> bool:
+    """Patch torch/megatron-core for CPU rehearsal if no GPU is present; returns whether it did."""
+    global _installed_mode
+    if not needed():
+        return False
+    if _installed_mode is not None:
+        return True
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # A device object, not the index 0: code inside an intercepted call (the whole backward pass
+    # runs inside torch.autograd.backward) no longer sees the mode, and megatron's autograd
+    # Functions allocate with device=torch.cuda.current_device().
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = _cpu_get_rng_state
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.random.get_rng_state = _cpu_get_rng_state
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which must stay untouched.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    logging.getLogger(mcore_random.__name__).addFilter(_RngStateChangedFilter())
+
+    _installed_mode = CudaToCpuMode()
+    _installed_mode.__enter__()  # stays active for the life of the process
+    return True

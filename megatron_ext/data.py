@@ -1,0 +1,78 @@
+"""Train/valid data: megatron-core GPTDatasets from a weighted blend, and per-DP-rank microbatch iterators.
+
+megatron-core builds the datasets (``BlendedMegatronDatasetBuilder``); the sampler that hands
+each data-parallel rank its slice of every global batch, resumably from ``consumed_samples``,
+lives in Megatron-LM's training package rather than in megatron-core, so it is written here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from megatron_ext.config import RecipeConfig, parse_blend
+
+
+def build_datasets(cfg: RecipeConfig, tokenizer: object, dp_size: int
+                   ) -> tuple[GPTDataset, Optional[GPTDataset]]:
+    """Train dataset sized for the whole run; validation sized for one evaluation (the same batches each time)."""
+    t, d = cfg.train, cfg.data
+    sizes = [t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0]
+    split_blends = [parse_blend(b, f"data.{k}") for k, b in
+                    (("train_blend", d.train_blend), ("valid_blend", d.valid_blend), ("test_blend", d.test_blend))]
+    per_split = any(split_blends)
+    config = GPTDatasetConfig(
+        random_seed=t.seed,
+        sequence_length=cfg.model.seq_length,
+        blend=None if per_split else parse_blend(d.blend, "data.blend"),
+        blend_per_split=split_blends if per_split else None,
+        split=None if per_split else d.split.replace("/", ","),
+        path_to_cache=d.path_to_cache,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,  # causal attention needs no mask tensor
+        mmap_bin_files=True,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return train, valid
+
+
+class DistributedBatchSampler(torch.utils.data.Sampler):
+    """Yields this DP rank's micro batches of consecutive global batches, starting after `consumed_samples`.
+
+    Sample order is independent of the DP size: the global batch i is samples
+    [i·B, (i+1)·B) and DP rank r takes micro batches r, r+DP, ... of it in order, so every
+    layout sees exactly the same data, and a resumed run continues with the next unseen sample.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.dp_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.dp_size
+        for start in range(self.consumed_samples, self.total_samples - step + 1, step):
+            first = start + self.dp_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+
+
+def microbatch_iterator(dataset: GPTDataset, consumed_samples: int, micro_batch_size: int,
+                        dp_rank: int, dp_size: int, num_workers: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless-enough iterator of this rank's micro batches (dicts of tokens/labels/loss_mask/position_ids)."""
+    sampler = DistributedBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         pin_memory=torch.cuda.is_available(),
+                                         persistent_workers=num_workers > 0)
+    return iter(loader)

@@ -1,0 +1,106 @@
+"""Throughput accounting and run logging: FLOPs/MFU, the per-step console line, TensorBoard scalars.
+
+Model FLOPs per token (the PaLM/Megatron convention, no causal halving of attention):
+``6·N + 12·L·h·s`` where N counts every matmul parameter (all but the input embedding, which
+is a lookup), L layers, h hidden size, s sequence length. MFU = achieved / peak dense BF16.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from megatron_ext.config import RecipeConfig, padded_vocab_size
+from megatron_ext.model import num_parameters
+
+log = logging.getLogger("megatron_ext")
+
+# Dense BF16 peak TFLOP/s per GPU (vendor datasheets, without sparsity).
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,  # SXM; the PCIe part is 756 — override with logging.gpu_peak_tflops
+    "A100": 312.0,
+    "L40S": 362.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+}
+
+
+def flops_per_token(cfg: RecipeConfig, vocab_size: int) -> float:
+    """Forward+backward model FLOPs for one token (see module docstring for the formula)."""
+    m = cfg.model
+    matmul_params = num_parameters(cfg, vocab_size) - vocab_size * m.hidden_size
+    return 6.0 * matmul_params + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def peak_tflops(cfg: RecipeConfig) -> Optional[float]:
+    """Peak dense BF16 TFLOP/s of this GPU: the config's override, else the table; None on CPU."""
+    if cfg.logging.gpu_peak_tflops:
+        return cfg.logging.gpu_peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+class RunLogger:
+    """Rank-0 console lines and TensorBoard scalars; the TensorBoard step is the training iteration."""
+
+    def __init__(self, cfg: RecipeConfig, vocab_size: int, world_size: int, enabled: bool):
+        self.enabled = enabled
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops_per_step = flops_per_token(cfg, padded_vocab_size(
+            vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
+        )) * self.tokens_per_step
+        self.world_size = world_size
+        self.peak = peak_tflops(cfg)
+        self.writer = None
+        if enabled and cfg.logging.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
+
+    def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
+             console: bool) -> dict[str, float]:
+        scalars = {
+            "train/lm_loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/tokens_per_sec": self.tokens_per_step / step_time,
+            "train/step_time_s": step_time,
+        }
+        if torch.cuda.is_available():
+            tflops = self.flops_per_step / step_time / self.world_size / 1e12
+            scalars["train/tflops_per_gpu"] = tflops
+            scalars["train/mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            if self.peak:
+                scalars["train/mfu"] = tflops / self.peak
+        if not self.enabled:
+            return scalars
+        self._write(scalars, iteration)
+        if console:
+            line = (f"step {iteration:>6d} | loss {loss:.4f} | lr {lr:.3e} | grad-norm {grad_norm:.3f} | "
+                    f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
+            if "train/tflops_per_gpu" in scalars:
+                line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"
+                if "train/mfu" in scalars:
+                    line += f" | MFU {100 * scalars['train/mfu']:.1f}%"
+                line += f" | mem {scalars['train/mem_gb']:.1f} GiB"
+            log.info(line)
+        return scalars
+
+    def validation(self, iteration: int, loss: float) -> None:
+        if self.enabled:
+            self._write({"val/lm_loss": loss}, iteration)
+            log.info(f"validation at step {iteration}: loss {loss:.4f}")
+
+    def _write(self, scalars: dict[str, float], iteration: int) -> None:
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, iteration)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,189 @@
+"""The Llama-style decoder: megatron-core GPTModel with RMSNorm, SwiGLU, RoPE, GQA and a chosen layer spec.
+
+Two layer specs: TransformerEngine's when TE imports (the NGC container on GPUs), otherwise
+megatron-core's local layers with two replacements from this module — a torch SDPA core
+attention (flash/memory-efficient kernels on GPU) and an RMSNorm that supports sequence
+parallelism (megatron-core's torch-norm wrapper refuses SP).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from megatron_ext.config import RecipeConfig, default_ffn_hidden_size, padded_vocab_size
+
+
+def transformer_engine_available() -> bool:
+    """TE is imported lazily: it exists in NGC containers, not on CPU machines or bare GPUs."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA setup raising at import
+        return False
+    return True
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with megatron's constructor and sequence-parallel grad marking.
+
+    With SP the norm sees a different sequence shard on each TP rank, so its weight grad must be
+    all-reduced across TP; megatron's finalize_model_grads does that for params marked
+    ``sequence_parallel``.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention through torch.nn.functional.scaled_dot_product_attention (GQA native)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: object = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not split sequences across context-parallel ranks")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention: packed sequences / attention bias are not supported")
+        # megatron layout [s, b, heads, dim] → SDPA layout [b, heads, s, dim]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            enable_gqa=q.size(1) != k.size(1),
+        )
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
+    """This chunk's decoder layers: TE fused layers, or megatron-core local layers + SDPA + SP-capable RMSNorm."""
+    if use_te:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
+    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    layer.submodules.input_layernorm = RMSNorm
+    layer.submodules.pre_mlp_layernorm = RMSNorm
+    layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
+    )
+
+
+def transformer_config(cfg: RecipeConfig, on_gpu: bool) -> TransformerConfig:
+    """megatron-core TransformerConfig for a Llama-style decoder under `cfg`'s parallel layout."""
+    m, p = cfg.model, cfg.parallel
+    bf16 = cfg.train.precision == "bf16"
+    vpp = p.virtual_pipeline_model_parallel_size
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size),
+        kv_channels=m.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.layernorm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        # megatron-core does not read these from parallel_state: without them every pipeline
+        # stage builds every layer.
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=p.context_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage,
+        # The interleaved schedule at PP=2 swaps the two stages' tensors when p2p ops are
+        # batched (megatron-core 0.16.1, Megatron-LM issues 750/1450): never batch them.
+        batch_p2p_comm=vpp is None,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        calculate_per_token_loss=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity=cfg.train.recompute_granularity,
+        recompute_method="uniform" if cfg.train.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if cfg.train.recompute_granularity == "full" else None,
+    )
+
+
+def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerConfig,
+                       use_te: bool) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
+                               cfg.parallel.tensor_model_parallel_size)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, use_te, stage),
+            vocab_size=padded,
+            max_sequence_length=cfg.model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.model.rotary_base),
+            rope_scaling=cfg.model.rope_scaling_factor is not None,
+            rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,
+            vp_stage=stage,
+        ))
+    return chunks
+
+
+def num_parameters(cfg: RecipeConfig, vocab_size: int) -> int:
+    """Parameters of the unpadded model (as published model cards count them)."""
+    m = cfg.model
+    h, heads = m.hidden_size, m.num_attention_heads
+    groups = m.num_query_groups or heads
+    head_dim = m.kv_channels or h // heads
+    ffn = m.ffn_hidden_size or default_ffn_hidden_size(h)
+    attention = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
+    mlp = 3 * h * ffn
+    per_layer = attention + mlp + 2 * h
+    embeddings = vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1)
+    return m.num_layers * per_layer + embeddings + h

@@ -1,0 +1,122 @@
+"""Where 4D parallelism is applied: process groups, seeds, DDP wrapping, and the printed layout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.config import RecipeConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
+    """Process group (NCCL on GPU, gloo in CPU rehearsal), megatron-core's TP/CP/DP/PP groups, seeds."""
+    p = cfg.parallel
+    timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ:  # plain `python -m recipes.pretrain`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if on_gpu else "gloo", timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        distributed_timeout_minutes=p.distributed_timeout_minutes,
+    )
+    # Same seed on every rank: megatron's tracker derives the TP-rank-specific streams from it,
+    # and CPU-initialised weights come out identical across TP layouts.
+    torch.manual_seed(cfg.train.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down in megatron's order; skipping it can abort distributed-optimizer runs at exit."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: RecipeConfig
+                  ) -> list[DistributedDataParallel]:
+    """megatron-core DDP around each model chunk (grad buckets, optional overlap, distributed optimizer)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+        average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def _coordinates() -> dict[str, Any]:
+    ps = parallel_state
+    return {
+        "rank": dist.get_rank(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "groups": {
+            "TP": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+            "CP": dist.get_process_group_ranks(ps.get_context_parallel_group()),
+            "DP": dist.get_process_group_ranks(ps.get_data_parallel_group()),
+            "PP": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+        },
+    }
+
+
+def describe_layout(chunks: list[GPTModel]) -> str:
+    """Which global ranks form each TP/CP/DP/PP group and which layers each pipeline stage holds.
+
+    Collective: every rank must call it; the text is meant for rank 0 to print.
+    """
+    me = _coordinates()
+    me["layers"] = [
+        [layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks
+    ]
+    everyone: list[dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, me)
+    world = len(everyone)
+    ps = parallel_state
+    tp, cp, pp = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                  ps.get_pipeline_model_parallel_world_size())
+    lines = [f"layout: world={world} = TP{tp} × CP{cp} × DP{world // (tp * cp * pp)} × PP{pp}"
+             + (f" (VPP{len(chunks)})" if len(chunks) > 1 else "")]
+    for name in ("TP", "CP", "DP", "PP"):
+        groups = sorted({tuple(r["groups"][name]) for r in everyone})
+        lines.append(f"  {name} groups: " + " ".join(str(list(g)) for g in groups))
+    for stage in range(pp):
+        rank = next(r for r in everyone if r["pp"] == stage)
+        spans = []
+        for vp, numbers in enumerate(rank["layers"]):
+            span = f"{numbers[0]}-{numbers[-1]}" if numbers else "none"
+            spans.append(f"chunk {vp}: layers {span}" if len(chunks) > 1 else f"layers {span}")
+        holders = [r["rank"] for r in everyone if r["pp"] == stage]
+        lines.append(f"  PP stage {stage} (ranks {holders}): " + "; ".join(spans)
+                     + (" + embedding" if stage == 0 else "") + (" + output layer/loss" if stage == pp - 1 else ""))
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""The pretraining loop: megatron-core schedules, DDP, optimizer and LR schedule, eval, checkpoints, signals."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from tqdm import tqdm
+
+from megatron_ext import checkpointing, cpu_backend
+from megatron_ext.config import RecipeConfig, data_parallel_size
+from megatron_ext.data import build_datasets, microbatch_iterator
+from megatron_ext.metrics import RunLogger
+from megatron_ext.model import build_model_chunks, transformer_config, transformer_engine_available
+from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.tokenizer import SentencePieceTokenizer
+
+log = logging.getLogger("megatron_ext")
+
+
+@dataclass
+class RunResult:
+    """What a finished (or signalled) run reports; the same on every rank."""
+
+    iteration: int
+    train_losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)
+    checkpoint: Optional[Path] = None
+    stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
+
+
+class _ExitSignal:
+    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-emption warning) until the next step boundary."""
+
+    def __init__(self, enabled: bool):
+        self.received: Optional[int] = None
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.received = signum
+
+    def any_rank_received(self) -> bool:
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed loss (megatron's 3-value form): exact token weighting across micro batches, DP and CP."""
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(output_tensor.view(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = {k: v.to(_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]]) -> float:
+    """Token-weighted mean over the global batch, from the last pipeline stage's partial sums.
+
+    All ranks join one all-reduce; TP replicas of the last stage contribute identical sums, which
+    scale numerator and denominator alike, so the ratio is exact.
+    """
+    totals = torch.zeros(2, dtype=torch.float64, device=_device())
+    for item in losses_reduced:
+        totals += item["lm loss"].to(totals)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+class Trainer:
+    """Builds the model, optimizer, schedule and data for one rank, then trains."""
+
+    def __init__(self, cfg: RecipeConfig):
+        self.cfg = cfg
+        self.on_gpu = not cpu_backend.install()
+        init_distributed(cfg, self.on_gpu)
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.dp_size = data_parallel_size(cfg, self.world_size)
+        self.tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+        vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+        use_te = cfg.model.attention_backend == "te" or (
+            cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()
+        )
+        self.config = transformer_config(cfg, self.on_gpu)
+        chunks = build_model_chunks(cfg, vocab, self.config, use_te)
+        if self.on_gpu:
+            chunks = [c.cuda() for c in chunks]
+        layout = describe_layout(chunks)
+        if self.rank == 0:
+            log.info(layout)
+            log.info(f"layer spec: {'TransformerEngine' if use_te else 'megatron-core local + torch SDPA'}; "
+                     f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
+        self.model = wrap_with_ddp(chunks, self.config, cfg)
+        self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
+        o, t = cfg.optimizer, cfg.train
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=max(t.train_iters, 1), wd_incr_style="constant",
+        )
+        self._wire_schedule_hooks()
+        self.iteration, self.consumed_samples = 0, 0
+        if cfg.checkpoint.load and checkpointing.latest_iteration(cfg.checkpoint.load) is not None:
+            self.iteration, self.consumed_samples = checkpointing.load_checkpoint(
+                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler)
+            self._info(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration} "
+                       f"({self.consumed_samples} samples consumed)")
+        elif cfg.checkpoint.pretrained_checkpoint:
+            source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model)
+            self.optimizer.reload_model_params()
+            self._info(f"loaded weights of {cfg.checkpoint.pretrained_checkpoint} (iteration {source})")
+        self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer, self.dp_size)
+        self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
+
+    def _optimizer_config(self) -> OptimizerConfig:
+        o, cfg = self.cfg.optimizer, self.cfg
+        bf16 = cfg.train.precision == "bf16"
+        return OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            overlap_param_gather=cfg.parallel.overlap_param_gather,
+        )
+
+    def _wire_schedule_hooks(self) -> None:
+        """The callbacks megatron-core's schedules use for grad sync, param gather and grad finalisation."""
+        chunks = self.model
+        single = len(chunks) == 1
+        self.config.no_sync_func = chunks[0].no_sync if single else [c.no_sync for c in chunks]
+        if self.cfg.parallel.overlap_grad_reduce:
+            sync = [c.start_grad_sync for c in chunks]
+            self.config.grad_sync_func = sync[0] if single else sync
+        if self.cfg.parallel.overlap_param_gather:
+            gather = [c.start_param_sync for c in chunks]
+            self.config.param_sync_func = gather[0] if single else gather
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+    def _info(self, message: str) -> None:
+        if self.rank == 0:
+            log.info(message)
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.cfg.train
+        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
+
+    def _iterators(self, dataset, consumed_samples: int) -> list[Iterator] | Iterator:
+        """One iterator per model chunk: the interleaved schedule reads each chunk's data separately."""
+        t = self.cfg.train
+        dp_rank = parallel_state.get_data_parallel_rank()
+        its = [microbatch_iterator(dataset, consumed_samples, t.micro_batch_size, dp_rank, self.dp_size,
+                                   self.cfg.data.num_workers) for _ in self.model]
+        return its[0] if len(its) == 1 else its
+
+    def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        return get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=data_iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, data_iterator) -> tuple[float, float]:
+        """One global batch: forward/backward through the pipeline schedule, then one optimizer step."""
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(data_iterator, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError(f"optimizer step failed at iteration {self.iteration + 1} (non-finite grads)")
+        self.scheduler.step(increment=1)
+        return _global_mean_loss(losses), float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Mean loss over the fixed validation batches (the same ones at every evaluation)."""
+        if self.valid_ds is None or self.cfg.train.eval_iters == 0:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        it = self._iterators(self.valid_ds, 0)
+        losses = []
+        for _ in range(self.cfg.train.eval_iters):
+            losses.extend(self._run_schedule(it, forward_only=True))
+        return _global_mean_loss(losses)
+
+    def save(self) -> Path:
+        path = checkpointing.save_checkpoint(
+            self.cfg.checkpoint.save, self.iteration, self.model, self.optimizer, self.scheduler,
+            self.consumed_samples, self.cfg.to_dict())
+        self._info(f"saved checkpoint {path}")
+        return path
+
+    def train(self) -> RunResult:
+        cfg, t = self.cfg, self.cfg.train
+        result = RunResult(iteration=self.iteration)
+        exit_signal = _ExitSignal(t.exit_signal_handler)
+        data = self._iterators(self.train_ds, self.consumed_samples)
+        ckpt = cfg.checkpoint
+        self._info(f"training iterations {self.iteration + 1}..{t.train_iters}: global batch {t.global_batch_size} "
+                   f"= micro batch {t.micro_batch_size} × DP {self.dp_size} × {self.num_microbatches} micro batches, "
+                   f"seq {cfg.model.seq_length}")
+        bar = tqdm(total=t.train_iters, initial=self.iteration, desc="train", unit="step",
+                   disable=self.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+        while self.iteration < t.train_iters:
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
+            start = time.perf_counter()
+            loss, grad_norm = self.train_step(data)
+            step_time = time.perf_counter() - start
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            result.train_losses[self.iteration] = loss
+            result.grad_norms[self.iteration] = grad_norm
+            result.step_times.append(step_time)
+            self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time,
+                                 console=self.iteration % cfg.logging.log_interval == 0)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
+                val = self.evaluate()
+                if val is not None:
+                    result.val_losses[self.iteration] = val
+                    self.run_logger.validation(self.iteration, val)
+            signalled = exit_signal.any_rank_received()
+            stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
+            due = ckpt.save_interval and self.iteration % ckpt.save_interval == 0
+            if ckpt.save and (due or stop or self.iteration == t.train_iters):
+                result.checkpoint = self.save()
+            if stop:
+                self._info(f"stopped cleanly after iteration {self.iteration} "
+                           f"({'exit signal' if signalled else 'train.exit_interval'})")
+                result.stopped_early = True
+                break
+        bar.close()
+        if ckpt.save and t.train_iters == 0:  # a run of 0 steps saves the initial weights
+            result.checkpoint = self.save()
+        result.iteration = self.iteration
+        self.run_logger.close()
+        return result
+
+
+def pretrain(cfg: RecipeConfig) -> RunResult:
+    """Train `cfg` on this process's rank; collective over all ranks started by torchrun."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        destroy_distributed()

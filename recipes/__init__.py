@@ -1,0 +1,1 @@
+"""Runnable recipes: the pretraining entry point and the tools around it."""

@@ -1,0 +1,74 @@
+"""Entry point: ``torchrun --nproc-per-node N -m recipes.pretrain --config configs/X.yaml [section.key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+
+from megatron_ext.config import ConfigError, load_config, validate
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+    for noisy in ("megatron", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _summary(cfg, result) -> str:
+    lines = ["", "=" * 72, f"run {cfg.recipe.name}: finished at iteration {result.iteration}"
+             + (" (stopped early; resume with checkpoint.load)" if result.stopped_early else "")]
+    if result.train_losses:
+        first_step, last_step = min(result.train_losses), max(result.train_losses)
+        lines.append(f"  train loss: {result.train_losses[first_step]:.4f} (step {first_step}) -> "
+                     f"{result.train_losses[last_step]:.4f} (step {last_step})")
+    if result.val_losses:
+        step = max(result.val_losses)
+        lines.append(f"  validation loss: {result.val_losses[step]:.4f} (step {step})")
+    if len(result.step_times) > 1:
+        lines.append(f"  step time: median {statistics.median(result.step_times[1:]) * 1000:.0f} ms "
+                     f"(first step {result.step_times[0] * 1000:.0f} ms)")
+    if result.checkpoint:
+        lines.append(f"  checkpoint: {result.checkpoint} (resume with checkpoint.load={cfg.checkpoint.save})")
+    if cfg.logging.tensorboard_dir:
+        lines.append(f"  TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.pretrain", description=__doc__)
+    parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.train_iters=20")
+    args = parser.parse_args(argv)
+    _setup_logging()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from megatron_ext.model import transformer_engine_available
+
+        validate(cfg, world_size, te_available=transformer_engine_available())
+    except ConfigError as e:
+        # Every rank sees the same error; one line per rank, exit before any process group exists.
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from megatron_ext.training import pretrain
+
+    result = pretrain(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(_summary(cfg, result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
+    sys.exit(main())

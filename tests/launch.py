@@ -1,0 +1,46 @@
+"""Test helpers: run the recipe entry point under torchrun and read back what it logged to TensorBoard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+# A smaller shape than the default run so multi-process cases take seconds per step on 2 cores.
+SMALL_MODEL = [
+    "model.hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2",
+    "model.ffn_hidden_size=384", "model.seq_length=128",
+    "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=1", "train.eval_interval=1000",
+    "optimizer.lr_warmup_iters=2", "logging.log_interval=1",
+]
+SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                  "parallel.sequence_parallel=false"]
+
+
+def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """torchrun the recipe on the tiny config with `overrides`; fails the test with the log if it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "recipes.pretrain", "--config", str(TINY), *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
+    """{step: value} of one scalar tag, across every event file in the directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {event.step: event.value for event in acc.Scalars(tag)}
+
+
+def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)

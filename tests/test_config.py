@@ -1,0 +1,121 @@
+"""Config loading and validation: every bad layout is one clear error before any process starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.config import ConfigError, load_config, parse_blend, validate, validate_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def tiny(*overrides: str):
+    return load_config(TINY, list(overrides))
+
+
+def test_tiny_config_is_valid_for_four_processes():
+    cfg = tiny()
+    validate(cfg, world_size=4)
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.parallel.pipeline_model_parallel_size == 2
+
+
+def test_overrides_are_typed():
+    cfg = tiny("train.train_iters=7", "optimizer.lr=1e-3", "parallel.sequence_parallel=false")
+    assert cfg.train.train_iters == 7 and cfg.optimizer.lr == 1e-3 and cfg.parallel.sequence_parallel is False
+
+
+@pytest.mark.parametrize(
+    "overrides, world, fragment",
+    [
+        ([], 3, "world size (processes started)=3 is invalid: must be a multiple of"),
+        (["model.num_layers=3"], 4, "model.num_layers=3"),
+        (["model.num_layers=6", "parallel.virtual_pipeline_model_parallel_size=2"], 4,
+         "model.num_layers=6 is invalid: must be divisible by pipeline_model_parallel_size×virtual"),
+        (["model.hidden_size=240", "model.num_attention_heads=6", "model.num_query_groups=3"], 4,
+         "model.num_query_groups=3 is invalid: must be divisible by parallel.tensor_model_parallel_size=2"),
+        (["model.num_attention_heads=5", "model.num_query_groups=null"], 4, "model.hidden_size=256"),
+        (["model.num_query_groups=3"], 4, "must divide model.num_attention_heads=8"),
+        (["train.global_batch_size=6"], 8, "multiple of micro_batch_size×DP = 4×2 = 8"),
+        (["parallel.tensor_model_parallel_size=1"], 2, "parallel.sequence_parallel=True is invalid"),
+        (["parallel.context_parallel_size=2", "model.seq_length=250", "parallel.sequence_parallel=false",
+          "parallel.tensor_model_parallel_size=1"], 4, "divisible by 2×context_parallel_size=4"),
+        (["parallel.context_parallel_size=2", "parallel.sequence_parallel=false",
+          "parallel.tensor_model_parallel_size=1"], 4, "context parallelism needs TransformerEngine"),
+        (["model.seq_length=254", "parallel.tensor_model_parallel_size=4", "model.num_query_groups=4",
+          "parallel.pipeline_model_parallel_size=1"], 4, "seq_length/CP must be divisible by TP=4"),
+        (["parallel.num_layers_in_first_pipeline_stage=1", "parallel.num_layers_in_last_pipeline_stage=1"], 4,
+         "set only one of num_layers_in_first/last_pipeline_stage"),
+        (["train.precision=fp16"], 4, "train.precision='fp16' is invalid: one of fp32, bf16"),
+        (["optimizer.min_lr=1.0"], 4, "optimizer.min_lr=1.0"),
+        (["model.attention_backend=te"], 4, "TransformerEngine is not importable"),
+        (["train.micro_batch_size=0"], 4, "train.micro_batch_size=0 is invalid: must be a positive integer"),
+    ],
+)
+def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, fragment):
+    with pytest.raises(ConfigError) as err:
+        validate_layout(tiny(*overrides), world_size=world)
+    assert fragment in str(err.value)
+
+
+def test_interleaving_needs_microbatches_divisible_by_pp():
+    cfg = tiny("model.num_layers=8", "parallel.virtual_pipeline_model_parallel_size=2",
+               "train.global_batch_size=12")
+    with pytest.raises(ConfigError, match="number of microbatches \\(3\\)"):
+        validate_layout(cfg, world_size=4)
+
+
+def test_uneven_pipeline_split_with_one_override_is_valid():
+    validate_layout(tiny("model.num_layers=5", "parallel.num_layers_in_first_pipeline_stage=1"), world_size=4)
+
+
+def test_unknown_key_and_bad_type_are_reported_with_the_key():
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel"):
+        tiny("parallel.tensor_parallel=2")
+    with pytest.raises(ConfigError, match="train.train_iters"):
+        tiny("train.train_iters=many")
+    with pytest.raises(ConfigError, match="not of the form"):
+        tiny("train.train_iters")
+
+
+def test_yaml_errors_point_at_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: 4\n  hidden_size: wide\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:3: model.hidden_size"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_missing_data_files_are_named():
+    with pytest.raises(ConfigError, match=r"nowhere/x.bin does not exist"):
+        validate(tiny("data.blend=[nowhere/x]"), world_size=4)
+
+
+def test_blend_forms():
+    assert parse_blend(["a", "b"], "data.blend") == (["a", "b"], None)
+    assert parse_blend([0.3, "a", 0.7, "b"], "data.blend") == (["a", "b"], [0.3, 0.7])
+    with pytest.raises(ConfigError, match="weight1, prefix1"):
+        parse_blend([0.3, "a", "b"], "data.blend")
+    with pytest.raises(ConfigError, match="every weight must be > 0"):
+        parse_blend([0.0, "a"], "data.blend")
+
+
+def test_bad_layout_exits_nonzero_before_any_process_group(tmp_path):
+    """torchrun with 3 processes for a TP2×PP2 recipe: one clear message per rank, no hang, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         "-m", "recipes.pretrain", "--config", str(TINY)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert ("config error: world size (processes started)=3 is invalid: must be a multiple of "
+            "parallel.tensor_model_parallel_size × pipeline_model_parallel_size × context_parallel_size "
+            "= 2×2×1 = 4") in proc.stderr
+    assert proc.stderr.count("config error:") == 3  # one line per rank
+    assert "megatron/core" not in proc.stderr and "[rank0]: Traceback" not in proc.stderr

@@ -1,0 +1,48 @@
+"""Recipe configs for real model shapes: parameter counts match the published figures, layouts fit their GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.config import data_parallel_size, load_config, padded_vocab_size, validate_layout
+from megatron_ext.model import num_parameters
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+REAL = [p for p in CONFIGS if p.name != "tiny.yaml"]
+
+
+def test_there_are_real_model_recipes():
+    assert {p.name for p in REAL} >= {"llama3_2_1b_1gpu_bf16.yaml", "llama3_8b_8gpu_bf16.yaml",
+                                      "llama3_70b_64gpu_bf16.yaml"}
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.stem)
+def test_parameter_count_matches_published(path):
+    cfg = load_config(path)
+    assert num_parameters(cfg, cfg.model.vocab_size) == cfg.recipe.published_params
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_layout_is_valid_for_its_gpu_count(path):
+    cfg = load_config(path)
+    validate_layout(cfg, world_size=cfg.recipe.gpus)
+    assert data_parallel_size(cfg, cfg.recipe.gpus) >= 1
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("llama3_8b_8gpu_bf16.yaml", (2, 2, 2)),  # the usage guide's 8-GPU row: DP2 × TP2 × PP2
+    ("llama3_70b_64gpu_bf16.yaml", (2, 8, 4)),  # its 64-GPU row: DP2 × TP8 × PP4
+])
+def test_layouts_follow_the_usage_guide(name, layout):
+    cfg = load_config(next(p for p in REAL if p.name == name))
+    p = cfg.parallel
+    assert (data_parallel_size(cfg, cfg.recipe.gpus), p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size) == layout
+
+
+def test_llama3_vocab_pads_to_a_tp_multiple():
+    assert padded_vocab_size(128256, 128, 1) == 128256  # 128 × 1002
+    assert padded_vocab_size(128256, 128, 8) == 129024  # next multiple of 128 × 8
+    assert padded_vocab_size(32001, 128, 2) == 32256
