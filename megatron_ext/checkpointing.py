@@ -29,6 +29,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# `content` in a checkpoint's common state: a training run's full state, or model weights only
+# (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
+TRAINING_STATE = "training_state"
+WEIGHTS_ONLY = "weights_only"
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -158,7 +162,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, s
         target.mkdir(parents=True)
     dist.barrier()
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True)
-    state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config)
+    state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config,
+                 content=TRAINING_STATE)
     dist_checkpointing.save(state, str(target))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -170,10 +175,17 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, s
 
 
 def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler) -> tuple[int, int]:
-    """Resume from `root`'s latest checkpoint; returns (iteration, consumed_samples)."""
+    """Resume from `root`'s latest checkpoint; returns (iteration, consumed_samples).
+
+    A weights-only checkpoint is loaded as initial weights: (0, 0), fresh optimizer and schedule.
+    """
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
+    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
+    if common.get("content", TRAINING_STATE) == WEIGHTS_ONLY:
+        load_pretrained_weights(root, model_chunks, optimizer)
+        return 0, 0
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=True)
     loaded = dist_checkpointing.load(state, str(iteration_dir(root, iteration)))
     _load_model(model_chunks, loaded)
@@ -183,13 +195,16 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler) -> tup
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 
-def load_pretrained_weights(root: str | Path, model_chunks) -> int:
-    """Model weights only from `root`'s latest checkpoint (any layout); training starts at iteration 0."""
+def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronOptimizer) -> int:
+    """Model weights only from `root`'s latest checkpoint (any layout); training starts at iteration 0.
+
+    Returns the iteration the weights were saved at."""
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
     loaded = dist_checkpointing.load(_model_state(model_chunks), str(iteration_dir(root, iteration)))
     _load_model(model_chunks, loaded)
+    optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
     return iteration
 
 

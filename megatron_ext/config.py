@@ -47,7 +47,7 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = True
-    attention_backend: str = "auto"  # auto | te | sdpa
+    attention_backend: str = "auto"  # auto (TE when importable) | te | local (SDPA; ring attention under CP)
 
 
 @dataclass
@@ -279,16 +279,16 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
         f"must be divisible by parallel.tensor_model_parallel_size={tp}",
     )
     _require(
-        m.attention_backend in ("auto", "te", "sdpa"),
+        m.attention_backend in ("auto", "te", "local"),
         "model.attention_backend",
         m.attention_backend,
-        "one of auto, te, sdpa",
+        "one of auto, te, local",
     )
     _require(
         m.attention_backend != "te" or te_available,
         "model.attention_backend",
         m.attention_backend,
-        "TransformerEngine is not importable here; use auto or sdpa",
+        "TransformerEngine is not importable here; use auto or local",
     )
 
     _validate_pipeline(cfg)
@@ -302,13 +302,6 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
             m.seq_length,
             f"must be divisible by 2×context_parallel_size={2 * cp} "
             "(the load-balanced causal split cuts the sequence into 2×CP chunks)",
-        )
-        _require(
-            te_available,
-            "parallel.context_parallel_size",
-            cp,
-            "context parallelism needs TransformerEngine's attention in this release; "
-            "set it to 1 here (a portable ring attention is planned in megatron_ext)",
         )
     if p.sequence_parallel:
         _require(

@@ -1,9 +1,10 @@
 """The Llama-style decoder: megatron-core GPTModel with RMSNorm, SwiGLU, RoPE, GQA and a chosen layer spec.
 
 Two layer specs: TransformerEngine's when TE imports (the NGC container on GPUs), otherwise
-megatron-core's local layers with two replacements from this module — a torch SDPA core
-attention (flash/memory-efficient kernels on GPU) and an RMSNorm that supports sequence
-parallelism (megatron-core's torch-norm wrapper refuses SP).
+megatron-core's local layers with replacements from this package — a torch SDPA core attention
+(flash/memory-efficient kernels on GPU), ring attention for context parallelism
+(``cp_attention``), and an RMSNorm that supports sequence parallelism (megatron-core's
+torch-norm wrapper refuses SP).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_ext.config import RecipeConfig, default_ffn_hidden_size, padded_vocab_size
+from megatron_ext.cp_attention import RingAttention
 
 
 def transformer_engine_available() -> bool:
@@ -86,14 +88,17 @@ class SDPAttention(MegatronModule):
 
 
 def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
-    """This chunk's decoder layers: TE fused layers, or megatron-core local layers + SDPA + SP-capable RMSNorm."""
+    """This chunk's decoder layers: TE fused layers, or megatron-core local layers with an SP-capable
+    RMSNorm and SDPA core attention (ring attention when the sequence is split across CP ranks)."""
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
-    layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    layer.submodules.self_attention.submodules.core_attention = (
+        RingAttention if config.context_parallel_size > 1 else SDPAttention
+    )
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
     )

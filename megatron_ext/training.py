@@ -18,6 +18,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
 from megatron_ext import checkpointing, cpu_backend
@@ -76,6 +77,9 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     batch = {k: v.to(_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    # Under CP, tokens, labels, loss mask and positions are cut into the same zigzag chunks
+    # (RoPE slices its global positions the same way inside GPTModel).
+    batch = get_batch_on_this_cp_rank(batch)
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
@@ -134,8 +138,8 @@ class Trainer:
             self._info(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration} "
                        f"({self.consumed_samples} samples consumed)")
         elif cfg.checkpoint.pretrained_checkpoint:
-            source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model)
-            self.optimizer.reload_model_params()
+            source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model,
+                                                           self.optimizer)
             self._info(f"loaded weights of {cfg.checkpoint.pretrained_checkpoint} (iteration {source})")
         self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer, self.dp_size)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)

@@ -45,8 +45,6 @@ def test_overrides_are_typed():
         (["parallel.tensor_model_parallel_size=1"], 2, "parallel.sequence_parallel=True is invalid"),
         (["parallel.context_parallel_size=2", "model.seq_length=250", "parallel.sequence_parallel=false",
           "parallel.tensor_model_parallel_size=1"], 4, "divisible by 2×context_parallel_size=4"),
-        (["parallel.context_parallel_size=2", "parallel.sequence_parallel=false",
-          "parallel.tensor_model_parallel_size=1"], 4, "context parallelism needs TransformerEngine"),
         (["model.seq_length=254", "parallel.tensor_model_parallel_size=4", "model.num_query_groups=4",
           "parallel.pipeline_model_parallel_size=1"], 4, "seq_length/CP must be divisible by TP=4"),
         (["parallel.num_layers_in_first_pipeline_stage=1", "parallel.num_layers_in_last_pipeline_stage=1"], 4,

@@ -1,0 +1,138 @@
+"""Portable context-parallel core attention: causal ring attention over the CP group (gloo or NCCL).
+
+megatron-core's local attention refuses ``context_parallel_size > 1`` and TransformerEngine's
+fused CP attention is not available everywhere (CPU machines, bare GPUs). This module plugs into
+megatron-core's layer spec as ``core_attention`` and reproduces full causal attention exactly.
+
+Sequence layout (the one megatron-core's ``get_batch_on_this_cp_rank`` and RoPE use): the
+sequence is cut into 2·CP chunks and CP rank r holds chunks r and 2·CP−1−r, so causal work is
+balanced. K/V blocks travel around the ring (rank r receives from r−1 and sends to r+1); after
+i shifts rank r holds the K/V of rank j = (r−i) mod CP and, by the zigzag layout:
+
+* i = 0: both local chunks attend causally to themselves, the late chunk fully to the early one;
+* j < r: both query chunks see K/V chunk j fully and never its late chunk 2·CP−1−j;
+* j > r: only the late query chunk 2·CP−1−r sees anything: both of rank j's chunks, fully.
+
+Blocks are merged with their log-sum-exp. Each block runs through a math path (matmul, masked
+softmax) rather than ``scaled_dot_product_attention``: the public SDPA returns no log-sum-exp,
+and the private kernels that do cannot back-propagate through it, which the merge needs. The
+backward pass is autograd's; the ring shift is an autograd Function whose backward sends the
+gradient of a received block back to the rank it came from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+def _exchange(send: torch.Tensor, to_rank: int, from_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    received = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, to_rank, group), dist.P2POp(dist.irecv, received, from_rank, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: pass a block to the next CP rank. Backward: return its gradient to the previous one."""
+
+    @staticmethod
+    def forward(ctx, block: torch.Tensor, next_rank: int, prev_rank: int, group: dist.ProcessGroup):
+        ctx.next_rank, ctx.prev_rank, ctx.group = next_rank, prev_rank, group
+        return _exchange(block.contiguous(), next_rank, prev_rank, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad.contiguous(), ctx.prev_rank, ctx.next_rank, ctx.group), None, None, None
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [b, h, sq, d] to k/v [b, h, sk, d]: (output, log-sum-exp [b, h, sq, 1])."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale
+    if causal:  # aligned diagonal block: query i sees keys 0..i
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.matmul(torch.exp(scores - lse).to(v.dtype), v)
+    return out, lse
+
+
+def _merge(acc: Optional[tuple[torch.Tensor, torch.Tensor]], new: tuple[torch.Tensor, torch.Tensor]):
+    if acc is None:
+        return new
+    (out_a, lse_a), (out_b, lse_b) = acc, new
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse).to(out_a.dtype) + out_b * torch.exp(lse_b - lse).to(out_b.dtype), lse
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   group: dist.ProcessGroup, global_ranks: list[int]) -> torch.Tensor:
+    """Causal attention of this rank's zigzag chunks q [b, h, 2c, d] against the whole sequence.
+
+    k/v may have fewer (grouped) heads than q; they travel the ring un-expanded.
+    """
+    cp, rank = len(global_ranks), dist.get_rank(group)
+    next_rank, prev_rank = global_ranks[(rank + 1) % cp], global_ranks[(rank - 1) % cp]
+    repeat = q.size(1) // k.size(1)
+    c = q.size(2) // 2
+    q_early, q_late = q[:, :, :c], q[:, :, c:]
+    early: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    late: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    kv = torch.stack([k, v])
+    for step in range(cp):
+        if step > 0:
+            kv = _RingShift.apply(kv, next_rank, prev_rank, group)
+        source = (rank - step) % cp
+        k_blk, v_blk = (x.repeat_interleave(repeat, dim=1) if repeat > 1 else x for x in kv)
+        k_early, k_late, v_early, v_late = k_blk[:, :, :c], k_blk[:, :, c:], v_blk[:, :, :c], v_blk[:, :, c:]
+        if source == rank:
+            early = _merge(early, _block(q_early, k_early, v_early, scale, causal=True))
+            late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
+            late = _merge(late, _block(q_late, k_late, v_late, scale, causal=True))
+        elif source < rank:
+            early = _merge(early, _block(q_early, k_early, v_early, scale, causal=False))
+            late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
+        else:
+            late = _merge(late, _block(q_late, k_blk, v_blk, scale, causal=False))
+    return torch.cat([early[0], late[0]], dim=2)
+
+
+class RingAttention(MegatronModule):
+    """megatron-core ``core_attention`` for context parallelism without TransformerEngine."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: object = None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"RingAttention supports causal masks only, got {attn_mask_type}")
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+            raise ValueError("RingAttention does not implement attention dropout")
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("RingAttention: packed sequences / attention bias are not supported")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, h, d] → [b, h, s, d]
+        out = ring_attention(q, k, v, self.softmax_scale, parallel_state.get_context_parallel_group(),
+                             parallel_state.get_context_parallel_global_ranks())
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
