@@ -186,12 +186,21 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler) -> tup
     if common.get("content", TRAINING_STATE) == WEIGHTS_ONLY:
         load_pretrained_weights(root, model_chunks, optimizer)
         return 0, 0
-    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=True)
+    # RNG states are saved per (PP, TP) rank; under another TP/PP layout they have no counterpart
+    # and stay freshly seeded (they only drive dropout, which the Llama recipes do not use).
+    saved = common.get("config", {}).get("parallel", {})
+    same_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
+        parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    if not same_layout:
+        log.info(f"resharding {root} from TP{saved.get('tensor_model_parallel_size')}×"
+                 f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
+    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(state, str(iteration_dir(root, iteration)))
     _load_model(model_chunks, loaded)
     _load_optimizer(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    _set_rng_state(loaded["rng_state"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 

@@ -7,8 +7,8 @@ in dist_checkpointing). Instead of forking megatron-core, :func:`install` makes 
 land on the CPU:
 
 * a :class:`torch.overrides.TorchFunctionMode` rewrites a ``cuda``/integer ``device`` argument
-  to ``cpu``, turns ``Tensor.cuda()`` into a no-op and makes ``Tensor.type()`` report the CUDA
-  type name megatron-core asserts on;
+  to ``cpu``, turns ``Tensor.cuda()``/``pin_memory`` into no-ops and makes ``Tensor.type()``
+  report the CUDA type name megatron-core asserts on;
 * ``torch.cuda`` RNG, ``current_device`` and ``synchronize`` are mapped onto the CPU
   generator / no-ops, and so are megatron-core's private CUDA RNG helpers.
 
@@ -40,8 +40,10 @@ class CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
+        if kwargs.get("pin_memory"):  # pinned host memory only speeds up copies to a GPU
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # clip_grads / distrib_optimizer assert on "torch.cuda.FloatTensor" style names.
             return func(*args).replace("torch.", "torch.cuda.", 1)

@@ -119,7 +119,8 @@ class Trainer:
         layout = describe_layout(chunks)
         if self.rank == 0:
             log.info(layout)
-            log.info(f"layer spec: {'TransformerEngine' if use_te else 'megatron-core local + torch SDPA'}; "
+            attention = "ring attention over CP" if cfg.parallel.context_parallel_size > 1 else "torch SDPA"
+            log.info(f"layer spec: {'TransformerEngine' if use_te else 'megatron-core local + ' + attention}; "
                      f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
         self.model = wrap_with_ddp(chunks, self.config, cfg)
         self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)

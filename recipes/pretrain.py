@@ -22,6 +22,8 @@ def _setup_logging() -> None:
     )
     for noisy in ("megatron", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Announces at WARNING that it is disabled, on every start: not something to act on.
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
 
 
 def _summary(cfg, result) -> str:

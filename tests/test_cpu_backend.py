@@ -37,9 +37,10 @@ def test_cuda_literals_and_indices_land_on_cpu():
         b = torch.empty(3, device=torch.cuda.current_device())
         c = torch.ones(2).to("cuda")
         d = torch.ones(2, device=torch.device("cuda", 0)).cuda()
-        print(a.device, b.device, c.device, d.device)
+        e = torch.tensor([1, 2], pin_memory=True, device="cuda").pin_memory()
+        print(a.device, b.device, c.device, d.device, e.device)
     """)
-    assert out == "cpu cpu cpu cpu"
+    assert out == "cpu cpu cpu cpu cpu"
 
 
 def test_tensor_type_reports_cuda_name_but_conversions_still_work():
