@@ -74,6 +74,7 @@ class TrainConfig:
     eval_interval: int = 50
     eval_iters: int = 4
     precision: str = "fp32"  # fp32 | bf16
+    fp8: Optional[str] = None  # None | delayed | tensorwise: TransformerEngine FP8 recipe (hybrid E4M3/E5M2)
     recompute_granularity: Optional[str] = None  # None | selective | full
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
@@ -103,6 +104,7 @@ class DataConfig:
     test_blend: Optional[list[Any]] = None
     split: str = "98,2,0"
     tokenizer_model: Optional[str] = None
+    mock: bool = False  # random tokens (megatron-core MockGPTDataset): benchmarks and smoke tests
     num_workers: int = 0
     path_to_cache: Optional[str] = None
 
@@ -206,14 +208,18 @@ def _require(ok: bool, key: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
-def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False) -> None:
+def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8_capable: bool = False) -> None:
     """Every check: the model shape and 4D layout for `world_size` processes, then the data files."""
-    validate_layout(cfg, world_size, te_available)
+    validate_layout(cfg, world_size, te_available, fp8_capable)
     _validate_data(cfg)
 
 
-def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False) -> None:
-    """Cross-field checks of the model shape and the 4D layout for `world_size` processes."""
+def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,
+                    fp8_capable: bool = False) -> None:
+    """Cross-field checks of the model shape and the 4D layout for `world_size` processes.
+
+    `te_available`: TransformerEngine imports; `fp8_capable`: this GPU has FP8 tensor cores (sm89+).
+    """
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size
@@ -328,6 +334,13 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
             f"multiple of pipeline_model_parallel_size={pp}",
         )
     _require(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "one of fp32, bf16")
+    if t.fp8 is not None:
+        _require(t.fp8 in ("delayed", "tensorwise"), "train.fp8", t.fp8, "one of null, delayed, tensorwise")
+        _require(te_available, "train.fp8", t.fp8, "FP8 runs through TransformerEngine, which is not importable "
+                 "here (use the NGC container, see docs/docker.md) — or set train.fp8=null")
+        _require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+                 "Ada, Hopper, Blackwell) — or set train.fp8=null")
+        _require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
     _require(
         t.recompute_granularity in (None, "selective", "full"),
         "train.recompute_granularity",
@@ -410,6 +423,10 @@ def parse_blend(blend: Optional[list[Any]], key: str) -> Optional[tuple[list[str
 
 def _validate_data(cfg: RecipeConfig) -> None:
     d = cfg.data
+    if d.mock:
+        _require(cfg.model.vocab_size is not None, "model.vocab_size", None,
+                 "data.mock=true needs an explicit vocabulary size")
+        return
     has_split_blends = any(b for b in (d.train_blend, d.valid_blend, d.test_blend))
     _require(bool(d.blend) or has_split_blends, "data.blend", d.blend,
              "give a dataset prefix list (or data.train_blend/valid_blend)")

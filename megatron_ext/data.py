@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 from megatron_ext.config import RecipeConfig, parse_blend
 
@@ -23,13 +23,13 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object, dp_size: int
     sizes = [t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0]
     split_blends = [parse_blend(b, f"data.{k}") for k, b in
                     (("train_blend", d.train_blend), ("valid_blend", d.valid_blend), ("test_blend", d.test_blend))]
-    per_split = any(split_blends)
+    per_split = any(split_blends) and not d.mock
     config = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
-        blend=None if per_split else parse_blend(d.blend, "data.blend"),
+        blend=None if per_split or d.mock else parse_blend(d.blend, "data.blend"),
         blend_per_split=split_blends if per_split else None,
-        split=None if per_split else d.split.replace("/", ","),
+        split=None if per_split else d.split.replace("/", ","),  # mock: no blend at all → MockGPTDataset
         path_to_cache=d.path_to_cache,
         tokenizer=tokenizer,
         reset_position_ids=False,
@@ -38,7 +38,8 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object, dp_size: int
         create_attention_mask=False,  # causal attention needs no mask tensor
         mmap_bin_files=True,
     )
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    dataset_class = MockGPTDataset if d.mock else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     return train, valid
 
 

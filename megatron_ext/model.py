@@ -36,6 +36,11 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def gpu_has_fp8() -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) and newer (Hopper, Blackwell)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm with megatron's constructor and sequence-parallel grad marking.
 
@@ -142,6 +147,8 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool) -> TransformerConfig:
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
+        fp8="hybrid" if cfg.train.fp8 else None,
+        fp8_recipe=cfg.train.fp8 or "delayed",
         calculate_per_token_loss=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

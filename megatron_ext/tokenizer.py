@@ -60,3 +60,16 @@ class SentencePieceTokenizer:
     def detokenize(self, ids: list[int]) -> str:
         # int() so numpy arrays read back from an IndexedDataset decode too.
         return self._sp.decode_ids([int(i) for i in ids])
+
+
+class VocabOnlyTokenizer:
+    """Stands in for a tokenizer when the data is random tokens (data.mock): ids only, no text."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.pad = -1
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([("class", type(self).__qualname__), ("vocab_size", self.vocab_size)])

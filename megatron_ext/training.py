@@ -27,7 +27,7 @@ from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.metrics import RunLogger
 from megatron_ext.model import build_model_chunks, transformer_config, transformer_engine_available
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
-from megatron_ext.tokenizer import SentencePieceTokenizer
+from megatron_ext.tokenizer import SentencePieceTokenizer, VocabOnlyTokenizer
 
 log = logging.getLogger("megatron_ext")
 
@@ -107,7 +107,8 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.dp_size = data_parallel_size(cfg, self.world_size)
-        self.tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+        self.tokenizer = (VocabOnlyTokenizer(cfg.model.vocab_size) if cfg.data.mock
+                          else SentencePieceTokenizer(cfg.data.tokenizer_model))
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         use_te = cfg.model.attention_backend == "te" or (
             cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()

@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.overrides)
-        from megatron_ext.model import transformer_engine_available
+        from megatron_ext.model import gpu_has_fp8, transformer_engine_available
 
-        validate(cfg, world_size, te_available=transformer_engine_available())
+        validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
     except ConfigError as e:
         # Every rank sees the same error; one line per rank, exit before any process group exists.
         print(f"config error: {e}", file=sys.stderr)

@@ -53,12 +53,22 @@ def test_overrides_are_typed():
         (["optimizer.min_lr=1.0"], 4, "optimizer.min_lr=1.0"),
         (["model.attention_backend=te"], 4, "TransformerEngine is not importable"),
         (["train.micro_batch_size=0"], 4, "train.micro_batch_size=0 is invalid: must be a positive integer"),
+        (["train.fp8=delayed", "train.precision=bf16"], 4, "FP8 runs through TransformerEngine"),
+        (["train.fp8=mxfp4"], 4, "train.fp8='mxfp4' is invalid: one of null, delayed, tensorwise"),
     ],
 )
 def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, fragment):
     with pytest.raises(ConfigError) as err:
         validate_layout(tiny(*overrides), world_size=world)
     assert fragment in str(err.value)
+
+
+def test_fp8_needs_an_fp8_gpu_and_bf16_even_with_te():
+    with pytest.raises(ConfigError, match="compute capability 8.9"):
+        validate_layout(tiny("train.fp8=tensorwise", "train.precision=bf16"), 4, te_available=True)
+    with pytest.raises(ConfigError, match="FP8 training needs train.precision=bf16"):
+        validate_layout(tiny("train.fp8=delayed"), 4, te_available=True, fp8_capable=True)
+    validate_layout(tiny("train.fp8=delayed", "train.precision=bf16"), 4, te_available=True, fp8_capable=True)
 
 
 def test_interleaving_needs_microbatches_divisible_by_pp():

@@ -1,0 +1,441 @@
+"""Hugging Face Llama ↔ our megatron-core GPTModel: config mapping, input checks and weight layouts.
+
+The weight mapping works on the *unsharded* (TP1/PP1) local state dict of the model that
+:mod:`megatron_ext.model` builds with the local layer spec; dist_checkpointing reshards it to any
+TP/PP layout. Layout differences handled here:
+
+* ``linear_qkv`` holds Q, K and V grouped per query group — for each of the ``num_query_groups``
+  groups, that group's ``heads/groups`` query heads, then its key head, then its value head, each
+  ``head_dim`` rows (megatron-core ``SelfAttention.get_query_key_value_tensors``);
+* ``linear_fc1`` is ``[gate; up]``: megatron's GLU applies the activation to the first half;
+* the embedding and output rows are padded past the vocabulary (zero rows here, dropped on export).
+
+RoPE needs no permutation: Hugging Face Llama checkpoints already use the half-rotation
+(``rotate_half``) convention, which is megatron-core's ``rotary_interleaved=False`` default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from megatron_ext.config import RecipeConfig, default_ffn_hidden_size
+
+ARCHITECTURE = "LlamaForCausalLM"
+# megatron-core 0.16.1 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+# Imported recipes train at most this many tokens per sample by default (override model.seq_length).
+SEQ_LENGTH_CAP = 4096
+# The TP sizes an imported checkpoint loads under without re-importing (see vocab_padding).
+PORTABLE_TP = 8
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports contain; recomputed by both sides
+
+
+class ConversionError(ValueError):
+    """A bad conversion input; the message names the file or field and what is expected."""
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """What both sides must agree on: the architecture hyper-parameters of one Llama model."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rope_theta: float
+    rope_scaling_factor: Optional[float]
+    rms_norm_eps: float
+    tied: bool
+    max_position_embeddings: int
+    init_std: float = 0.02
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face config.json
+
+
+def _field(config: dict[str, Any], name: str, source: str, default: Any = None, kind: type = int) -> Any:
+    value = config.get(name, default)
+    if value is None:
+        raise ConversionError(f"{source}: required field {name!r} is missing")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConversionError(f"{source}: {name}={value!r} must be a positive integer")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConversionError(f"{source}: {name}={value!r} must be a positive number")
+    if kind is bool and not isinstance(value, bool):
+        raise ConversionError(f"{source}: {name}={value!r} must be true or false")
+    return value
+
+
+def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[float]]:
+    """(rope_theta, llama3 scaling factor or None) from the legacy or the transformers-5 form."""
+    # transformers 5 writes rope_parameters={rope_type, rope_theta, ...}; older ones rope_theta +
+    # rope_scaling={type|rope_type, factor, ...} (null without scaling).
+    params = config.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = config.get("rope_scaling"), "rope_scaling"
+    params = dict(params or {})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConversionError(f"{source}: rope_theta={theta!r} must be a positive number")
+    if float(theta) != int(theta):  # megatron_ext.model passes rotary_base as an int
+        raise ConversionError(f"{source}: rope_theta={theta!r} is not an integer; only integer RoPE bases "
+                              "are supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ConversionError(f"{source}: {key}.rope_type={rope_type!r} is not supported "
+                              "(supported: none/default, and llama3 with megatron-core's fixed constants)")
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise ConversionError(f"{source}: {key}.factor={factor!r} must be a positive number for llama3 RoPE")
+    for name, fixed in MEGATRON_LLAMA3_ROPE.items():
+        if float(params.get(name, fixed)) != fixed:
+            raise ConversionError(f"{source}: {key}.{name}={params.get(name)!r} is not supported: "
+                                  f"megatron-core 0.16.1 implements llama3 RoPE scaling only with "
+                                  f"{name}={fixed:g}")
+    return float(theta), float(factor)
+
+
+def read_config(hf_dir: Path) -> LlamaShape:
+    """Parse and check ``hf_dir/config.json``: a plain Llama our model reproduces exactly."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path} not found (a Hugging Face model directory has config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    source = str(path)
+    architectures = config.get("architectures")
+    if architectures is not None:
+        if architectures != [ARCHITECTURE]:
+            raise ConversionError(f"{source}: architectures={architectures!r} is not supported; "
+                                  f"only [{ARCHITECTURE!r}] converts")
+    elif config.get("model_type") != "llama":
+        raise ConversionError(f"{source}: neither architectures nor model_type says this is a Llama model "
+                              f"(model_type={config.get('model_type')!r})")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag, False):
+            raise ConversionError(f"{source}: {flag}=true is not supported (the recipe's Llama has no "
+                                  "biases)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"{source}: hidden_act={act!r} is not supported (only silu, i.e. SwiGLU)")
+
+    hidden = _field(config, "hidden_size", source)
+    heads = _field(config, "num_attention_heads", source)
+    kv_heads = _field(config, "num_key_value_heads", source, default=heads)
+    if heads % kv_heads:
+        raise ConversionError(f"{source}: num_key_value_heads={kv_heads} must divide "
+                              f"num_attention_heads={heads}")
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ConversionError(f"{source}: hidden_size={hidden} is not divisible by "
+                                  f"num_attention_heads={heads} and head_dim is not given")
+        head_dim = hidden // heads
+    head_dim = _field({"head_dim": head_dim}, "head_dim", source)
+    theta, scaling = _rope(config, source)
+    return LlamaShape(
+        num_layers=_field(config, "num_hidden_layers", source),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden_size=_field(config, "intermediate_size", source),
+        vocab_size=_field(config, "vocab_size", source),
+        rope_theta=theta,
+        rope_scaling_factor=scaling,
+        rms_norm_eps=_field(config, "rms_norm_eps", source, default=1e-6, kind=float),
+        tied=_field(config, "tie_word_embeddings", source, default=False, kind=bool),
+        max_position_embeddings=_field(config, "max_position_embeddings", source, default=2048),
+        init_std=_field(config, "initializer_range", source, default=0.02, kind=float),
+    )
+
+
+def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
+              eos_id: Optional[int]) -> dict[str, Any]:
+    """config.json for ``transformers.LlamaForCausalLM`` (legacy rope keys: read by transformers 4 and 5)."""
+    dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
+    rope_scaling = None
+    if shape.rope_scaling_factor is not None:
+        rope_scaling = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": rope_scaling,
+        "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tied,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": shape.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,  # the key transformers < 4.56 reads
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipe config
+
+
+def vocab_padding(vocab_size: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(make_vocab_size_divisible_by, padded rows) giving the same padded rows at TP 1, 2, 4, 8 and `tp`.
+
+    Megatron pads to a multiple of ``m × TP``. With ``L = lcm(8, tp)`` and ``m = ceil(V / L)`` the
+    padded size is ``L·m`` for every TP dividing L (it is ≤ L-1 rows past V), so one imported
+    checkpoint loads under all of them. Only for tiny vocabularies (``(L-1)·m ≥ V``) does that
+    fail; then fall back to megatron's usual 128 × tp, which fixes the checkpoint to this TP.
+    """
+    lcm = math.lcm(PORTABLE_TP, tensor_parallel_size)
+    divisor = math.ceil(vocab_size / lcm)
+    if (lcm - 1) * divisor < vocab_size:
+        return divisor, lcm * divisor
+    multiple = 128 * tensor_parallel_size
+    return 128, multiple * math.ceil(vocab_size / multiple)
+
+
+def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[str, Any]:
+    """The ``model.*`` section of a recipe that builds exactly this Llama."""
+    divisor, _ = vocab_padding(shape.vocab_size, tensor_parallel_size)
+    return {
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "num_attention_heads": shape.num_heads,
+        "num_query_groups": shape.num_kv_heads,
+        "ffn_hidden_size": shape.ffn_hidden_size,
+        "kv_channels": shape.head_dim,
+        "seq_length": min(shape.max_position_embeddings, SEQ_LENGTH_CAP),
+        "vocab_size": shape.vocab_size,
+        "make_vocab_size_divisible_by": divisor,
+        "rotary_base": shape.rope_theta,
+        "rope_scaling_factor": shape.rope_scaling_factor,
+        "layernorm_epsilon": shape.rms_norm_eps,
+        "init_method_std": shape.init_std,
+        "untie_embeddings_and_output_weights": not shape.tied,
+    }
+
+
+def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
+    """The Llama shape a recipe config builds (defaults resolved as megatron_ext.model resolves them)."""
+    m = cfg.model
+    return LlamaShape(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_heads=m.num_attention_heads,
+        num_kv_heads=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size),
+        vocab_size=vocab_size,
+        rope_theta=float(int(m.rotary_base)),
+        rope_scaling_factor=m.rope_scaling_factor,
+        rms_norm_eps=m.layernorm_epsilon,
+        tied=not m.untie_embeddings_and_output_weights,
+        max_position_embeddings=m.seq_length,
+        init_std=m.init_method_std,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors
+
+
+class SafetensorsReader:
+    """Tensors of a Hugging Face directory (one model.safetensors, or shards + index), read one at a time."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        index = hf_dir / "model.safetensors.index.json"
+        single = hf_dir / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConversionError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
+            files = {name: hf_dir / file for name, file in weight_map.items()}
+        elif single.is_file():
+            files = None
+        else:
+            found = sorted(p.name for p in hf_dir.glob("*.bin")) if hf_dir.is_dir() else []
+            hint = f" (found {', '.join(found)}: convert .bin weights to safetensors first)" if found else ""
+            raise ConversionError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json "
+                                  f"found{hint}")
+        self._handles: dict[Path, Any] = {}
+        self.files: dict[str, Path] = {}
+        for path in sorted(set(files.values())) if files is not None else [single]:
+            if not path.is_file():
+                raise ConversionError(f"{path} not found (listed in {index.name})")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+        for path, handle in self._handles.items():
+            for name in handle.keys():
+                if files is not None and files.get(name) != path:
+                    continue  # the index decides which shard owns a name
+                self.files[name] = path
+        if files is not None:
+            for name, path in files.items():
+                if name not in self.files:
+                    raise ConversionError(f"{path}: tensor {name!r} listed in {index.name} is missing")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.files[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> Optional[torch.dtype]:
+        return _SAFETENSORS_DTYPES.get(self._handles[self.files[name]].get_slice(name).get_dtype())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.files[name]].get_tensor(name)
+
+
+def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face LlamaForCausalLM of this shape (lm_head only when untied)."""
+    h, ffn, q, kv = shape.hidden_size, shape.ffn_hidden_size, shape.num_heads * shape.head_dim, \
+        shape.num_kv_heads * shape.head_dim
+    shapes = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (ffn, h),
+            p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+        })
+    if not shape.tied:
+        shapes["lm_head.weight"] = (shape.vocab_size, h)
+    return shapes
+
+
+def check_tensors(reader: SafetensorsReader, shape: LlamaShape, config_path: Path) -> torch.dtype:
+    """Every expected tensor present with the shape config.json implies; returns the weights' dtype."""
+    expected = hf_shapes(shape)
+    for name, want in expected.items():
+        if name not in reader.files:
+            raise ConversionError(f"tensor {name!r} is missing from the safetensors files of "
+                                  f"{config_path.parent}")
+        got = reader.shape(name)
+        if got != want:
+            raise ConversionError(f"{reader.files[name]}: tensor {name!r} has shape {list(got)}, but "
+                                  f"{config_path} implies {list(want)}")
+    for name in reader.files:
+        if name in expected or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and shape.tied:
+            if not torch.equal(reader.get(name), reader.get("model.embed_tokens.weight")):
+                raise ConversionError(f"{reader.files[name]}: lm_head.weight differs from "
+                                      f"model.embed_tokens.weight but {config_path} says "
+                                      "tie_word_embeddings=true")
+            continue
+        raise ConversionError(f"{reader.files[name]}: unexpected tensor {name!r} for a "
+                              f"{shape.num_layers}-layer Llama as described by {config_path}")
+    dtype = reader.dtype("model.embed_tokens.weight")
+    if dtype is None:
+        raise ConversionError(f"{reader.files['model.embed_tokens.weight']}: weights must be float32, "
+                              "bfloat16 or float16")
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight layouts (megatron names are those of the TP1/PP1 local-spec GPTModel's state_dict)
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    # Zero rows: no real token looks them up, and their logits start at 0 (as Megatron-LM pads).
+    return torch.cat([weight, weight.new_zeros(rows - weight.size(0), weight.size(1))])
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LlamaShape) -> torch.Tensor:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = [q.reshape(groups, shape.heads_per_group * d, -1), k.reshape(groups, d, -1),
+                 v.reshape(groups, d, -1)]
+    return torch.cat(per_group, dim=1).reshape(-1, q.size(-1))
+
+
+def _split_qkv(qkv: torch.Tensor, shape: LlamaShape) -> tuple[torch.Tensor, ...]:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    grouped = qkv.reshape(groups, (shape.heads_per_group + 2) * d, -1)
+    q, k, v = torch.split(grouped, [shape.heads_per_group * d, d, d], dim=1)
+    return tuple(t.reshape(-1, qkv.size(-1)) for t in (q, k, v))
+
+
+def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: LlamaShape,
+                   padded_vocab: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megatron name, tensor) pairs, produced one layer at a time so memory stays near one model."""
+    yield "embedding.word_embeddings.weight", _pad_rows(get("model.embed_tokens.weight"), padded_vocab)
+    for i in range(shape.num_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        yield mc + "input_layernorm.weight", get(hf + "input_layernorm.weight")
+        yield mc + "self_attention.linear_qkv.weight", _fuse_qkv(
+            get(hf + "self_attn.q_proj.weight"), get(hf + "self_attn.k_proj.weight"),
+            get(hf + "self_attn.v_proj.weight"), shape)
+        yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
+        yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
+        yield mc + "mlp.linear_fc1.weight", torch.cat([get(hf + "mlp.gate_proj.weight"),
+                                                      get(hf + "mlp.up_proj.weight")])
+        yield mc + "mlp.linear_fc2.weight", get(hf + "mlp.down_proj.weight")
+    yield "decoder.final_layernorm.weight", get("model.norm.weight")
+    if not shape.tied:
+        yield "output_layer.weight", _pad_rows(get("lm_head.weight"), padded_vocab)
+
+
+def megatron_to_hf(state: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (padding rows dropped), each contiguous and owning its memory for safetensors."""
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][: shape.vocab_size]}
+    for i in range(shape.num_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = _split_qkv(state[mc + "self_attention.linear_qkv.weight"], shape)
+        gate, up = torch.chunk(state[mc + "mlp.linear_fc1.weight"], 2, dim=0)
+        out.update({
+            hf + "input_layernorm.weight": state[mc + "input_layernorm.weight"],
+            hf + "self_attn.q_proj.weight": q,
+            hf + "self_attn.k_proj.weight": k,
+            hf + "self_attn.v_proj.weight": v,
+            hf + "self_attn.o_proj.weight": state[mc + "self_attention.linear_proj.weight"],
+            hf + "post_attention_layernorm.weight": state[mc + "pre_mlp_layernorm.weight"],
+            hf + "mlp.gate_proj.weight": gate,
+            hf + "mlp.up_proj.weight": up,
+            hf + "mlp.down_proj.weight": state[mc + "mlp.linear_fc2.weight"],
+        })
+    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+    if not shape.tied:
+        out["lm_head.weight"] = state["output_layer.weight"][: shape.vocab_size]
+    return {name: t.detach().contiguous().clone() for name, t in out.items()}

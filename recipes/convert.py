@@ -1,0 +1,378 @@
+"""Hugging Face Llama checkpoints in and out of the recipe's dist_checkpointing format.
+
+    python -m recipes.convert import-hf --hf-dir DIR --output CKPT_DIR \\
+        [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
+    python -m recipes.convert export-hf --checkpoint CKPT_DIR --output DIR
+
+import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``; start
+training from it with ``--config CKPT_DIR/recipe.yaml checkpoint.load=CKPT_DIR`` under any TP/PP
+layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
+config.json + model.safetensors (+ tokenizer.model) for ``transformers.LlamaForCausalLM``.
+Both build the model in this one process (a gloo world of one) and let dist_checkpointing reshard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_ext import hf_llama
+from megatron_ext.config import ConfigError, RecipeConfig, padded_vocab_size, validate_layout
+from megatron_ext.hf_llama import ConversionError
+
+_PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process model
+
+
+@contextlib.contextmanager
+def model_parallel_world(cfg: RecipeConfig) -> Iterator[None]:
+    """megatron-core's groups for `cfg`'s layout: under torchrun its world, else a gloo world of one."""
+    from megatron.core import parallel_state
+
+    from megatron_ext import cpu_backend
+    from megatron_ext.parallel import destroy_distributed, init_distributed
+
+    own_world = "RANK" not in os.environ
+    saved_env = dict(os.environ)  # init_distributed sets RANK/WORLD_SIZE/MASTER_* for a world of one
+    cpu_backend.install()
+    init_distributed(cfg, on_gpu=False)
+    try:
+        yield
+    finally:
+        if own_world:
+            destroy_distributed()
+            os.environ.clear()
+            os.environ.update(saved_env)
+        else:  # torchrun's process group stays for the caller's next layout
+            parallel_state.destroy_model_parallel()
+
+
+def build_model(cfg: RecipeConfig, vocab_size: int, initialize: bool = True):
+    """This rank's GPTModel (one chunk, local layer spec, CPU) for `cfg`; inside model_parallel_world."""
+    from megatron_ext.model import build_model_chunks, transformer_config
+
+    config = transformer_config(cfg, on_gpu=False)
+    config.perform_initialization = initialize  # random init is wasted time when weights are copied in
+    (model,) = build_model_chunks(cfg, vocab_size, config, use_te=False)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints of the recipe
+
+
+@dataclass
+class SavedCheckpoint:
+    """What export (or a logits check) needs to rebuild the model of a saved checkpoint."""
+
+    iteration_dir: Path
+    cfg: RecipeConfig  # the run config saved with it
+    vocab_size: int  # unpadded
+    padded_vocab: int  # the embedding rows in the checkpoint
+    content: str
+
+
+def read_checkpoint(root: Path) -> SavedCheckpoint:
+    """The latest checkpoint under `root`: its saved config, vocabulary and padded embedding rows."""
+    from megatron.core import dist_checkpointing
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_ext import checkpointing
+
+    try:
+        iteration = checkpointing.latest_iteration(root)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    if iteration is None:
+        raise ConversionError(f"{root / checkpointing.TRACKER} not found: {root} is not a checkpoint "
+                              "directory of this recipe")
+    directory = checkpointing.iteration_dir(root, iteration)
+    if not directory.is_dir():
+        raise ConversionError(f"{directory} not found (named by {root / checkpointing.TRACKER})")
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    if not isinstance(common.get("config"), dict):
+        raise ConversionError(f"{directory}: the checkpoint holds no run config (common state key 'config')")
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), common["config"]))
+    except OmegaConfBaseException as e:
+        raise ConversionError(f"{directory}: saved config: {e.full_key}: {e.msg}") from None
+    metadata = dist_checkpointing.load_tensors_metadata(str(directory))
+    embedding = metadata.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise ConversionError(f"{directory}: no embedding.word_embeddings.weight tensor in the checkpoint")
+    vocab = cfg.model.vocab_size
+    if vocab is None:  # the run used its tokenizer's vocabulary
+        path = cfg.data.tokenizer_model
+        if not path or not Path(path).is_file():
+            raise ConversionError(f"{directory}: model.vocab_size is not in the saved config and its "
+                                  f"data.tokenizer_model={path!r} is not a file: the unpadded vocabulary "
+                                  "is unknown")
+        from megatron_ext.tokenizer import SentencePieceTokenizer
+
+        vocab = SentencePieceTokenizer(path).vocab_size
+    return SavedCheckpoint(directory, cfg, vocab, int(embedding.global_shape[0]),
+                           common.get("content", checkpointing.TRAINING_STATE))
+
+
+def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                  sequence_parallel: bool = False) -> RecipeConfig:
+    """The saved run config under another layout, padding the vocabulary to the checkpoint's rows."""
+    if saved.padded_vocab % tensor_parallel:
+        raise ConversionError(f"{saved.iteration_dir}: {saved.padded_vocab} embedding rows cannot be split "
+                              f"over tensor_model_parallel_size={tensor_parallel}")
+    cfg = copy.deepcopy(saved.cfg)
+    cfg.model.make_vocab_size_divisible_by = saved.padded_vocab // tensor_parallel
+    cfg.model.attention_backend = "sdpa"
+    p = cfg.parallel
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
+    p.sequence_parallel = sequence_parallel
+    p.virtual_pipeline_model_parallel_size = None
+    p.context_parallel_size = 1
+    p.num_layers_in_first_pipeline_stage = p.num_layers_in_last_pipeline_stage = None
+    cfg.train.recompute_granularity = None
+    return cfg
+
+
+def load_weights(model, saved: SavedCheckpoint) -> None:
+    """The saved weights into `model`, resharded by dist_checkpointing to the current layout."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(saved.iteration_dir))
+    model.load_state_dict(loaded["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directories
+
+
+@contextlib.contextmanager
+def _staged(output: Path) -> Iterator[Path]:
+    """A temporary sibling of `output`, renamed to it only when everything was written."""
+    if output.exists():
+        raise ConversionError(f"{output} already exists; choose a new output directory")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        yield staging
+        # mkdtemp (0700) and safetensors (0600) create private modes; publish with the usual ones.
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)
+        for path in staging.rglob("*"):
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        os.replace(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sentencepiece_vocab(path: Path) -> int:
+    import sentencepiece as spm
+
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
+    except (RuntimeError, OSError) as e:
+        raise ConversionError(f"{path}: not a sentencepiece model ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# import-hf
+
+
+def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Path:
+    """Hugging Face Llama directory → weights-only dist checkpoint + recipe.yaml at `output`."""
+    hf_dir, output = Path(hf_dir), Path(output).absolute()
+    if not hf_dir.is_dir():
+        raise ConversionError(f"{hf_dir} is not a directory")
+    shape = hf_llama.read_config(hf_dir)
+    reader = hf_llama.SafetensorsReader(hf_dir)
+    dtype = hf_llama.check_tensors(reader, shape, hf_dir / "config.json")
+    if dtype == torch.float16:  # the recipe trains in fp32 or bf16; widening fp16 is exact
+        print(f"note: {hf_dir} holds float16 weights; importing them as float32 (exact)", file=sys.stderr)
+        dtype = torch.float32
+
+    cfg = RecipeConfig()
+    cfg.recipe.name = f"{hf_dir.name}-continued"
+    cfg.recipe.description = f"continued pretraining of the Llama imported from {hf_dir.absolute()}"
+    for key, value in hf_llama.recipe_model_fields(shape, tensor_parallel).items():
+        setattr(cfg.model, key, value)
+    cfg.parallel.tensor_model_parallel_size = tensor_parallel
+    cfg.parallel.pipeline_model_parallel_size = pipeline_parallel
+    cfg.parallel.sequence_parallel = tensor_parallel > 1
+    cfg.recipe.gpus = tensor_parallel * pipeline_parallel
+    cfg.train.precision = _PRECISIONS[dtype]
+    cfg.checkpoint.load = str(output)
+    tokenizer = hf_dir / "tokenizer.model"
+    if tokenizer.is_file():
+        cfg.data.tokenizer_model = str(output / "tokenizer.model")
+        if _sentencepiece_vocab(tokenizer) > shape.vocab_size:
+            raise ConversionError(f"{tokenizer} has more pieces than {hf_dir / 'config.json'} vocab_size="
+                                  f"{shape.vocab_size}")
+    try:  # the layout the recipe.yaml names must be a valid one for this model
+        validate_layout(cfg, world_size=tensor_parallel * pipeline_parallel)
+    except ConfigError as e:
+        raise ConversionError(f"--tensor/pipeline-model-parallel-size for this model: {e}") from None
+
+    from megatron.core import dist_checkpointing  # after the checks: bad inputs fail in a second
+    from omegaconf import OmegaConf
+
+    from megatron_ext import checkpointing
+
+    # Built at TP1/PP1 with the padded rows the recipe will build at `tensor_parallel`.
+    build_cfg = copy.deepcopy(cfg)
+    divisor, padded = hf_llama.vocab_padding(shape.vocab_size, tensor_parallel)
+    portable = sorted({tp for tp in (1, 2, 4, 8, tensor_parallel)
+                       if padded_vocab_size(shape.vocab_size, divisor, tp) == padded})
+    build_cfg.model.make_vocab_size_divisible_by = padded
+    build_cfg.parallel = type(cfg.parallel)()
+    with _staged(output) as staging, model_parallel_world(build_cfg):
+        model = build_model(build_cfg, shape.vocab_size, initialize=False)
+        state = model.state_dict()
+        pending = {k for k in state if not k.endswith("._extra_state")}
+        with torch.no_grad():
+            for name, tensor in hf_llama.hf_to_megatron(reader.get, shape, padded):
+                if name not in pending or state[name].shape != tensor.shape:
+                    raise RuntimeError(f"weight mapping bug: {name} {tuple(tensor.shape)} does not fit")
+                state[name].copy_(tensor)
+                pending.discard(name)
+        if pending:
+            raise RuntimeError(f"weight mapping bug: model weights left unset: {sorted(pending)}")
+        target = checkpointing.iteration_dir(staging, 0)
+        target.mkdir()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 0, "consumed_samples": 0,
+                                 "content": checkpointing.WEIGHTS_ONLY, "config": cfg.to_dict()}, str(target))
+        (staging / checkpointing.TRACKER).write_text("0\n")
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, staging / "tokenizer.model")
+        header = (f"# Imported from {hf_dir.absolute()} by `python -m recipes.convert import-hf`.\n"
+                  f"# Train: torchrun --nproc-per-node {cfg.recipe.gpus} -m recipes.pretrain "
+                  f"--config {output / 'recipe.yaml'} data.blend=[PREFIX] "
+                  f"{'' if tokenizer.is_file() else 'data.tokenizer_model=TOKENIZER.model '}"
+                  "checkpoint.save=DIR\n"
+                  f"# Its {padded} embedding rows (vocab {shape.vocab_size} + padding) load under TP sizes "
+                  f"{', '.join(map(str, portable))}: model.make_vocab_size_divisible_by is chosen for that; "
+                  "other TP sizes need a re-import with --tensor-model-parallel-size.\n")
+        (staging / "recipe.yaml").write_text(header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# export-hf
+
+
+def _write_tokenizer(source: Path, output: Path, seq_length: int) -> tuple[Optional[int], Optional[int]]:
+    """tokenizer.model + a minimal tokenizer_config.json for LlamaTokenizer; returns (bos, eos) ids."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(source))
+    shutil.copyfile(source, output / "tokenizer.model")
+
+    def piece(i: int) -> Optional[str]:
+        return sp.id_to_piece(i) if i >= 0 else None
+
+    bos, eos = sp.bos_id(), sp.eos_id()
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": piece(bos), "eos_token": piece(eos), "unk_token": piece(sp.unk_id()),
+        "pad_token": piece(sp.pad_id()),
+        # The recipe tokenizes without BOS/EOS (documents are separated by EOD = EOS in the data).
+        "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": seq_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (output / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
+
+
+def export_hf(checkpoint: Path, output: Path) -> Path:
+    """Latest checkpoint under `checkpoint` (any layout) → Hugging Face Llama directory at `output`."""
+    from safetensors.torch import save_file
+
+    checkpoint, output = Path(checkpoint), Path(output).absolute()
+    saved = read_checkpoint(checkpoint)
+    cfg = layout_config(saved)
+    shape = hf_llama.shape_from_recipe(cfg, saved.vocab_size)
+    if saved.vocab_size > saved.padded_vocab:
+        raise ConversionError(f"{saved.iteration_dir}: vocabulary {saved.vocab_size} exceeds the "
+                              f"{saved.padded_vocab} embedding rows")
+    tokenizer = Path(cfg.data.tokenizer_model) if cfg.data.tokenizer_model else None
+    if tokenizer is not None and not tokenizer.is_file():
+        print(f"warning: data.tokenizer_model={tokenizer} of the saved config is not a file; "
+              "exporting without a tokenizer", file=sys.stderr)
+        tokenizer = None
+    with _staged(output) as staging:
+        with model_parallel_world(cfg):
+            model = build_model(cfg, saved.vocab_size, initialize=False)
+            load_weights(model, saved)
+            tensors = hf_llama.megatron_to_hf(model.state_dict(), shape)
+            dtype = model.embedding.word_embeddings.weight.dtype
+            del model
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        bos = eos = None
+        if tokenizer is not None:
+            bos, eos = _write_tokenizer(tokenizer, staging, cfg.model.seq_length)
+        config = hf_llama.hf_config(shape, dtype, bos, eos)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m recipes.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-hf", help="Hugging Face Llama directory → dist checkpoint + recipe.yaml")
+    imp.add_argument("--hf-dir", type=Path, required=True, help="has config.json and *.safetensors")
+    imp.add_argument("--output", type=Path, required=True, help="new checkpoint directory")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP of recipe.yaml")
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP of recipe.yaml")
+    exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama directory")
+    exp.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
+    exp.add_argument("--output", type=Path, required=True, help="new Hugging Face model directory")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    # megatron-core/torch deprecation notices about their own internals: noise for a converter's user.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope")
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write its own copy
+            raise ConversionError("run `python -m recipes.convert` as one process, not under torchrun")
+        if args.command == "import-hf":
+            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+                if getattr(args, flag) < 1:
+                    raise ConversionError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+            out = import_hf(args.hf_dir, args.output, args.tensor_model_parallel_size,
+                            args.pipeline_model_parallel_size)
+            print(f"imported {args.hf_dir} → {out} (train with --config {out / 'recipe.yaml'} "
+                  f"checkpoint.load={out})")
+        else:
+            out = export_hf(args.checkpoint, args.output)
+            print(f"exported {args.checkpoint} → {out}")
+    except ConversionError as e:
+        sys.exit(f"error: {e}")
+    return 0
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns a helper process
+    sys.exit(main())
