@@ -1,9 +1,16 @@
-"""Tests for data_prep: tokenizer training, preprocessing to .bin/.idx, and bad-input handling."""
+"""Tests for data_prep: tokenizer training, preprocessing to .bin/.idx, bad input, interrupted runs,
+inspect, merge, training on prepared data, and the benchmark."""
 
 import gzip
+import itertools
 import json
+import multiprocessing
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -18,6 +25,8 @@ from megatron_ext.tokenizer import SentencePieceTokenizer
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
+    from data_prep import inspect as inspect_mod
+    from data_prep import merge as merge_mod
     from data_prep import preprocess as preprocess_mod
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
@@ -252,3 +261,236 @@ def test_chunk_text_respects_byte_limit():
     chunks = list(chunk_text(text, max_bytes=64))
     assert "".join(chunks) == text
     assert max(len(c.encode("utf-8")) for c in chunks) <= 64
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect, merge, interrupted runs, memory bounds, training on prepared data, benchmark
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepare(model: Path, texts: list[str], prefix: Path) -> str:
+    src = _write_jsonl(prefix.with_suffix(".jsonl"), texts)
+    return preprocess_mod.preprocess([str(src)], str(prefix), str(model)).prefixes[0]
+
+
+def _documents(prefix: str) -> list[list[int]]:
+    ds = IndexedDataset(prefix)
+    return [inspect_mod.document_tokens(ds, d).tolist() for d in range(len(ds.document_indices) - 1)]
+
+
+def test_inspect_reports_counts_lengths_histogram_and_samples(model, tmp_path, capsys):
+    texts = _docs(23)
+    texts[5] = ""
+    prefix = _prepare(model, texts, tmp_path / "d")
+    tok = SentencePieceTokenizer(str(model))
+    lengths = [len(tok.tokenize(t)) + 1 if t else 0 for t in texts]
+
+    stats = inspect_mod.dataset_stats(prefix)
+    assert (stats.documents, stats.sequences, stats.tokens, stats.dtype) == (23, 22, sum(lengths), "uint16")
+    assert stats.doc_lengths.tolist() == lengths
+
+    inspect_mod.main([f"{prefix}.idx", "--samples", "3", "--tokenizer-model", str(model)])  # .idx path works
+    out = capsys.readouterr().out
+    assert "documents 23  (empty: 1)" in out and f"tokens    {sum(lengths):,d}" in out and "uint16" in out
+    nonempty = [n for n in lengths if n]
+    assert (f"min 0 | mean {np.mean(lengths):,.1f} | median {np.median(lengths):,.0f} | "
+            f"max {max(lengths):,d}") in out
+    hist = [re.fullmatch(r"\s*(\S+) \| #*\.? *([\d,]+) \(\s*[\d.]+%\)", line) for line in out.splitlines()
+            if line.endswith("%)")]
+    assert all(hist) and [m[1] for m in hist[:1]] == ["0"] and hist[0][2] == "1"  # the empty document
+    assert sum(int(m[2].replace(",", "")) for m in hist) == 23
+    assert min(nonempty) >= 16 and "16-31" in out  # buckets are [2^k, 2^(k+1))
+    assert f"vs vocabulary 300 of {model}: ok" in out and "documents ending with EOD (id 2): 100.0%" in out
+    assert "--- document 0:" in out and "--- document 11:" in out and "--- document 22:" in out
+    assert texts[0] in out and texts[22] in out  # decoded samples
+
+
+def test_inspect_without_tokenizer_shows_ids(model, tmp_path, capsys):
+    prefix = _prepare(model, _docs(4), tmp_path / "d")
+    inspect_mod.main([prefix, "--samples", "1"])
+    out = capsys.readouterr().out
+    first = SentencePieceTokenizer(str(model)).tokenize(_docs(4)[0])[:5]
+    assert f"ids: {' '.join(map(str, first))}" in out and "pass --tokenizer-model" in out
+
+
+def test_inspect_names_the_missing_or_truncated_file(model, tmp_path):
+    prefix = _prepare(model, _docs(4), tmp_path / "d")
+    msg = _exit_message(inspect_mod.main, [str(tmp_path / "d")])
+    assert msg.startswith(f"error: {tmp_path / 'd'}.bin: no such file") and f"did you mean {prefix}" in msg
+    Path(f"{prefix}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes()[:-2])
+    msg = _exit_message(inspect_mod.main, [prefix])
+    assert msg.startswith(f"error: {prefix}.bin: ") and "truncated" in msg
+    Path(f"{prefix}.idx").unlink()
+    assert _exit_message(inspect_mod.main, [prefix]).startswith(f"error: {prefix}.idx: no such file")
+
+
+def test_merge_equals_concatenation_and_one_pass_preprocess(model, tmp_path, caplog):
+    texts = _docs(40)
+    texts[20] = ""  # an empty document inside a shard survives the merge
+    bounds = [(0, 15), (15, 33), (33, 40)]
+    shards = [_prepare(model, texts[a:b], tmp_path / f"s{i}") for i, (a, b) in enumerate(bounds)]
+    whole = _prepare(model, texts, tmp_path / "whole")
+    out = tmp_path / "merged" / "m"
+    with caplog.at_level("INFO"):
+        merge_mod.main(["--input", f"{shards[0]}.idx", shards[1], f"{shards[2]}.bin",
+                        "--output-prefix", str(out)])
+    assert "merged 3 shards: 40 documents" in caplog.text and f"data path for training: {out}" in caplog.text
+
+    assert _documents(str(out)) == [doc for shard in shards for doc in _documents(shard)]
+    # Merging shards gives exactly the bytes of preprocessing their concatenated input in one run.
+    for ext in ("bin", "idx"):
+        assert Path(f"{out}.{ext}").read_bytes() == Path(f"{whole}.{ext}").read_bytes()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.bin", "m.idx"]
+
+
+def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(model, tmp_path):
+    small = _prepare(model, _docs(3), tmp_path / "small")
+    wide = tmp_path / "wide"  # what a >65,500-token vocabulary writes
+    builder = IndexedDatasetBuilder(f"{wide}.bin", dtype=np.int32)
+    builder.add_document([70_000, 5, 2], [3])
+    builder.finalize(f"{wide}.idx")
+    out = tmp_path / "out" / "m"
+
+    msg = _exit_message(merge_mod.main, ["--input", small, str(wide), "--output-prefix", str(out)])
+    assert msg.startswith("error: shards disagree on dtype:")
+    assert f"{small} (uint16)" in msg and f"{wide} (int32)" in msg
+    msg = _exit_message(merge_mod.main, ["--input", small, str(tmp_path / "nope"),
+                                         "--output-prefix", str(out)])
+    assert msg.startswith(f"error: {tmp_path / 'nope'}.bin: no such file")
+    msg = _exit_message(merge_mod.main, ["--input", f"{small}.bin", f"{small}.idx",
+                                         "--output-prefix", str(out)])
+    assert "given twice" in msg
+    msg = _exit_message(merge_mod.main, ["--input", small, "--output-prefix", small])
+    assert "both an input and --output-prefix" in msg
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def test_merge_failure_leaves_no_pair(model, tmp_path, monkeypatch):
+    shards = [_prepare(model, _docs(3), tmp_path / f"s{i}") for i in range(2)]
+    out = tmp_path / "out"
+
+    def broken_finalize(self, idx_path):
+        Path(idx_path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", broken_finalize)
+    with pytest.raises(OSError, match="disk full"):
+        merge_mod.merge(shards, str(out / "m"))
+    assert list(out.iterdir()) == []
+
+
+def test_preprocess_pulls_input_lazily(model):
+    """Streaming: with an endless input, results arrive while at most max_in_flight batches are read."""
+    pulled = []
+
+    def endless():
+        for i in itertools.count():
+            pulled.append(i)
+            yield [{"text": f"def f{i}(x):\n    return x\n"}] * 8
+
+    with multiprocessing.Pool(1, preprocess_mod._init_worker, (str(model), True)) as pool:
+        results = preprocess_mod._encode_in_order(pool, endless(), max_in_flight=3)
+        for k in range(6):
+            assert len(next(results)["text"][1]) == 8
+            assert len(pulled) == k + 3
+
+
+@pytest.fixture(scope="module")
+def big_input(tmp_path_factory) -> Path:
+    """~20 MB of jsonl: several seconds of tokenizing for one worker, so a run can be stopped midway."""
+    from data_prep.benchmark import generate_corpus
+
+    path = tmp_path_factory.mktemp("big") / "big.jsonl"
+    generate_corpus(path, 20, seed=7)
+    return path
+
+
+def _start_preprocess_and_wait_until_writing(big_input: Path, model: Path, prefix: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data_prep.preprocess", "--input", str(big_input),
+         "--output-prefix", str(prefix), "--tokenizer-model", str(model), "--append-eod", "--workers", "1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        tmp = list(prefix.parent.glob(f"{prefix.name}_text_document.bin.tmp-*"))
+        if tmp and tmp[0].stat().st_size > 0:  # tokens are being written
+            return proc
+        assert proc.poll() is None, f"preprocess ended before it could be interrupted:\n{proc.stderr.read()}"
+        time.sleep(0.05)
+    raise AssertionError("preprocess never started writing")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session started for this test: the run and its workers
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
+def test_sigkill_midway_leaves_no_dataset_under_the_final_name(big_input, model, tmp_path):
+    prefix = tmp_path / "d"
+    proc = _start_preprocess_and_wait_until_writing(big_input, model, prefix)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        _kill_group(proc)
+        proc.communicate()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "d_text_document.bin" not in names and "d_text_document.idx" not in names, names
+    assert all(".tmp-" in n for n in names), names  # only temp files may remain
+
+
+@pytest.mark.slow
+def test_sigint_midway_exits_nonzero_and_cleans_up(big_input, model, tmp_path):
+    prefix = tmp_path / "d"
+    proc = _start_preprocess_and_wait_until_writing(big_input, model, prefix)
+    try:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 1 and "interrupted: no output written" in stderr and "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ProcessLookupError):  # the workers were stopped and reaped too
+        os.killpg(proc.pid, 0)
+
+
+@pytest.mark.slow
+def test_dataset_from_data_prep_trains(model, tmp_path):
+    from tests.launch import SINGLE_PROCESS, SMALL_MODEL, run_pretrain
+
+    prefix = _prepare(model, _docs(400), tmp_path / "mine")
+    proc = run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=3", f"data.blend=[{prefix}]",
+                            f"data.tokenizer_model={model}", "logging.tensorboard_dir=null",
+                            "checkpoint.save=null"])
+    assert "step      3" in proc.stdout + proc.stderr
+
+
+def test_synthetic_corpus_is_deterministic_and_size_independent():
+    from data_prep.benchmark import iter_synthetic_documents
+
+    a = list(itertools.islice(iter_synthetic_documents(3), 20))
+    assert a == list(itertools.islice(iter_synthetic_documents(3), 20))
+    assert a != list(itertools.islice(iter_synthetic_documents(4), 20))
+    assert any("def " in d for d in a) and any(". " in d for d in a)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_reports(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep.benchmark", "--size-mb", "1", "--workers", "1",
+         "--vocab-size", "1000", "--out-dir", str(tmp_path / "work"), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tok/CPU-s" in proc.stdout and "outputs identical across all runs: yes" in proc.stdout
+    result = json.loads(out.read_text())
+    assert [(r["impl"], r["workers"]) for r in result["runs"]] == [("megatron-style", 1), ("data_prep", 1)]
+    assert result["identical_outputs"] and result["runs"][0]["tokens"] == result["runs"][1]["tokens"] > 0
+    assert all(r["main_rss_mb"] > 0 and r["cpu_seconds"] > 0 for r in result["runs"])
+    assert not list((tmp_path / "work").glob("out-*"))  # scratch datasets are removed

@@ -1,0 +1,137 @@
+"""Blends: weighted data.blend proportions, per-split blends, and bad blends rejected as ConfigError."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from data_prep.train_tokenizer import train_tokenizer
+from megatron_ext.config import ConfigError, load_config, validate
+from megatron_ext.tokenizer import SentencePieceTokenizer
+
+with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
+    warnings.simplefilter("ignore")
+    from data_prep.preprocess import preprocess
+    from megatron_ext.data import build_datasets
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+# Two corpora told apart by their characters: A is lowercase letters only, B uppercase and digits
+# only, so every decoded sample shows which dataset it came from.
+LOWER = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
+UPPER = ["ZULU", "YANKEE", "XRAY", "WHISKEY", "VICTOR", "TANGO", "SIERRA", "ROMEO", "QUEBEC", "PAPA"]
+TRAIN_SAMPLES = 4000  # train_iters × global_batch_size below
+TOLERANCE = 0.01  # megatron-core's blending is deterministic and error-minimising: ±1 sample exact
+
+
+def _texts(words: list[str], digits: bool, n: int) -> list[str]:
+    texts = []
+    for i in range(n):
+        line = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(5 + i % 11))
+        texts.append(line + (f" {i * 37 % 1000}" if digits else "") + "\n")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("blend")
+    corpora = {"a": _texts(LOWER, False, 300), "b": _texts(UPPER, True, 300)}
+    for name, texts in corpora.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    inputs = [str(root / f"{name}.jsonl") for name in corpora]
+    model = train_tokenizer(inputs, 400, "bpe", str(root / "tok")).model_path
+    prefixes = {name: preprocess([str(root / f"{name}.jsonl")], str(root / name), model).prefixes[0]
+                for name in corpora}
+    return SimpleNamespace(a=prefixes["a"], b=prefixes["b"], model=model,
+                           tokenizer=SentencePieceTokenizer(model))
+
+
+def _config(data: SimpleNamespace, *overrides: str):
+    # data.blend defaults to dataset A, so the test never depends on the default data being prepared.
+    return load_config(TINY, [
+        f"data.blend=[{data.a}]", f"data.tokenizer_model={data.model}", "model.seq_length=32",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=4", f"train.train_iters={TRAIN_SAMPLES // 16}", "train.eval_iters=4",
+        *overrides])
+
+
+def _source(data: SimpleNamespace, sample: dict) -> str:
+    """'a' or 'b' from the characters of a sample's decoded tokens; fails on a mix."""
+    window = sample["tokens"].tolist() + sample["labels"].tolist()[-1:]
+    ids = [int(i) for i in window if i >= 0 and i != data.tokenizer.eod]
+    text = data.tokenizer.detokenize(ids)
+    lower, upper = any(c.islower() for c in text), any(c.isupper() or c.isdigit() for c in text)
+    assert lower != upper, f"sample mixes both corpora: {text!r}"
+    return "a" if lower else "b"
+
+
+def test_weighted_blend_samples_in_proportion(data):
+    cfg = _config(data, f"data.blend=[0.3,{data.a},0.7,{data.b}]")
+    validate(cfg, world_size=4)
+    train, valid = build_datasets(cfg, data.tokenizer, dp_size=1)
+
+    assert len(train) >= TRAIN_SAMPLES
+    shares = np.bincount(train.dataset_index, minlength=2) / len(train.dataset_index)
+    assert abs(shares[0] - 0.3) < TOLERANCE and abs(shares[1] - 0.7) < TOLERANCE, shares
+    # Over any prefix of the run too (the blend is interleaved, not 1,200 A's then 2,800 B's).
+    first = np.bincount(train.dataset_index[:400], minlength=2) / 400
+    assert abs(first[0] - 0.3) < 0.02, first
+    # The samples really come from the dataset the index names (checked by their text).
+    for i in range(0, len(train), 97):
+        sample = train[i]
+        assert sample["dataset_id"] == train.dataset_index[i]
+        assert _source(data, sample) == "ab"[int(sample["dataset_id"])]
+
+    assert valid is not None and len(valid) >= 4 * 16  # validation is blended the same way
+    valid_shares = np.bincount(valid.dataset_index, minlength=2) / len(valid.dataset_index)
+    assert abs(valid_shares[0] - 0.3) < 0.05, valid_shares
+
+
+def test_unweighted_blend_is_proportional_to_dataset_sizes(data):
+    train, _ = build_datasets(_config(data, f"data.blend=[{data.a},{data.b}]"), data.tokenizer, dp_size=1)
+    sizes = [len(d) for d in train.datasets]
+    shares = np.bincount(train.dataset_index, minlength=2) / len(train.dataset_index)
+    assert abs(shares[0] - sizes[0] / sum(sizes)) < TOLERANCE, (shares, sizes)
+
+
+def test_per_split_blends(data):
+    cfg = _config(data, f"data.train_blend=[{data.a}]", f"data.valid_blend=[{data.b}]", "data.blend=null")
+    validate(cfg, world_size=4)
+    train, valid = build_datasets(cfg, data.tokenizer, dp_size=1)
+    # A single prefix per split is a GPTDataset over the whole file (no split fractions applied).
+    assert train.dataset.path_prefix == data.a and valid.dataset.path_prefix == data.b
+    assert len(train) >= TRAIN_SAMPLES and len(valid) >= 4 * 16
+    assert {_source(data, train[i]) for i in range(0, len(train), 211)} == {"a"}
+    assert {_source(data, valid[i]) for i in range(len(valid))} == {"b"}
+
+    # Per-split blends take weights too.
+    cfg = _config(data, f"data.train_blend=[1,{data.a},3,{data.b}]", f"data.valid_blend=[{data.b}]")
+    train, _ = build_datasets(cfg, data.tokenizer, dp_size=1)
+    shares = np.bincount(train.dataset_index, minlength=2) / len(train.dataset_index)
+    assert abs(shares[0] - 0.25) < TOLERANCE, shares
+
+
+@pytest.mark.parametrize("blend, key, fragment", [
+    ("[0.3,{a},0.7]", "data.blend", "use [prefix, ...] or [weight1, prefix1"),
+    ("[{a},0.7]", "data.blend", "use [prefix, ...] or [weight1, prefix1"),
+    ("[0.3,{a},{b},0.7]", "data.blend", "use [prefix, ...] or [weight1, prefix1"),
+    ("[0,{a},1,{b}]", "data.blend", "every weight must be > 0"),
+    ("[-1,{a},2,{b}]", "data.blend", "every weight must be > 0"),
+    ("[1,{a},1,{a}_missing]", "data.blend", "_missing.bin does not exist"),
+    ("[{a}.bin]", "data.blend", ".bin.bin does not exist"),  # a file name instead of a prefix
+    ("[0.5,{a},0.5]", "data.train_blend", "data.train_blend="),
+])
+def test_bad_blend_is_a_config_error(data, blend, key, fragment):
+    cfg = _config(data, f"{key}={blend.format(a=data.a, b=data.b)}")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=4)
+    assert fragment in str(err.value) and str(err.value).startswith(key), str(err.value)
+
+
+def test_no_blend_at_all_is_a_config_error(data):
+    with pytest.raises(ConfigError, match=r"data.blend=None is invalid: give a dataset prefix list"):
+        validate(_config(data, "data.blend=null"), world_size=4)
