@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -150,6 +151,26 @@ def _step_preserving(opt):
             state["step"] = step.clone()
 
     return copy_without_step
+
+
+def start_save_helpers() -> None:
+    """Start dist_checkpointing's long-lived helper processes now, with SIGTERM/SIGUSR1 ignored.
+
+    The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.16.1,
+    strategies/filesystem_async.py:54) and keeps it for the life of the rank. A spawned child starts
+    with the default action for every signal its parent handles, and SLURM (scancel --signal,
+    pre-emption) and torchrun (killpg) signal a rank's whole process tree: the Manager dies, and the
+    checkpoint the signal asked for fails with BrokenPipeError. An ignored signal stays ignored
+    through spawn, so the helpers are started while both are ignored.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        _get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler,

@@ -115,7 +115,6 @@ class CheckpointConfig:
     load: Optional[str] = None  # resume: model, optimizer, scheduler, RNG, consumed samples
     pretrained_checkpoint: Optional[str] = None  # weights only, start at iteration 0
     save_interval: Optional[int] = None  # None = only at the end
-    async_save: bool = False
 
 
 @dataclass

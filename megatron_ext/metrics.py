@@ -1,8 +1,10 @@
 """Throughput accounting and run logging: FLOPs/MFU, the per-step console line, TensorBoard scalars.
 
 Model FLOPs per token (the PaLM/Megatron convention, no causal halving of attention):
-``6·N + 12·L·h·s`` where N counts every matmul parameter (all but the input embedding, which
-is a lookup), L layers, h hidden size, s sequence length. MFU = achieved / peak dense BF16.
+``6·N + 12·L·h·s`` where N counts every matmul weight (attention, MLP and output layer; not the
+input embedding, a lookup, nor the norms), L layers, h hidden size, s sequence length. The
+attention term counts the full s×s score matrix: causal masking would halve it, which this
+convention (PaLM, Megatron-LM) does not do. MFU = achieved / peak dense BF16.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ PEAK_BF16_TFLOPS = {
 def flops_per_token(cfg: RecipeConfig, vocab_size: int) -> float:
     """Forward+backward model FLOPs for one token (see module docstring for the formula)."""
     m = cfg.model
-    matmul_params = num_parameters(cfg, vocab_size) - vocab_size * m.hidden_size
+    norm_params = (2 * m.num_layers + 1) * m.hidden_size
+    matmul_params = num_parameters(cfg, vocab_size) - vocab_size * m.hidden_size - norm_params
+    if not m.untie_embeddings_and_output_weights:  # the tied output layer is still a matmul
+        matmul_params += vocab_size * m.hidden_size
     return 6.0 * matmul_params + 12.0 * m.num_layers * m.hidden_size * m.seq_length
 
 

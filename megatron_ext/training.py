@@ -133,6 +133,8 @@ class Trainer:
             wd_incr_steps=max(t.train_iters, 1), wd_incr_style="constant",
         )
         self._wire_schedule_hooks()
+        if cfg.checkpoint.save:
+            checkpointing.start_save_helpers()
         self.iteration, self.consumed_samples = 0, 0
         if cfg.checkpoint.load and checkpointing.latest_iteration(cfg.checkpoint.load) is not None:
             self.iteration, self.consumed_samples = checkpointing.load_checkpoint(

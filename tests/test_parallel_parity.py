@@ -40,6 +40,8 @@ LAYOUTS = {
     "dp2_tp2_sp_distopt": (4, PP1),
     "tp2_cp2": (4, [*PP1, "parallel.context_parallel_size=2"]),
     "pp2_cp2": (4, [*TP1, "parallel.context_parallel_size=2"]),
+    "tp2_sp_full_recompute": (2, [*PP1, "train.recompute_granularity=full"]),
+    "pp2_selective_recompute": (2, [*TP1, "train.recompute_granularity=selective"]),
     "dp2_tp2_pp2": (8, []),
     "dp2_tp2_pp2_cp2": (16, ["parallel.context_parallel_size=2"]),
 }

