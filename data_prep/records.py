@@ -40,14 +40,19 @@ class SkippedRecords:
         return f"{self.count} (first: {'; '.join(self.first)}{more})"
 
 
+def _readable_stream(path: str) -> bool:
+    """A file, or a pipe such as `--input <(zstdcat corpus.jsonl.zst)` (/dev/fd/N) or a FIFO."""
+    return os.path.exists(path) and not os.path.isdir(path)
+
+
 def expand_inputs(paths_or_globs: list[str]) -> list[str]:
     """Expand each pattern (sorted, so the order never depends on the file system); keep given order."""
     files = []
     for pattern in paths_or_globs:
-        if os.path.isfile(pattern):  # a literal name may contain glob metacharacters like "["
+        if _readable_stream(pattern):  # a literal name may contain glob metacharacters like "["
             matches = [pattern]
         else:
-            matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(m)]
+            matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if _readable_stream(m)]
         if not matches:
             raise BadRecordError(f"{pattern}: no input file matches")
         files.extend(matches)

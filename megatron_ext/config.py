@@ -63,6 +63,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     distributed_timeout_minutes: int = 10
+    auto: bool = False  # replace the layout above by the planner's best for the started world size
+    auto_gpu: Optional[str] = None  # planner GPU for auto (h100-80gb, h200-141gb, ...); None = detect
 
 
 @dataclass

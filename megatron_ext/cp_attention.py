@@ -22,15 +22,14 @@ gradient of a received block back to the rank it came from.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
+
+from megatron_ext.attention import CausalCoreAttention
 
 
 def _exchange(send: torch.Tensor, to_rank: int, from_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -106,33 +105,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return torch.cat([early[0], late[0]], dim=2)
 
 
-class RingAttention(MegatronModule):
+class RingAttention(CausalCoreAttention):
     """megatron-core ``core_attention`` for context parallelism without TransformerEngine."""
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection: object = None,
-    ):
-        super().__init__(config=config)
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"RingAttention supports causal masks only, got {attn_mask_type}")
-        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if self.dropout_p > 0:
             raise ValueError("RingAttention does not implement attention dropout")
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("RingAttention: packed sequences / attention bias are not supported")
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, h, d] → [b, h, s, d]
-        out = ring_attention(q, k, v, self.softmax_scale, parallel_state.get_context_parallel_group(),
-                             parallel_state.get_context_parallel_global_ranks())
-        s, b = query.size(0), query.size(1)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.softmax_scale, parallel_state.get_context_parallel_group(),
+                              parallel_state.get_context_parallel_global_ranks())

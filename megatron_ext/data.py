@@ -16,8 +16,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron_ext.config import RecipeConfig, parse_blend
 
 
-def build_datasets(cfg: RecipeConfig, tokenizer: object, dp_size: int
-                   ) -> tuple[GPTDataset, Optional[GPTDataset]]:
+def build_datasets(cfg: RecipeConfig, tokenizer: object) -> tuple[GPTDataset, Optional[GPTDataset]]:
     """Train dataset sized for the whole run; validation sized for one evaluation (the same batches each time)."""
     t, d = cfg.train, cfg.data
     sizes = [t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0]

@@ -10,7 +10,6 @@ torch-norm wrapper refuses SP).
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
@@ -19,10 +18,9 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_ext.attention import SDPAttention
 from megatron_ext.config import RecipeConfig, default_ffn_hidden_size, padded_vocab_size
 from megatron_ext.cp_attention import RingAttention
 
@@ -53,43 +51,6 @@ class RMSNorm(torch.nn.RMSNorm):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
-
-
-class SDPAttention(MegatronModule):
-    """Causal core attention through torch.nn.functional.scaled_dot_product_attention (GQA native)."""
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection: object = None,
-    ):
-        super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not split sequences across context-parallel ranks")
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention: packed sequences / attention bias are not supported")
-        # megatron layout [s, b, heads, dim] → SDPA layout [b, heads, s, dim]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            enable_gqa=q.size(1) != k.size(1),
-        )
-        s, b = query.size(0), query.size(1)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int]) -> TransformerBlockSubmodules:

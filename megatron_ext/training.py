@@ -145,7 +145,7 @@ class Trainer:
             source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model,
                                                            self.optimizer)
             self._info(f"loaded weights of {cfg.checkpoint.pretrained_checkpoint} (iteration {source})")
-        self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer, self.dp_size)
+        self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
 
     def _optimizer_config(self) -> OptimizerConfig:

@@ -47,6 +47,20 @@ def _summary(cfg, result) -> str:
     return "\n".join(lines)
 
 
+def _with_planned_layout(args: argparse.Namespace, cfg, world_size: int):
+    """parallel.auto=true: the planner's best layout for this world size, applied as overrides."""
+    from megatron_ext.planner import best_layout, detect_gpu
+
+    gpu = cfg.parallel.auto_gpu or detect_gpu()
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    chosen = best_layout(cfg, world_size, gpus_per_node, gpu)
+    overrides = [f"{key}={'null' if value is None else value}" for key, value in chosen.items()]
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("megatron_ext").info(
+            f"parallel.auto: planner's best layout on {world_size}× {gpu}: {' '.join(overrides)}")
+    return load_config(args.config, [*args.overrides, *overrides])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.pretrain", description=__doc__)
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/tiny.yaml")
@@ -56,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.parallel.auto:
+            cfg = _with_planned_layout(args, cfg, world_size)
         from megatron_ext.model import gpu_has_fp8, transformer_engine_available
 
         validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())

@@ -72,7 +72,7 @@ def _source(data: SimpleNamespace, sample: dict) -> str:
 def test_weighted_blend_samples_in_proportion(data):
     cfg = _config(data, f"data.blend=[0.3,{data.a},0.7,{data.b}]")
     validate(cfg, world_size=4)
-    train, valid = build_datasets(cfg, data.tokenizer, dp_size=1)
+    train, valid = build_datasets(cfg, data.tokenizer)
 
     assert len(train) >= TRAIN_SAMPLES
     shares = np.bincount(train.dataset_index, minlength=2) / len(train.dataset_index)
@@ -92,7 +92,7 @@ def test_weighted_blend_samples_in_proportion(data):
 
 
 def test_unweighted_blend_is_proportional_to_dataset_sizes(data):
-    train, _ = build_datasets(_config(data, f"data.blend=[{data.a},{data.b}]"), data.tokenizer, dp_size=1)
+    train, _ = build_datasets(_config(data, f"data.blend=[{data.a},{data.b}]"), data.tokenizer)
     sizes = [len(d) for d in train.datasets]
     shares = np.bincount(train.dataset_index, minlength=2) / len(train.dataset_index)
     assert abs(shares[0] - sizes[0] / sum(sizes)) < TOLERANCE, (shares, sizes)
@@ -101,7 +101,7 @@ def test_unweighted_blend_is_proportional_to_dataset_sizes(data):
 def test_per_split_blends(data):
     cfg = _config(data, f"data.train_blend=[{data.a}]", f"data.valid_blend=[{data.b}]", "data.blend=null")
     validate(cfg, world_size=4)
-    train, valid = build_datasets(cfg, data.tokenizer, dp_size=1)
+    train, valid = build_datasets(cfg, data.tokenizer)
     # A single prefix per split is a GPTDataset over the whole file (no split fractions applied).
     assert train.dataset.path_prefix == data.a and valid.dataset.path_prefix == data.b
     assert len(train) >= TRAIN_SAMPLES and len(valid) >= 4 * 16
@@ -110,7 +110,7 @@ def test_per_split_blends(data):
 
     # Per-split blends take weights too.
     cfg = _config(data, f"data.train_blend=[1,{data.a},3,{data.b}]", f"data.valid_blend=[{data.b}]")
-    train, _ = build_datasets(cfg, data.tokenizer, dp_size=1)
+    train, _ = build_datasets(cfg, data.tokenizer)
     shares = np.bincount(train.dataset_index, minlength=2) / len(train.dataset_index)
     assert abs(shares[0] - 0.25) < TOLERANCE, shares
 

@@ -221,15 +221,20 @@ def test_skip_bad_records_counts_and_reports(model, tmp_path, caplog):
     assert len(IndexedDataset(str(tmp_path / "d_text_document"))) == 8
 
 
-def test_failure_during_finalize_leaves_no_pair(model, tmp_path, monkeypatch):
-    src = _write_jsonl(tmp_path / "in.jsonl", _docs(5))
-    out = tmp_path / "out"
+@pytest.fixture
+def disk_full_on_finalize(monkeypatch):
+    """The builder writes part of the .idx, then fails as a full disk would."""
 
     def broken_finalize(self, idx_path):
         Path(idx_path).write_bytes(b"partial")
         raise OSError("disk full")
 
     monkeypatch.setattr(IndexedDatasetBuilder, "finalize", broken_finalize)
+
+
+def test_failure_during_finalize_leaves_no_pair(model, tmp_path, disk_full_on_finalize):
+    src = _write_jsonl(tmp_path / "in.jsonl", _docs(5))
+    out = tmp_path / "out"
     with pytest.raises(OSError, match="disk full"):
         preprocess_mod.preprocess([str(src)], str(out / "d"), str(model), workers=2)
     assert list(out.iterdir()) == []
@@ -365,15 +370,9 @@ def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(model, tmp_path)
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
 
 
-def test_merge_failure_leaves_no_pair(model, tmp_path, monkeypatch):
+def test_merge_failure_leaves_no_pair(model, tmp_path, disk_full_on_finalize):
     shards = [_prepare(model, _docs(3), tmp_path / f"s{i}") for i in range(2)]
     out = tmp_path / "out"
-
-    def broken_finalize(self, idx_path):
-        Path(idx_path).write_bytes(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", broken_finalize)
     with pytest.raises(OSError, match="disk full"):
         merge_mod.merge(shards, str(out / "m"))
     assert list(out.iterdir()) == []
@@ -395,23 +394,21 @@ def test_preprocess_pulls_input_lazily(model):
             assert len(pulled) == k + 3
 
 
-@pytest.fixture(scope="module")
-def big_input(tmp_path_factory) -> Path:
-    """~20 MB of jsonl: several seconds of tokenizing for one worker, so a run can be stopped midway."""
-    from data_prep.benchmark import generate_corpus
-
-    path = tmp_path_factory.mktemp("big") / "big.jsonl"
-    generate_corpus(path, 20, seed=7)
-    return path
-
-
-def _start_preprocess_and_wait_until_writing(big_input: Path, model: Path, prefix: Path) -> subprocess.Popen:
+def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subprocess.Popen:
+    """preprocess reading a FIFO that delivers 2,000 documents and then stays open: the run is
+    mid-way for as long as the test wants, whatever the machine's speed."""
+    fifo = prefix.parent / "input.jsonl"
+    os.mkfifo(fifo)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "data_prep.preprocess", "--input", str(big_input),
+        [sys.executable, "-m", "data_prep.preprocess", "--input", str(fifo),
          "--output-prefix", str(prefix), "--tokenizer-model", str(model), "--append-eod", "--workers", "1"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
+    writer = open(fifo, "w")  # blocks until preprocess opens the FIFO for reading
+    writer.writelines(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(2000))
+    writer.flush()
+    proc.input_writer = writer  # closed by the test after the signal, so the run never sees EOF first
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         tmp = list(prefix.parent.glob(f"{prefix.name}_text_document.bin.tmp-*"))
@@ -422,6 +419,13 @@ def _start_preprocess_and_wait_until_writing(big_input: Path, model: Path, prefi
     raise AssertionError("preprocess never started writing")
 
 
+def _close_quietly(writer) -> None:
+    try:
+        writer.close()
+    except BrokenPipeError:  # the reader is gone: nothing left to tell it
+        pass
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the session started for this test: the run and its workers
@@ -430,31 +434,33 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_midway_leaves_no_dataset_under_the_final_name(big_input, model, tmp_path):
+def test_sigkill_midway_leaves_no_dataset_under_the_final_name(model, tmp_path):
     prefix = tmp_path / "d"
-    proc = _start_preprocess_and_wait_until_writing(big_input, model, prefix)
+    proc = _start_preprocess_and_wait_until_writing(model, prefix)
     try:
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         _kill_group(proc)
         proc.communicate()
-    names = sorted(p.name for p in tmp_path.iterdir())
+        _close_quietly(proc.input_writer)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != "input.jsonl")
     assert "d_text_document.bin" not in names and "d_text_document.idx" not in names, names
     assert all(".tmp-" in n for n in names), names  # only temp files may remain
 
 
 @pytest.mark.slow
-def test_sigint_midway_exits_nonzero_and_cleans_up(big_input, model, tmp_path):
+def test_sigint_midway_exits_nonzero_and_cleans_up(model, tmp_path):
     prefix = tmp_path / "d"
-    proc = _start_preprocess_and_wait_until_writing(big_input, model, prefix)
+    proc = _start_preprocess_and_wait_until_writing(model, prefix)
     try:
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
     finally:
         _kill_group(proc)
+        _close_quietly(proc.input_writer)
     assert proc.returncode == 1 and "interrupted: no output written" in stderr and "Traceback" not in stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["input.jsonl"]
     with pytest.raises(ProcessLookupError):  # the workers were stopped and reaped too
         os.killpg(proc.pid, 0)
 

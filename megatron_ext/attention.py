@@ -1,0 +1,64 @@
+"""Core attention for megatron-core's local layer spec: causal SDPA, and the shared module interface."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class CausalCoreAttention(MegatronModule):
+    """megatron-core's ``core_attention`` interface for causal self-attention.
+
+    Takes megatron's [s, b, heads, dim] query/key/value (key/value may have fewer, grouped heads)
+    and returns [s, b, heads·dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: object = None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"{type(self).__name__} supports causal masks only, got {attn_mask_type}")
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError(f"{type(self).__name__}: packed sequences / attention bias are not supported")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = self.attend(q, k, v)
+        s, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class SDPAttention(CausalCoreAttention):
+    """Causal attention through torch.nn.functional.scaled_dot_product_attention (flash on GPU, GQA native)."""
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not split sequences across context-parallel ranks")
+        super().__init__(config, *args, **kwargs)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.size(1) != k.size(1),
+        )

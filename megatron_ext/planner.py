@@ -1,0 +1,654 @@
+"""Parallel layout planner: per-GPU memory and step time of every valid TP/PP/VPP/CP/DP layout.
+
+Everything here is arithmetic on the config — no process group, no model — so a layout can be
+chosen before any GPU hour is spent. ``docs/planner.md`` derives the formulas; in short:
+
+Memory (per GPU, the worst pipeline stage and the worst DP×CP rank), as megatron-core 0.16.1
+allocates it under this recipe (``wrap_with_ddp`` sets ``grad_reduce_in_fp32=True``):
+
+* parameters in ``params_dtype``; under the distributed optimizer they live in DDP's contiguous
+  param buffer, padded like the grad buffer;
+* gradients: DDP's grad buffer in fp32, one per model chunk. With the distributed optimizer each
+  parameter starts at a multiple of 64 elements and each bucket ends at a multiple of
+  lcm(DP×CP, 128); a tied embedding/output weight gets a bucket of its own; buckets are
+  ``max(4e7, 1e6·DP)`` elements with ``overlap_grad_reduce`` (only chunk 0 of pipeline stage 0),
+  else one per chunk;
+* optimizer: Adam's exp_avg/exp_avg_sq in fp32 plus fp32 main params when params are bf16, for
+  every parameter — or, with the distributed optimizer, for the elements of this DP×CP rank's
+  1/(DP×CP) slice of each bucket (padding excluded);
+* activations: bytes autograd saves per micro batch (see :func:`layer_activation_bytes`) times
+  the micro batches in flight on the stage under 1F1B / interleaved 1F1B;
+* buffers: the working set of one layer's backward (two with full recompute), the last stage's
+  logits gradient, the SP all-gather buffer, plus ``NON_TORCH_RESERVE_GIB`` outside torch's
+  allocator (CUDA context, cuBLAS/NCCL workspaces).
+
+A layout fits when (allocated + reserve) · (1 + ``FRAGMENTATION``) ≤ GPU memory.
+
+Step time: model FLOPs (+ recompute) at ``DEFAULT_MFU`` of dense BF16 peak on the slowest
+stage, TP collectives (4 per layer per micro batch, 6 with full recompute) on NVLink, CP's
+K/V ring hidden behind attention where it can be, pipeline p2p, the bubble (p−1)/(v·m) of
+micro-batch times, the DP gradient reduce-scatter/all-gather (exposed beyond one micro batch's
+backward when overlapped), and the optimizer step at HBM bandwidth. Collectives cost
+``bytes·algorithm factor / bus bandwidth + latency`` on the link class their group spans
+(megatron's rank order is TP fastest, then CP, DP, PP).
+
+GPU table (``GPUS``): memory as ``nvidia-smi`` reports it, dense BF16 peak (datasheet, no
+sparsity), HBM bandwidth (datasheet), NVLink and inter-node *bus* bandwidths as NCCL reaches them
+(about 80 % of the link rate: NVLink 4 = 450 GB/s per direction → 360; NVLink 3 = 300 → 230;
+one 400 Gb/s NDR NIC per GPU = 50 GB/s → 40; one 200 Gb/s HDR NIC per GPU = 25 GB/s → 20).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from megatron_ext.config import (
+    ConfigError,
+    RecipeConfig,
+    data_parallel_size,
+    default_ffn_hidden_size,
+    padded_vocab_size,
+    validate_layout,
+)
+
+GIB = 2**30
+NON_TORCH_RESERVE_GIB = 2.0  # CUDA context + cuBLAS/NCCL workspaces: memory torch's allocator never sees
+FRAGMENTATION = 0.05  # caching-allocator slack between allocated and reserved memory
+DEFAULT_MFU = 0.55  # fraction of dense BF16 peak the GEMM/attention kernels reach while computing
+LATENCY_INTRA_S = 8e-6  # per collective or p2p message inside a node
+LATENCY_INTER_S = 25e-6  # per collective or p2p message across nodes
+ADAM_BYTES_PER_ELEMENT = 30  # optimizer step traffic: read grad, r/w main param and two moments, write param
+CP_STEP_LAUNCH_S = 10e-6  # per ring step of context-parallel attention: extra kernel launches and sync
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator type: memory, compute and the two link classes the time model uses."""
+
+    name: str
+    memory_gib: float
+    peak_bf16_tflops: float
+    hbm_tb_s: float
+    nvlink_gb_s: float  # NCCL bus bandwidth inside a node
+    internode_gb_s: float  # NCCL bus bandwidth per GPU across nodes
+    fp8: bool
+
+
+GPUS: dict[str, GPUSpec] = {
+    "h100-80gb": GPUSpec("H100 SXM 80GB", 79.6, 989.0, 3.35, 360.0, 40.0, True),
+    "h200-141gb": GPUSpec("H200 SXM 141GB", 139.8, 989.0, 4.8, 360.0, 40.0, True),
+    "a100-80gb": GPUSpec("A100 SXM 80GB", 79.2, 312.0, 2.04, 230.0, 20.0, False),
+    "a100-40gb": GPUSpec("A100 SXM 40GB", 39.4, 312.0, 1.555, 230.0, 20.0, False),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the parallel sizes and the memory/throughput switches the planner varies."""
+
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    cp: int
+    dp: int
+    sp: bool
+    distopt: bool
+    recompute: Optional[str]
+    mbs: int
+
+    def overrides(self) -> dict[str, Any]:
+        """The config values of this layout, as ``section.key`` → value."""
+        return {
+            "parallel.tensor_model_parallel_size": self.tp,
+            "parallel.pipeline_model_parallel_size": self.pp,
+            "parallel.virtual_pipeline_model_parallel_size": self.vpp,
+            "parallel.context_parallel_size": self.cp,
+            "parallel.sequence_parallel": self.sp,
+            "parallel.use_distributed_optimizer": self.distopt,
+            "train.micro_batch_size": self.mbs,
+            "train.recompute_granularity": self.recompute,
+        }
+
+    def apply(self, cfg: RecipeConfig) -> RecipeConfig:
+        """A copy of `cfg` with this layout (even pipeline split; param gather overlap needs distopt)."""
+        p = dataclasses.replace(
+            cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+            sequence_parallel=self.sp, use_distributed_optimizer=self.distopt,
+            overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt,
+            num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+        )
+        t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
+        return dataclasses.replace(cfg, parallel=p, train=t)
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, world_size: int) -> "Layout":
+        """The layout `cfg` already specifies."""
+        p = cfg.parallel
+        dp = data_parallel_size(cfg, world_size)
+        return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                   p.virtual_pipeline_model_parallel_size, p.context_parallel_size, dp, p.sequence_parallel,
+                   p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size)
+
+    def label(self) -> str:
+        vpp = f" VPP{self.vpp}" if self.vpp else ""
+        return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} DP{self.dp}"
+                f"{' SP' if self.sp else ''}{' distopt' if self.distopt else ''}"
+                f" mbs{self.mbs} recompute={self.recompute or 'none'}")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Per-rank tensor dimensions of the model under one layout."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int  # padded
+    seq: int
+    tp: int
+    cp: int
+    sp: bool
+    tied: bool
+    bytes_per_value: int  # params_dtype / activation dtype
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, vocab_size: int) -> "_Shape":
+        m, p = cfg.model, cfg.parallel
+        heads = m.num_attention_heads
+        return cls(
+            layers=m.num_layers, hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
+            head_dim=m.kv_channels or m.hidden_size // heads,
+            ffn=m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size),
+            vocab=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size),
+            seq=m.seq_length, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+            sp=p.sequence_parallel, tied=not m.untie_embeddings_and_output_weights,
+            bytes_per_value=4 if cfg.train.precision == "fp32" else 2,
+        )
+
+    def layer_params(self) -> list[int]:
+        """One decoder layer's parameter sizes on a TP rank, in ``named_parameters`` order."""
+        h, d, t = self.hidden, self.head_dim, self.tp
+        return [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t,
+                h, 2 * self.ffn * h // t, self.ffn * h // t]
+
+
+def model_vocab_size(cfg: RecipeConfig) -> int:
+    """The unpadded vocabulary: ``model.vocab_size``, else the tokenizer's."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.tokenizer_model:
+        from megatron_ext.tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(cfg.data.tokenizer_model).vocab_size
+    raise ConfigError("model.vocab_size=None is invalid for planning: set it or data.tokenizer_model")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradient buffers, optimizer state
+
+
+def _stage_chunks(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int) -> list[tuple[int, bool, bool]]:
+    """(layers, holds the embedding, holds the output layer) for each model chunk of a stage."""
+    v = vpp or 1
+    per_chunk = shape.layers // (pp * v)
+    return [(per_chunk, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == v - 1) for c in range(v)]
+
+
+def _chunk_params(shape: _Shape, pp: int, layers: int, pre: bool, post: bool) -> list[tuple[int, bool]]:
+    """(numel, is a shared embedding copy) per parameter of one chunk, in ``named_parameters`` order."""
+    embedding = shape.vocab * shape.hidden // shape.tp
+    params: list[tuple[int, bool]] = []
+    if pre:  # a tied embedding on a stage without the output layer is kept in sync with the last stage
+        params.append((embedding, shape.tied and pp > 1 and not post))
+    params += [(n, False) for _ in range(layers) for n in shape.layer_params()]
+    if post:
+        params.append((shape.hidden, False))  # final norm
+        if not shape.tied or not pre:  # the tied copy on the last stage when PP > 1
+            params.append((embedding, shape.tied))
+    return params
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _ddp_buckets(params: list[tuple[int, bool]], dp_cp: int, distopt: bool, bucket_size: Optional[int]
+                 ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """megatron-core's grad buffer layout: (start, end, param index ranges) per bucket.
+
+    Parameters are laid out in reverse order (the order backward produces their grads).
+    """
+    buckets: list[tuple[int, int, list[tuple[int, int]]]] = []
+    bucket_start, start, members = 0, 0, []
+    end_multiple = math.lcm(dp_cp, 128)
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, members
+        padded = _round_up(end, end_multiple) if distopt else end
+        buckets.append((bucket_start, padded, members))
+        bucket_start, members = padded, []
+        return padded
+
+    end = 0
+    for numel, shared in reversed(params):
+        if distopt:
+            start = _round_up(start, 64)  # 128-byte aligned parameters
+        own_bucket = shared and distopt
+        if own_bucket and members:
+            start = close(start)
+        end = start + numel
+        members.append((start, end))
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if members:
+        close(end)
+    return buckets
+
+
+def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp: int) -> list[int]:
+    """Parameter elements (padding excluded) in each DP×CP rank's slice of every bucket."""
+    owned = [0] * dp_cp
+    for start, end, members in buckets:
+        size = (end - start) // dp_cp
+        if size == 0:
+            continue
+        for a, b in members:
+            for r in range((a - start) // size, (b - 1 - start) // size + 1):
+                lo, hi = start + r * size, start + (r + 1) * size
+                owned[r] += min(b, hi) - max(a, lo)
+    return owned
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_static(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
+                  overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
+    """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage."""
+    dp_cp = dp * shape.cp
+    param_elems = grad_elems = 0
+    owned = [0] * dp_cp
+    for c, (layers, pre, post) in enumerate(_stage_chunks(shape, pp, vpp, pp_rank)):
+        params = _chunk_params(shape, pp, layers, pre, post)
+        bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
+        buckets = _ddp_buckets(params, dp_cp, distopt, max(40_000_000, 1_000_000 * dp) if bucketed else None)
+        numel = buckets[-1][1] if buckets else 0
+        unpadded = sum(n for n, _ in params)
+        grad_elems += numel
+        param_elems += numel if distopt else unpadded
+        if distopt:
+            owned = [a + b for a, b in zip(owned, _owned_elements(buckets, dp_cp))]
+        else:
+            owned = [a + unpadded for a in owned]
+    return param_elems, grad_elems, tuple(owned)
+
+
+def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,
+                      vocab_size: int) -> dict[str, int]:
+    """Exact bytes of parameters, DDP grad buffers and optimizer state on one rank (fp32 grad buffers,
+    as ``wrap_with_ddp`` configures them)."""
+    p = cfg.parallel
+    shape = _Shape.of(cfg, vocab_size)
+    dp = data_parallel_size(cfg, world_size)
+    params, grads, owned = _stage_static(shape, p.pipeline_model_parallel_size,
+                                         p.virtual_pipeline_model_parallel_size, pp_rank, dp,
+                                         p.use_distributed_optimizer, p.overlap_grad_reduce)
+    # fp32 main params are copies only for bf16 params (fp32 ones are optimized in place).
+    per_element = 8 + (4 if shape.bytes_per_value == 2 else 0)
+    return {"params": params * shape.bytes_per_value, "grads": grads * 4,
+            "optimizer": owned[dp_cp_rank] * per_element}
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
+    """Bytes one decoder layer saves for backward per micro batch on one rank (flash attention).
+
+    Per token with t = TP, D = activation bytes, Hq = heads·head_dim, Hkv = groups·head_dim, f = FFN:
+    sequence-parallel part (÷t with SP, else replicated): two norms (each its input in D + fp32
+    rstd when fused; torch's composite CPU RMSNorm keeps an fp32 input copy, the fp32 normalized
+    tensor and rstd) and the inputs of linear_qkv and linear_fc1 (h·D each);
+    tensor-parallel part (÷t): the fused QKV output (v is a view of it), RoPE'd q and k, the
+    attention output (shared with linear_proj's input), fc1's output (2f), silu's output, the
+    ``x_linear + offset`` copy and fc2's input (f each) = D·(3Hq + 3Hkv + 5f), plus the fp32
+    log-sum-exp per head. No s² term: flash kernels (TE, cuDNN, and torch's CPU SDPA) keep none.
+    RoPE keeps cos/sin for q and k: 4·(s/CP)·head_dim·D per micro batch.
+    Selective recompute re-runs core attention from q, k, v: only the log-sum-exp goes (with flash
+    attention there is no s² score matrix for it to save).
+    Full recompute keeps only the layer input (h·D per token, ÷t with SP).
+    """
+    m, p = cfg.model, cfg.parallel
+    shape = _Shape.of(cfg, 1)
+    d_bytes = shape.bytes_per_value
+    tokens = cfg.train.micro_batch_size * m.seq_length // shape.cp
+    seq_shard = shape.tp if shape.sp else 1
+    h, t = shape.hidden, shape.tp
+    if cfg.train.recompute_granularity == "full":
+        return tokens // seq_shard * h * d_bytes
+    norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
+    seq_part = tokens // seq_shard * (2 * norm + 2 * h * d_bytes)
+    hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
+    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + 5 * shape.ffn) // t
+    # selective: the checkpoint keeps q, k, v (and megatron's int32 mask-type tensor) instead of the lse
+    lse = 4 if cfg.train.recompute_granularity == "selective" else tokens * 4 * shape.heads // t
+    rope = 4 * (m.seq_length // shape.cp) * shape.head_dim * d_bytes
+    return seq_part + tp_part + lse + rope
+
+
+def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: int, pre: bool, post: bool,
+                           fused_norm: bool = True) -> int:
+    """Bytes one model chunk saves for backward per micro batch: its layers, embedding and loss."""
+    shape = _Shape.of(cfg, vocab_size)
+    d_bytes, h = shape.bytes_per_value, shape.hidden
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
+    seq_shard = shape.tp if shape.sp else 1
+    total = layers * layer_activation_bytes(cfg, fused_norm)
+    if cfg.train.recompute_granularity == "full" and layers:
+        total += 4 * cfg.model.seq_length * shape.head_dim  # fp32 rotary table, shared by the layers
+    if pre:  # token ids (int64), and the out-of-shard mask of the vocab-parallel embedding
+        total += tokens * 8 + (tokens if shape.tp > 1 else 0)
+    if post:
+        norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
+        total += tokens // seq_shard * (norm + h * d_bytes)  # final norm, output layer input
+        total += tokens * shape.vocab // shape.tp * 4  # fp32 softmax kept by the vocab-parallel CE
+        total += tokens * (1 + 8 + 4)  # CE target mask and masked targets, the loss mask
+    return total
+
+
+def microbatches_in_flight(pp: int, vpp: Optional[int], num_microbatches: int, pp_rank: int) -> int:
+    """Chunk-micro-batches whose activations a stage holds at its peak (megatron's warmup + 1)."""
+    if pp == 1:
+        return 1
+    if not vpp:
+        return min(pp - pp_rank, num_microbatches)
+    total = num_microbatches * vpp
+    warmup = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp
+    return total if warmup >= total else warmup + 1
+
+
+def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int,
+                           fused_norm: bool = True) -> int:
+    """Activations a pipeline stage holds at its peak under (interleaved) 1F1B."""
+    p = cfg.parallel
+    shape = _Shape.of(cfg, vocab_size)
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    dp = world_size // (shape.tp * pp * shape.cp)
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    chunks = _stage_chunks(shape, pp, vpp, pp_rank)
+    n = microbatches_in_flight(pp, vpp, m, pp_rank)
+    layers = chunks[0][0]
+    body = chunk_activation_bytes(cfg, vocab_size, layers, False, False, fused_norm)
+    total = n * body
+    if any(pre for _, pre, _ in chunks):  # chunk 0 holds at most ceil(n / vpp) of the in-flight ones
+        total += -(-n // len(chunks)) * (chunk_activation_bytes(cfg, vocab_size, 0, True, False, fused_norm))
+    if any(post for *_, post in chunks):  # the loss chunk runs its backward right after its forward
+        total += chunk_activation_bytes(cfg, vocab_size, 0, False, True, fused_norm)
+    # deallocate_pipeline_outputs is off: every in-flight output sent downstream stays allocated.
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
+    sent = n - (1 if pp_rank == pp - 1 else 0) if pp > 1 else 0
+    total += sent * tokens // (shape.tp if shape.sp else 1) * shape.hidden * shape.bytes_per_value
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Time
+
+
+def _flops_per_token(shape: _Shape, layers: int, output_layer: bool, recompute: Optional[str]) -> float:
+    """Forward+backward FLOPs per token (metrics.flops_per_token's convention) plus recompute."""
+    h, d = shape.hidden, shape.head_dim
+    layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + 3 * shape.ffn * h  # whole layer, no norms
+    attention = 12.0 * shape.hidden * shape.seq
+    per_layer = 6.0 * layer_matmul + attention
+    if recompute == "full":
+        per_layer += 2.0 * layer_matmul + attention / 3
+    elif recompute == "selective":
+        per_layer += attention / 3
+    return layers * per_layer + (6.0 * shape.vocab * shape.hidden if output_layer else 0.0)
+
+
+def _ring(bytes_: float, n: int, bus_gb_s: float, latency: float, factor: float = 1.0) -> float:
+    """Seconds for a ring collective over n ranks moving `bytes_` (factor 2 for all-reduce)."""
+    if n <= 1:
+        return 0.0
+    return factor * (n - 1) / n * bytes_ / (bus_gb_s * 1e9) + latency
+
+
+@dataclass
+class Estimate:
+    """The planner's verdict on one layout."""
+
+    layout: Layout
+    memory: dict[str, float]  # bytes: params, grads, optimizer, activations, buffers, reserved, total
+    peak_stage: int
+    time: dict[str, float]  # seconds per step, by component, and "step"
+    num_microbatches: int
+    mfu: float
+    tokens_per_s_per_gpu: float
+    fits: bool
+    gpu_memory: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.label(), "overrides": self.layout.overrides(),
+                "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
+                "peak_stage": self.peak_stage, "time_s": {k: round(v, 4) for k, v in self.time.items()},
+                "num_microbatches": self.num_microbatches, "mfu": round(self.mfu, 4),
+                "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "fits": self.fits}
+
+
+def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int,
+                  grad_bytes: int) -> dict[str, float]:
+    """Peak bytes on one pipeline stage (worst DP×CP rank), by category."""
+    layout, shape = Layout.of(cfg, world_size), _Shape.of(cfg, vocab_size)
+    d_bytes = shape.bytes_per_value
+    params, grads, owned = _stage_static(shape, layout.pp, layout.vpp, pp_rank, layout.dp, layout.distopt,
+                                         cfg.parallel.overlap_grad_reduce)
+    tokens = layout.mbs * shape.seq // layout.cp
+    no_recompute = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
+    # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
+    buffers = layer_activation_bytes(no_recompute) * (2 if layout.recompute == "full" else 1)
+    if layout.sp:
+        buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
+    if _stage_chunks(shape, layout.pp, layout.vpp, pp_rank)[-1][2]:
+        buffers += tokens * shape.vocab // layout.tp * d_bytes  # logits, then their gradient
+    # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
+    mem = {
+        "params": params * d_bytes, "grads": grads * grad_bytes,
+        "optimizer": max(owned) * (8 + (4 if d_bytes == 2 else 0)),
+        "activations": stage_activation_bytes(cfg, vocab_size, world_size, pp_rank),
+        "buffers": buffers, "reserved": NON_TORCH_RESERVE_GIB * GIB,
+    }
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node: int, gpu: GPUSpec,
+               mfu: float, grad_bytes: int) -> dict[str, float]:
+    """Seconds per training step, by component (see the module docstring)."""
+    layout, shape = Layout.of(cfg, world_size), _Shape.of(cfg, vocab_size)
+    tp, pp, cp, dp, v = layout.tp, layout.pp, layout.cp, layout.dp, layout.vpp or 1
+    d_bytes = shape.bytes_per_value
+    m = cfg.train.global_batch_size // (layout.mbs * dp)
+    tokens = layout.mbs * shape.seq // cp  # per CP rank per micro batch
+
+    def link(span: int) -> tuple[float, float]:
+        """(bus GB/s, latency) of a group spanning `span` consecutive ranks (TP fastest, then CP, DP, PP)."""
+        return (gpu.nvlink_gb_s, LATENCY_INTRA_S) if span <= gpus_per_node else (gpu.internode_gb_s,
+                                                                                 LATENCY_INTER_S)
+
+    peak = gpu.peak_bf16_tflops * 1e12 * mfu
+    layers = shape.layers // pp
+    # the last stage (layers + output layer) is the slowest; one micro batch through it, fwd + bwd
+    flops = _flops_per_token(shape, layers, True, layout.recompute) * layout.mbs * shape.seq
+    compute = flops / (tp * cp) / peak
+
+    bw, lat = link(tp)
+    collectives = 6 if layout.recompute == "full" else 4  # AR (or AG+RS with SP) ×2 forward, ×2 backward
+    tp_comm = layers * collectives * _ring(tokens * shape.hidden * d_bytes, tp, bw, lat, 2.0)
+
+    cp_comm = 0.0
+    if cp > 1:
+        bw, lat = link(tp * cp)
+        kv = tokens * 2 * shape.groups * shape.head_dim // tp * d_bytes
+        ring = 3 * (cp - 1) * (kv / (bw * 1e9) + lat)  # K/V forward, K/V + dK/dV backward
+        attention = 12.0 * shape.hidden * shape.seq * layout.mbs * shape.seq / (tp * cp) / peak
+        # Each of the 2·CP block steps (forward, backward) launches its own kernels and rescales the
+        # partial output with the new log-sum-exp: a memory-bound pass over the fp32 output.
+        rescale = tokens * shape.heads * shape.head_dim // tp * 4 * 3 / (gpu.hbm_tb_s * 1e12)
+        cp_comm = layers * (max(0.0, ring - attention) + 2 * cp * (CP_STEP_LAUNCH_S + rescale))
+
+    p2p = 0.0
+    if pp > 1:
+        bw, lat = link(tp * cp * dp + 1)  # the next stage is tp·cp·dp ranks away
+        sent = tokens // (tp if layout.sp else 1) * shape.hidden * d_bytes
+        p2p = v * 2 * (sent / (bw * 1e9) + lat)
+
+    per_microbatch = compute + tp_comm + cp_comm + p2p
+    bubble = per_microbatch * (pp - 1) / v
+
+    # Grads are reduced over DP×CP: distopt = reduce-scatter + param all-gather, else all-reduce.
+    params, grads, owned = _stage_static(shape, pp, layout.vpp, 0, dp, layout.distopt,
+                                         cfg.parallel.overlap_grad_reduce)
+    bw, lat = link(tp * cp * dp)
+    if layout.distopt:
+        reduce = _ring(grads * grad_bytes, dp * cp, bw, lat)
+        gather = _ring(params * d_bytes, dp * cp, bw, lat)
+    else:
+        reduce, gather = _ring(grads * grad_bytes, dp * cp, bw, lat, 2.0), 0.0
+    if cfg.parallel.overlap_grad_reduce:
+        reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
+    if cfg.parallel.overlap_param_gather and layout.distopt:
+        gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
+    optimizer = max(owned) * ADAM_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    time = {"compute": compute * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m, "pp_p2p": p2p * m,
+            "pp_bubble": bubble, "dp_comm": reduce + gather, "optimizer": optimizer}
+    time["step"] = sum(time.values())
+    return time
+
+
+def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpec, vocab_size: int,
+             mfu: float = DEFAULT_MFU, grad_reduce_in_fp32: bool = True) -> Estimate:
+    """Memory and step time of the layout `cfg` specifies on `world_size` GPUs.
+
+    `grad_reduce_in_fp32=False` is a what-if for bf16 grad buffers (as Megatron-Bridge's performance
+    configs run); the recipe's ``wrap_with_ddp`` always reduces in fp32.
+    """
+    layout, shape = Layout.of(cfg, world_size), _Shape.of(cfg, vocab_size)
+    grad_bytes = 4 if grad_reduce_in_fp32 else shape.bytes_per_value
+    stages = [_stage_memory(cfg, vocab_size, world_size, r, grad_bytes) for r in range(layout.pp)]
+    peak_stage = max(range(layout.pp), key=lambda r: stages[r]["total"])
+    memory = stages[peak_stage]
+    fits = memory["total"] * (1 + FRAGMENTATION) <= gpu.memory_gib * GIB
+    time = _step_time(cfg, vocab_size, world_size, gpus_per_node, gpu, mfu, grad_bytes)
+    tokens = cfg.train.global_batch_size * shape.seq
+    model_flops = _flops_per_token(shape, shape.layers, True, None) * tokens
+    mfu_est = model_flops / (time["step"] * world_size * gpu.peak_bf16_tflops * 1e12)
+    m = cfg.train.global_batch_size // (layout.mbs * layout.dp)
+    return Estimate(layout, memory, peak_stage, time, m, mfu_est, tokens / time["step"] / world_size, fits,
+                    gpu.memory_gib * GIB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
+                      micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
+    """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split."""
+    gpn = min(gpus_per_node, world_size)
+    layers = cfg.model.num_layers
+    for tp in _divisors(gpn):
+        for pp in _divisors(world_size // tp):
+            vpps: list[Optional[int]] = [None]
+            if pp > 1:
+                vpps += [v for v in _divisors(layers // pp) if v > 1] if layers % pp == 0 else []
+            for cp in _divisors(world_size // (tp * pp)):
+                dp = world_size // (tp * pp * cp)
+                for vpp in vpps:
+                    for sp in ([False, True] if tp > 1 else [False]):
+                        for distopt in (False, True):
+                            for recompute in (None, "selective", "full"):
+                                for mbs in micro_batch_sizes:
+                                    layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs)
+                                    try:
+                                        validate_layout(layout.apply(cfg), world_size, te_available=True,
+                                                        fp8_capable=True)
+                                    except ConfigError:
+                                        continue
+                                    yield layout
+
+
+def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUSpec,
+         mfu: float = DEFAULT_MFU, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
+    """Every valid layout, those that fit first, fastest first (then smallest memory)."""
+    spec = GPUS[gpu] if isinstance(gpu, str) else gpu
+    vocab = model_vocab_size(cfg)
+    estimates = [estimate(layout.apply(cfg), world_size, gpus_per_node, spec, vocab, mfu, grad_reduce_in_fp32)
+                 for layout in candidate_layouts(cfg, world_size, gpus_per_node)]
+    return sorted(estimates, key=lambda e: (not e.fits, e.time["step"], e.memory["total"]))
+
+
+def detect_gpu() -> str:
+    """This machine's GPU as a GPUS key; a CPU rehearsal plans for an H100 cluster."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "h100-80gb"
+    name = torch.cuda.get_device_name()
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    for key, spec in GPUS.items():
+        if spec.name.split()[0] in name and abs(spec.memory_gib - memory_gib) < 8:
+            return key
+    raise ConfigError(f"parallel.auto: no planner entry for {name} ({memory_gib:.0f} GiB); "
+                      f"set parallel.auto_gpu to one of {', '.join(GPUS)}")
+
+
+def best_layout(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str) -> dict[str, Any]:
+    """The fastest layout that fits, as ``parallel.*`` / ``train.*`` values to set on the config."""
+    ranked = plan(cfg, world_size, gpus_per_node, gpu)
+    if not ranked or not ranked[0].fits:
+        smallest = min(ranked, key=lambda e: e.memory["total"], default=None)
+        need = f"; the smallest needs {smallest.memory['total'] / GIB:.1f} GiB ({smallest.layout.label()})" \
+            if smallest else ""
+        raise ConfigError(f"no valid layout of {cfg.recipe.name} fits on {world_size}× {gpu}{need}")
+    return ranked[0].layout.overrides()
+
+
+def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
+    """A few plain sentences on why this layout costs what it costs."""
+    L, t, mem = e.layout, e.time, e.memory
+    parts = [f"{L.label()}: {t['step']:.2f} s/step, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+             f"MFU ≈ {100 * e.mfu:.0f} %, {mem['total'] / GIB:.1f} of {gpu.memory_gib:.0f} GiB "
+             f"(pipeline stage {e.peak_stage})."]
+    if L.tp > 1:
+        parts.append(f"TP{L.tp} splits every layer across {L.tp} GPUs of one node"
+                     + (" and sequence parallelism also splits norms and dropout-free residual activations"
+                        if L.sp else "") + f"; its collectives cost {t['tp_comm']:.2f} s.")
+    if L.pp > 1:
+        parts.append(f"PP{L.pp}{f' with {L.vpp} virtual stages' if L.vpp else ''} leaves a bubble of "
+                     f"{t['pp_bubble']:.2f} s ((p−1)/(v·m) = {L.pp - 1}/({L.vpp or 1}·"
+                     f"{e.num_microbatches})).")
+    if L.cp > 1:
+        parts.append(f"CP{L.cp} splits each sequence in {L.cp}; the K/V ring costs {t['cp_comm']:.2f} s "
+                     "beyond what attention hides.")
+    shard = f"sharded over DP×CP={L.dp * L.cp}" if L.distopt and L.dp * L.cp > 1 else "replicated"
+    parts.append(f"Optimizer state {mem['optimizer'] / GIB:.1f} GiB ({shard}); "
+                 f"params {mem['params'] / GIB:.1f}, "
+                 f"grads {mem['grads'] / GIB:.1f}, activations {mem['activations'] / GIB:.1f} GiB "
+                 f"with recompute={L.recompute or 'none'} and micro batch {L.mbs}; DP gradient sync exposes "
+                 f"{t['dp_comm']:.2f} s.")
+    return " ".join(parts)

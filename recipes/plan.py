@@ -1,0 +1,124 @@
+"""Layout planner: ``python -m recipes.plan --config X.yaml --gpus N --gpus-per-node G --gpu h100-80gb``.
+
+Estimates per-GPU memory and step time for every TP/PP/VPP/CP/DP layout the recipe accepts
+(see megatron_ext/planner.py and docs/planner.md), ranks those that fit and explains the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from megatron_ext.config import ConfigError, load_config, validate_layout
+from megatron_ext.planner import (DEFAULT_MFU, FRAGMENTATION, GIB, GPUS, Estimate, Layout, estimate, explain,
+                                  model_vocab_size, plan)
+
+COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "dist", "recomp", "mbs", "m", "params", "grads", "optim",
+           "activ", "buffers", "total GiB", "step s", "bubble", "MFU", "tok/s/GPU"]
+
+
+def _row(i: int, e: Estimate) -> list[str]:
+    L, mem, t = e.layout, e.memory, e.time
+    gib = [f"{mem[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations")]
+    return [str(i), str(L.tp), str(L.pp), str(L.vpp or "-"), str(L.cp), str(L.dp), "y" if L.sp else "n",
+            "y" if L.distopt else "n", L.recompute or "none", str(L.mbs), str(e.num_microbatches), *gib,
+            f"{(mem['buffers'] + mem['reserved']) / GIB:.1f}", f"{mem['total'] / GIB:.1f}",
+            f"{t['step']:.2f}", f"{100 * t['pp_bubble'] / t['step']:.0f}%", f"{100 * e.mfu:.0f}%",
+            f"{e.tokens_per_s_per_gpu:,.0f}"]
+
+
+def _table(rows: list[list[str]], title: str) -> str:
+    """Rows under COLUMNS: through `rich` when it is installed, else aligned plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+        lines = [title, "  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines)
+    table = Table(title=title, title_justify="left")
+    for c in COLUMNS:
+        table.add_column(c, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(*r)
+    console = Console(width=200, record=True, force_terminal=False)
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get().rstrip()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="recipe YAML (its model and batch are planned for)")
+    parser.add_argument("--gpus", type=int, required=True, help="total GPUs (world size)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside one)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100-80gb")
+    parser.add_argument("--seq-length", type=int, help="override model.seq_length")
+    parser.add_argument("--global-batch-size", type=int, help="override train.global_batch_size")
+    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                        help="assumed kernel efficiency (fraction of dense BF16 peak)")
+    parser.add_argument("--bf16-grads", action="store_true",
+                        help="what-if: bf16 grad buffers (the recipe reduces grads in fp32)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to list")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("overrides", nargs="*", help="section.key=value applied to the config first")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.seq_length:
+        overrides.append(f"model.seq_length={args.seq_length}")
+    if args.global_batch_size:
+        overrides.append(f"train.global_batch_size={args.global_batch_size}")
+    try:
+        cfg = load_config(args.config, overrides)
+        ranked = plan(cfg, args.gpus, args.gpus_per_node, args.gpu, args.mfu, not args.bf16_grads)
+        current = None
+        try:
+            validate_layout(cfg, args.gpus, te_available=True, fp8_capable=True)
+            current = estimate(cfg, args.gpus, args.gpus_per_node, GPUS[args.gpu], model_vocab_size(cfg),
+                               args.mfu, not args.bf16_grads)
+        except ConfigError:
+            pass  # the config's own layout is not valid for this GPU count
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    fitting = [e for e in ranked if e.fits]
+    gpu = GPUS[args.gpu]
+    if args.json:
+        print(json.dumps({"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,
+                          "valid_layouts": len(ranked), "fitting_layouts": len(fitting),
+                          "config_layout": current.to_dict() if current else None,
+                          "layouts": [e.to_dict() for e in fitting[:args.top]]}, indent=1))
+        return 0 if fitting else 1
+    m = cfg.model
+    print(f"{cfg.recipe.name}: {m.num_layers} layers, h={m.hidden_size}, seq {m.seq_length}, global batch "
+          f"{cfg.train.global_batch_size}, precision {cfg.train.precision} on {args.gpus}× {gpu.name} "
+          f"({args.gpus_per_node}/node); assumed kernel MFU {args.mfu:.0%}")
+    print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.memory_gib:.0f} GiB "
+          f"(with {100 * FRAGMENTATION:.0f} % allocator slack)\n")
+    if not fitting:
+        smallest = min(ranked, key=lambda e: e.memory["total"], default=None)
+        if smallest:
+            print(f"nothing fits; the smallest needs {smallest.memory['total'] / GIB:.1f} GiB: "
+                  f"{smallest.layout.label()}")
+        return 1
+    print(_table([_row(i + 1, e) for i, e in enumerate(fitting[:args.top])], "fastest layouts that fit"))
+    print()
+    for i, e in enumerate(fitting[:3]):
+        print(f"{i + 1}. {explain(e, args.gpus_per_node, gpu)}\n")
+    if current is not None and current.layout != fitting[0].layout:
+        rank = next((i + 1 for i, e in enumerate(ranked) if e.layout == current.layout), None)
+        verdict = "fits" if current.fits else "does NOT fit"
+        print(f"the config's own layout {Layout.of(cfg, args.gpus).label()}: "
+              f"{current.time['step']:.2f} s/step, "
+              f"{current.memory['total'] / GIB:.1f} GiB ({verdict}; rank {rank} of {len(ranked)})")
+    best = " ".join(f"{k}={'null' if v is None else str(v).lower()}"
+                    for k, v in fitting[0].layout.overrides().items())
+    print(f"\nto use the best: {best}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
