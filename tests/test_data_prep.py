@@ -222,19 +222,20 @@ def test_skip_bad_records_counts_and_reports(model, tmp_path, caplog):
 
 
 @pytest.fixture
-def disk_full_on_finalize(monkeypatch):
-    """The builder writes part of the .idx, then fails as a full disk would."""
+def fill_disk_on_finalize(monkeypatch):
+    """Call it to make the builder write part of the .idx and then fail as a full disk would."""
 
     def broken_finalize(self, idx_path):
         Path(idx_path).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(IndexedDatasetBuilder, "finalize", broken_finalize)
+    return lambda: monkeypatch.setattr(IndexedDatasetBuilder, "finalize", broken_finalize)
 
 
-def test_failure_during_finalize_leaves_no_pair(model, tmp_path, disk_full_on_finalize):
+def test_failure_during_finalize_leaves_no_pair(model, tmp_path, fill_disk_on_finalize):
     src = _write_jsonl(tmp_path / "in.jsonl", _docs(5))
     out = tmp_path / "out"
+    fill_disk_on_finalize()
     with pytest.raises(OSError, match="disk full"):
         preprocess_mod.preprocess([str(src)], str(out / "d"), str(model), workers=2)
     assert list(out.iterdir()) == []
@@ -370,9 +371,10 @@ def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(model, tmp_path)
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
 
 
-def test_merge_failure_leaves_no_pair(model, tmp_path, disk_full_on_finalize):
+def test_merge_failure_leaves_no_pair(model, tmp_path, fill_disk_on_finalize):
     shards = [_prepare(model, _docs(3), tmp_path / f"s{i}") for i in range(2)]
     out = tmp_path / "out"
+    fill_disk_on_finalize()
     with pytest.raises(OSError, match="disk full"):
         merge_mod.merge(shards, str(out / "m"))
     assert list(out.iterdir()) == []
@@ -399,12 +401,16 @@ def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subpr
     mid-way for as long as the test wants, whatever the machine's speed."""
     fifo = prefix.parent / "input.jsonl"
     os.mkfifo(fifo)
+    # Output to a file, not a pipe: reading a pipe to EOF would also wait for any process that
+    # inherited it, and this test is about the run's own exit.
+    log = open(prefix.parent.parent / f"{prefix.parent.name}.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "data_prep.preprocess", "--input", str(fifo),
          "--output-prefix", str(prefix), "--tokenizer-model", str(model), "--append-eod", "--workers", "1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=REPO, stdout=log, stderr=log, text=True, start_new_session=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
+    proc.log = log
     writer = open(fifo, "w")  # blocks until preprocess opens the FIFO for reading
     writer.writelines(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(2000))
     writer.flush()
@@ -414,9 +420,14 @@ def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subpr
         tmp = list(prefix.parent.glob(f"{prefix.name}_text_document.bin.tmp-*"))
         if tmp and tmp[0].stat().st_size > 0:  # tokens are being written
             return proc
-        assert proc.poll() is None, f"preprocess ended before it could be interrupted:\n{proc.stderr.read()}"
+        assert proc.poll() is None, f"preprocess ended before it could be interrupted:\n{_output(proc)}"
         time.sleep(0.05)
     raise AssertionError("preprocess never started writing")
+
+
+def _output(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
 
 
 def _close_quietly(writer) -> None:
@@ -442,7 +453,6 @@ def test_sigkill_midway_leaves_no_dataset_under_the_final_name(model, tmp_path):
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         _kill_group(proc)
-        proc.communicate()
         _close_quietly(proc.input_writer)
     names = sorted(p.name for p in tmp_path.iterdir() if p.name != "input.jsonl")
     assert "d_text_document.bin" not in names and "d_text_document.idx" not in names, names
@@ -455,11 +465,12 @@ def test_sigint_midway_exits_nonzero_and_cleans_up(model, tmp_path):
     proc = _start_preprocess_and_wait_until_writing(model, prefix)
     try:
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=120)
     finally:
         _kill_group(proc)
         _close_quietly(proc.input_writer)
-    assert proc.returncode == 1 and "interrupted: no output written" in stderr and "Traceback" not in stderr
+    output = _output(proc)
+    assert proc.returncode == 1 and "interrupted: no output written" in output and "Traceback" not in output, output
     assert [p.name for p in tmp_path.iterdir()] == ["input.jsonl"]
     with pytest.raises(ProcessLookupError):  # the workers were stopped and reaped too
         os.killpg(proc.pid, 0)
