@@ -409,6 +409,9 @@ def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subpr
          "--output-prefix", str(prefix), "--tokenizer-model", str(model), "--append-eod", "--workers", "1"],
         cwd=REPO, stdout=log, stderr=log, text=True, start_new_session=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        # A suite started in the background by a non-interactive shell inherits SIGINT ignored,
+        # and Python then never raises KeyboardInterrupt: give the run the default, as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     proc.log = log
     writer = open(fifo, "w")  # blocks until preprocess opens the FIFO for reading
