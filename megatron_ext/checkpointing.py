@@ -173,8 +173,8 @@ def start_save_helpers() -> None:
             signal.signal(sig, handler)
 
 
-def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler,
-                    consumed_samples: int, run_config: dict[str, Any]) -> Path:
+def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: MegatronOptimizer,
+                    scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any]) -> Path:
     """Collective: every rank writes its shards into iter_XXXXXXX, then rank 0 updates the tracker."""
     target = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
@@ -195,7 +195,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, s
     return target
 
 
-def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler) -> tuple[int, int]:
+def load_checkpoint(root: str | Path, model_chunks, optimizer: MegatronOptimizer,
+                    scheduler: OptimizerParamScheduler) -> tuple[int, int]:
     """Resume from `root`'s latest checkpoint; returns (iteration, consumed_samples).
 
     A weights-only checkpoint is loaded as initial weights: (0, 0), fresh optimizer and schedule.
