@@ -447,16 +447,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def _interrupt(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the run (not its workers), wait for it to end, then close its input."""
+    try:
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        _close_quietly(proc.input_writer)
+
+
 @pytest.mark.slow
 def test_sigkill_midway_leaves_no_dataset_under_the_final_name(model, tmp_path):
     prefix = tmp_path / "d"
     proc = _start_preprocess_and_wait_until_writing(model, prefix)
     try:
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
+        _interrupt(proc, signal.SIGKILL)
+        assert proc.returncode == -signal.SIGKILL
     finally:
-        _kill_group(proc)
-        _close_quietly(proc.input_writer)
+        _kill_group(proc)  # a killed run cannot stop its workers
     names = sorted(p.name for p in tmp_path.iterdir() if p.name != "input.jsonl")
     assert "d_text_document.bin" not in names and "d_text_document.idx" not in names, names
     assert all(".tmp-" in n for n in names), names  # only temp files may remain
@@ -467,16 +475,14 @@ def test_sigint_midway_exits_nonzero_and_cleans_up(model, tmp_path):
     prefix = tmp_path / "d"
     proc = _start_preprocess_and_wait_until_writing(model, prefix)
     try:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
+        _interrupt(proc, signal.SIGINT)
+        with pytest.raises(ProcessLookupError):  # the run stopped and reaped its workers itself
+            os.killpg(proc.pid, 0)
     finally:
         _kill_group(proc)
-        _close_quietly(proc.input_writer)
     output = _output(proc)
     assert proc.returncode == 1 and "interrupted: no output written" in output and "Traceback" not in output, output
     assert [p.name for p in tmp_path.iterdir()] == ["input.jsonl"]
-    with pytest.raises(ProcessLookupError):  # the workers were stopped and reaped too
-        os.killpg(proc.pid, 0)
 
 
 @pytest.mark.slow
