@@ -35,6 +35,9 @@ class CausalCoreAttention(MegatronModule):
             raise ValueError(f"{type(self).__name__} supports causal masks only, got {attn_mask_type}")
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        # A Python bool, not a shape comparison: torch.compile with dynamic shapes would turn the
+        # comparison into a SymBool, which SDPA rejects.
+        self.grouped_query = config.num_query_groups not in (None, config.num_attention_heads)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -60,5 +63,5 @@ class SDPAttention(CausalCoreAttention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=q.size(1) != k.size(1),
+            dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=self.grouped_query,
         )

@@ -78,6 +78,9 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16
     fp8: Optional[str] = None  # None | delayed | tensorwise: TransformerEngine FP8 recipe (hybrid E4M3/E5M2)
     recompute_granularity: Optional[str] = None  # None | selective | full
+    fused_swiglu: bool = False  # megatron-core's fused SwiGLU (bias_activation_fusion, torch.compile'd)
+    fused_cross_entropy: bool = False  # megatron-core's fused vocab-parallel cross-entropy (TE's with TE)
+    compile: bool = False  # torch.compile every transformer layer (local layer spec)
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
 
@@ -94,6 +97,9 @@ class OptimizerSection:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    # torch AdamW's single-kernel update where megatron-core falls back to torch (no TE/apex
+    # FusedAdam); false = torch's multi-pass foreach update.
+    fused_adam: bool = True
 
 
 @dataclass
@@ -342,6 +348,13 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
         _require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
                  "Ada, Hopper, Blackwell) — or set train.fp8=null")
         _require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
+    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
+    # unconditionally: in an fp32 run it would silently round every gradient through bf16.
+    _require(not t.fused_cross_entropy or t.precision == "bf16", "train.fused_cross_entropy", True,
+             "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
+    _require(not t.compile or m.attention_backend == "local" or not te_available, "train.compile", True,
+             "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
+             "kernels — set model.attention_backend=local to compile, or train.compile=false")
     _require(
         t.recompute_granularity in (None, "selective", "full"),
         "train.recompute_granularity",

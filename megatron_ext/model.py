@@ -10,6 +10,7 @@ torch-norm wrapper refuses SP).
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Optional
 
 import torch
@@ -70,7 +71,7 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int])
     )
 
 
-def transformer_config(cfg: RecipeConfig, on_gpu: bool) -> TransformerConfig:
+def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> TransformerConfig:
     """megatron-core TransformerConfig for a Llama-style decoder under `cfg`'s parallel layout."""
     m, p = cfg.model, cfg.parallel
     bf16 = cfg.train.precision == "bf16"
@@ -111,7 +112,9 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool) -> TransformerConfig:
         fp8="hybrid" if cfg.train.fp8 else None,
         fp8_recipe=cfg.train.fp8 or "delayed",
         calculate_per_token_loss=True,
-        bias_activation_fusion=False,
+        bias_activation_fusion=cfg.train.fused_swiglu,
+        cross_entropy_loss_fusion=cfg.train.fused_cross_entropy,
+        cross_entropy_fusion_impl="te" if use_te else "native",
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -146,6 +149,16 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             vp_stage=stage,
         ))
     return chunks
+
+
+def compile_layers(chunks: list[GPTModel]) -> None:
+    """torch.compile each decoder layer in place (parameter names, hence checkpoints, are unchanged)."""
+    # megatron-core's row-parallel linear warns about a missing tp_group on every call (rank 0);
+    # dynamo would break the graph at each warning.
+    torch._dynamo.config.ignore_logger_methods.add(warnings.warn)
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            layer.compile()
 
 
 def num_parameters(cfg: RecipeConfig, vocab_size: int) -> int:

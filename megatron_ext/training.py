@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
@@ -25,7 +25,7 @@ from megatron_ext import checkpointing, cpu_backend
 from megatron_ext.config import RecipeConfig, data_parallel_size
 from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.metrics import RunLogger
-from megatron_ext.model import build_model_chunks, transformer_config, transformer_engine_available
+from megatron_ext.model import build_model_chunks, compile_layers, transformer_config, transformer_engine_available
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.tokenizer import SentencePieceTokenizer, VocabOnlyTokenizer
 
@@ -97,6 +97,21 @@ def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]]) -> float:
     return (totals[0] / totals[1]).item()
 
 
+def _use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
+    """Run megatron-core's torch AdamW fallback (no TE/apex) with torch's fused kernel: one pass
+    over params, grads and moments instead of foreach's several. TE/apex FusedAdam is left alone."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
+            continue
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+            for param in group["params"]:
+                state = inner.state[param]
+                if "step" in state:  # the fused kernel reads the step count on the param's device
+                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
 class Trainer:
     """Builds the model, optimizer, schedule and data for one rank, then trains."""
 
@@ -113,15 +128,22 @@ class Trainer:
         use_te = cfg.model.attention_backend == "te" or (
             cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()
         )
-        self.config = transformer_config(cfg, self.on_gpu)
+        self.config = transformer_config(cfg, self.on_gpu, use_te)
         chunks = build_model_chunks(cfg, vocab, self.config, use_te)
+        if cfg.train.compile:
+            compile_layers(chunks)
         if self.on_gpu:
             chunks = [c.cuda() for c in chunks]
         layout = describe_layout(chunks)
         if self.rank == 0:
             log.info(layout)
             attention = "ring attention over CP" if cfg.parallel.context_parallel_size > 1 else "torch SDPA"
+            t = cfg.train
+            kernels = [name for name, on in [("fused SwiGLU", t.fused_swiglu),
+                                             ("fused cross-entropy", t.fused_cross_entropy),
+                                             ("torch.compile per layer", t.compile)] if on]
             log.info(f"layer spec: {'TransformerEngine' if use_te else 'megatron-core local + ' + attention}; "
+                     f"kernels: {', '.join(kernels) or 'eager'}; "
                      f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
         self.model = wrap_with_ddp(chunks, self.config, cfg)
         self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
@@ -145,6 +167,8 @@ class Trainer:
             source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model,
                                                            self.optimizer)
             self._info(f"loaded weights of {cfg.checkpoint.pretrained_checkpoint} (iteration {source})")
+        if cfg.optimizer.fused_adam:  # after any load: it restores the saved param-group flags
+            _use_fused_torch_adam(self.optimizer)
         self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
 

@@ -66,7 +66,7 @@ def build_model(cfg: RecipeConfig, vocab_size: int, initialize: bool = True):
     """This rank's GPTModel (one chunk, local layer spec, CPU) for `cfg`; inside model_parallel_world."""
     from megatron_ext.model import build_model_chunks, transformer_config
 
-    config = transformer_config(cfg, on_gpu=False)
+    config = transformer_config(cfg, on_gpu=False, use_te=False)
     config.perform_initialization = initialize  # random init is wasted time when weights are copied in
     (model,) = build_model_chunks(cfg, vocab_size, config, use_te=False)
     return model.eval()

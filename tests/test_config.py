@@ -55,6 +55,7 @@ def test_overrides_are_typed():
         (["train.micro_batch_size=0"], 4, "train.micro_batch_size=0 is invalid: must be a positive integer"),
         (["train.fp8=delayed", "train.precision=bf16"], 4, "FP8 runs through TransformerEngine"),
         (["train.fp8=mxfp4"], 4, "train.fp8='mxfp4' is invalid: one of null, delayed, tensorwise"),
+        (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
     ],
 )
 def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, fragment):
@@ -69,6 +70,13 @@ def test_fp8_needs_an_fp8_gpu_and_bf16_even_with_te():
     with pytest.raises(ConfigError, match="FP8 training needs train.precision=bf16"):
         validate_layout(tiny("train.fp8=delayed"), 4, te_available=True, fp8_capable=True)
     validate_layout(tiny("train.fp8=delayed", "train.precision=bf16"), 4, te_available=True, fp8_capable=True)
+
+
+def test_compile_is_for_the_local_layer_spec():
+    with pytest.raises(ConfigError, match="train.compile=True is invalid: compiles megatron-core's local layers"):
+        validate_layout(tiny("train.compile=true"), 4, te_available=True)
+    validate_layout(tiny("train.compile=true", "model.attention_backend=local"), 4, te_available=True)
+    validate_layout(tiny("train.compile=true"), 4, te_available=False)
 
 
 def test_interleaving_needs_microbatches_divisible_by_pp():

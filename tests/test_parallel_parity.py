@@ -42,6 +42,9 @@ LAYOUTS = {
     "pp2_cp2": (4, [*TP1, "parallel.context_parallel_size=2"]),
     "tp2_sp_full_recompute": (2, [*PP1, "train.recompute_granularity=full"]),
     "pp2_selective_recompute": (2, [*TP1, "train.recompute_granularity=selective"]),
+    "dp2_distopt_overlap": (2, [*TP1, *PP1, "parallel.overlap_grad_reduce=true",
+                                "parallel.overlap_param_gather=true"]),
+    "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"]),
     "dp2_tp2_pp2": (8, []),
     "dp2_tp2_pp2_cp2": (16, ["parallel.context_parallel_size=2"]),
 }
