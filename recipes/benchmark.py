@@ -8,7 +8,7 @@ leaking into the peers) on the same model shape, micro batch, sequence length an
 
 * ``megatron``: recipes.pretrain's Trainer (megatron-core local layers + SDPA, or TE when present),
   eager; ``megatron-fused``: + megatron-core's fused SwiGLU and fused cross-entropy;
-  ``megatron-compile``: + torch.compile of every decoder layer (train.* keys in MEGATRON_VARIANTS;
+  ``megatron-compile``: local layers + torch.compile of every decoder layer (keys in MEGATRON_VARIANTS;
   the fused cross-entropy only in bf16, the one precision it is correct in);
 * ``hf`` / ``hf-compile``: transformers LlamaForCausalLM, attn_implementation="sdpa", AdamW,
   without and with torch.compile.
@@ -40,7 +40,8 @@ PRESETS = {
 MEGATRON_VARIANTS = {
     "megatron": [],
     "megatron-fused": ["train.fused_swiglu=true", "train.fused_cross_entropy=true"],
-    "megatron-compile": ["train.compile=true", "train.fused_cross_entropy=true"],
+    # compile applies to megatron-core's local layers, also where TE is importable
+    "megatron-compile": ["model.attention_backend=local", "train.compile=true", "train.fused_cross_entropy=true"],
 }
 VARIANTS = (*MEGATRON_VARIANTS, "hf", "hf-compile")
 
@@ -146,8 +147,24 @@ def _run_variant_subprocess(variant: str, args: argparse.Namespace, out: Path) -
     return Result(**json.loads(out.read_text()))
 
 
+def _versions() -> dict[str, Optional[str]]:
+    """What produced the numbers: a table is only comparable with one from the same stack."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> Optional[str]:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            **{name: installed(name) for name in ("megatron-core", "transformers", "transformer-engine")}}
+
+
 def _table(results: list[Result]) -> str:
-    header = f"{"variant":<16} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step ms':>9}"
+    header = f"{'variant':<16} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step ms':>9}"
     rows = [header, "-" * len(header)]
     for r in results:
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
@@ -215,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"mbs {shape['micro_batch_size']} {args.precision} on {results[0].device}")
     table = _table(results)
     print(f"\n{title}\n{table}")
-    record = {"title": title, "shape": shape, "precision": args.precision, "torch": torch.__version__,
+    record = {"title": title, "shape": shape, "precision": args.precision, "versions": _versions(),
               "results": [asdict(r) for r in results]}
     (out_dir / "benchmark.json").write_text(json.dumps(record, indent=1) + "\n")
     _chart(results, out_dir / "benchmark.png", title)
