@@ -97,19 +97,29 @@ def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]]) -> float:
     return (totals[0] / totals[1]).item()
 
 
-def _use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
-    """Run megatron-core's torch AdamW fallback (no TE/apex) with torch's fused kernel: one pass
-    over params, grads and moments instead of foreach's several. TE/apex FusedAdam is left alone."""
+def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
+    """Pick the update kernel of megatron-core's torch AdamW fallback (no TE/apex): torch's fused
+    kernel (one pass over params, grads and moments) or torch's default (foreach on GPU, several
+    passes). TE/apex FusedAdam is left alone."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
         if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
             continue
         for group in inner.param_groups:
-            group["fused"], group["foreach"] = True, False
+            group["fused"], group["foreach"] = fused, False if fused else None
             for param in group["params"]:
                 state = inner.state[param]
-                if "step" in state:  # the fused kernel reads the step count on the param's device
+                if fused and "step" in state:  # the fused kernel reads the step count on the param's device
                     state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
+def _update_kernel(optimizer: MegatronOptimizer) -> str:
+    """Which Adam implementation updates the weights, for the start-up log."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
+    if not isinstance(inner, torch.optim.Adam):
+        return f"{type(inner).__module__.split('.')[0]} {type(inner).__name__}"  # TE's or apex's FusedAdam
+    kernel = "fused kernel" if inner.param_groups[0].get("fused") else "torch's default kernel (foreach on GPU)"
+    return f"torch {type(inner).__name__}, {kernel}"
 
 
 class Trainer:
@@ -167,8 +177,9 @@ class Trainer:
             source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model,
                                                            self.optimizer)
             self._info(f"loaded weights of {cfg.checkpoint.pretrained_checkpoint} (iteration {source})")
-        if cfg.optimizer.fused_adam:  # after any load: it restores the saved param-group flags
-            _use_fused_torch_adam(self.optimizer)
+        # After any load: it restores the kernel flags the checkpoint was saved with.
+        _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
+        self._info(f"optimizer: {_update_kernel(self.optimizer)}")
         self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
 

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.checkpointing import latest_iteration
 from tests.conftest import PARITY_STEPS, SCHEDULE_ITERS, parity_overrides
-from tests.launch import max_relative_difference, read_scalars, run_pretrain
+from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +80,18 @@ def test_resume_under_another_layout_continues_the_same_run(runs, name, nproc, l
         diff = max_relative_difference(resumed, full)
         print(f"reshard {name} {tag}: max rel diff {diff:.2e}")
         assert diff <= tolerance, (tag, resumed, full)
+
+
+@pytest.mark.parametrize("saved_fused, resumed_fused, kernel", [
+    ("false", "true", "fused kernel"), ("true", "false", "torch's default kernel"),
+])
+def test_resume_runs_the_configured_adam_kernel(saved_fused, resumed_fused, kernel, tmp_path):
+    """A checkpoint carries the Adam kernel flags it was saved with; the resumed run's config wins.
+    (On CPU both kernels give the same numbers here, so only the log can tell them apart.)"""
+    ckpt = tmp_path / "ckpt"
+    run = [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=2", "logging.tensorboard_dir=null",
+           f"checkpoint.save={ckpt}"]
+    run_pretrain(1, [*run, "train.exit_interval=1", f"optimizer.fused_adam={saved_fused}"])
+    resumed = run_pretrain(1, [*run, f"checkpoint.load={ckpt}", f"optimizer.fused_adam={resumed_fused}"])
+    log = resumed.stdout + resumed.stderr
+    assert "resumed from" in log and f"optimizer: torch AdamW, {kernel}" in log, log[-3000:]
