@@ -53,4 +53,5 @@ USER 10001:10001
 # NGC's entrypoint (driver and CUDA compatibility checks, then exec of the command) runs any
 # recipe command: `docker run ... IMAGE torchrun --nproc-per-node 8 -m recipes.pretrain --config ...`.
 ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh"]
+# First check on a new machine: `docker run ... IMAGE python -m recipes.doctor` (docs/docker.md).
 CMD ["python", "-m", "recipes.pretrain", "--help"]

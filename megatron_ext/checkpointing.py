@@ -5,9 +5,8 @@ consumed samples and the run config; ``<save>/latest_checkpointed_iteration.txt`
 atomically only after every rank finished writing, so a crash mid-save never points at a
 half-written checkpoint.
 
-Also works around two megatron-core 0.16.1 bugs in loading the distributed optimizer when
-the torch Adam fallback is used (no TE/apex): see :func:`_fill_empty_adam_state` and
-:func:`_load_optimizer`.
+Checkpoints load under either layer spec and Adam implementation (local + torch AdamW, or
+TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint_compat`.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_ext import checkpoint_compat
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
                    with_rng: bool) -> dict[str, Any]:
     state = _model_state(model_chunks)
     if optimizer is not None:
-        _fill_empty_adam_state(optimizer)
+        checkpoint_compat.fill_empty_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
             metadata=_OPTIMIZER_METADATA,
@@ -100,57 +101,6 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
-
-
-def _adam_states(optimizer: MegatronOptimizer):
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                yield inner.state[param], param
-
-
-def _fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
-    """A fresh torch Adam has empty state, and megatron-core's DistributedOptimizer.state_dict()
-    asserts on exactly one 'step' value (distrib_optimizer.py:642), both to save before the first
-    step and to load into a new run: give every param the zero state Adam would start from."""
-    for state, param in _adam_states(optimizer):
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
-def _load_optimizer(optimizer: MegatronOptimizer, state: dict[str, Any]) -> None:
-    """optimizer.load_state_dict with megatron-core 0.16.1's torch-Adam load path repaired.
-
-    load_state_dict first gives every param one *shared* 'step' tensor (distrib_optimizer.py:818-824),
-    then copies each param's saved tensors over its state keys, where 'step' has no source
-    (KeyError at distrib_optimizer.py:940). Each copy is done with 'step' set aside and then
-    restored as the param's own tensor, because torch Adam increments it in place once per param.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(opt, "_set_main_param_and_optimizer_states"):
-            opt._set_main_param_and_optimizer_states = _step_preserving(opt)
-    try:
-        optimizer.load_state_dict(state)
-    finally:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
-
-
-def _step_preserving(opt):
-    copy_states = type(opt)._set_main_param_and_optimizer_states
-
-    def copy_without_step(model_param, tensors):
-        group, order = opt.model_param_group_index_map[model_param]
-        state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
-        step = state.pop("step", None)
-        copy_states(opt, model_param, tensors)
-        if step is not None:
-            state["step"] = step.clone()
-
-    return copy_without_step
 
 
 def start_save_helpers() -> None:
@@ -217,9 +167,9 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer: MegatronOptimizer
         log.info(f"resharding {root} from TP{saved.get('tensor_model_parallel_size')}×"
                  f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
-    loaded = dist_checkpointing.load(state, str(iteration_dir(root, iteration)))
-    _load_model(model_chunks, loaded)
-    _load_optimizer(optimizer, loaded["optimizer"])
+    loaded = checkpoint_compat.load_sharded(state, iteration_dir(root, iteration))
+    checkpoint_compat.load_model_chunks(model_chunks, loaded)
+    checkpoint_compat.load_optimizer(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
@@ -233,15 +183,8 @@ def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronO
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
-    loaded = dist_checkpointing.load(_model_state(model_chunks), str(iteration_dir(root, iteration)))
-    _load_model(model_chunks, loaded)
+    loaded = checkpoint_compat.load_sharded(_model_state(model_chunks), iteration_dir(root, iteration))
+    checkpoint_compat.load_model_chunks(model_chunks, loaded)
     optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
     return iteration
 
-
-def _load_model(model_chunks, loaded: dict[str, Any]) -> None:
-    if len(model_chunks) == 1:
-        model_chunks[0].module.load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(model_chunks):
-            chunk.module.load_state_dict(loaded[f"model{i}"])

@@ -340,21 +340,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
             f"the interleaved schedule needs the number of microbatches ({microbatches}) to be a "
             f"multiple of pipeline_model_parallel_size={pp}",
         )
-    _require(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "one of fp32, bf16")
-    if t.fp8 is not None:
-        _require(t.fp8 in ("delayed", "tensorwise"), "train.fp8", t.fp8, "one of null, delayed, tensorwise")
-        _require(te_available, "train.fp8", t.fp8, "FP8 runs through TransformerEngine, which is not importable "
-                 "here (use the NGC container, see docs/docker.md) — or set train.fp8=null")
-        _require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
-                 "Ada, Hopper, Blackwell) — or set train.fp8=null")
-        _require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
-    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
-    # unconditionally: in an fp32 run it would silently round every gradient through bf16.
-    _require(not t.fused_cross_entropy or t.precision == "bf16", "train.fused_cross_entropy", True,
-             "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
-    _require(not t.compile or m.attention_backend == "local" or not te_available, "train.compile", True,
-             "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
-             "kernels — set model.attention_backend=local to compile, or train.compile=false")
+    _validate_precision(cfg, te_available, fp8_capable)
     _require(
         t.recompute_granularity in (None, "selective", "full"),
         "train.recompute_granularity",
@@ -372,6 +358,31 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     )
     _require(p.overlap_param_gather is False or p.use_distributed_optimizer,
              "parallel.overlap_param_gather", True, "needs parallel.use_distributed_optimizer=true")
+
+
+def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool) -> None:
+    """train.precision / fp8 / fused kernels / compile against the layer spec this machine builds."""
+    m, t = cfg.model, cfg.train
+    _require(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "one of fp32, bf16")
+    if t.fp8 is not None:
+        _require(t.fp8 in ("delayed", "tensorwise"), "train.fp8", t.fp8, "one of null, delayed, tensorwise")
+        _require(te_available, "train.fp8", t.fp8, "FP8 runs through TransformerEngine, which is not importable "
+                 "here (use the NGC container, see docs/docker.md) — or set train.fp8=null")
+        # Local layers ignore TE's fp8_autocast: the run would train in BF16 without a word.
+        _require(m.attention_backend != "local", "train.fp8", t.fp8,
+                 "FP8 runs only in TransformerEngine's layers, and model.attention_backend=local (also what "
+                 "train.compile needs) builds megatron-core's local layers — set model.attention_backend=auto "
+                 "and train.compile=false, or train.fp8=null")
+        _require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+                 "Ada, Hopper, Blackwell) — or set train.fp8=null")
+        _require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
+    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
+    # unconditionally: in an fp32 run it would silently round every gradient through bf16.
+    _require(not t.fused_cross_entropy or t.precision == "bf16", "train.fused_cross_entropy", True,
+             "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
+    _require(not t.compile or m.attention_backend == "local" or not te_available, "train.compile", True,
+             "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
+             "kernels — set model.attention_backend=local to compile, or train.compile=false")
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

@@ -10,6 +10,7 @@ convention (PaLM, Megatron-LM) does not do. MFU = achieved / peak dense BF16.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -109,3 +110,15 @@ class RunLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def read_scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:
+    """{step: value} of one scalar tag, across every event file in the directory (resumed runs append);
+    empty when nothing logged it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["scalars"]:
+        return {}
+    return {event.step: event.value for event in acc.Scalars(tag)}

@@ -10,7 +10,7 @@ torch-norm wrapper refuses SP).
 from __future__ import annotations
 
 import copy
-import warnings
+from functools import partial
 from typing import Optional
 
 import torch
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -27,12 +28,27 @@ from megatron_ext.cp_attention import RingAttention
 
 
 def transformer_engine_available() -> bool:
-    """TE is imported lazily: it exists in NGC containers, not on CPU machines or bare GPUs."""
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken CUDA setup raising at import
-        return False
-    return True
+    """megatron-core's own decision, so the spec chosen here is one megatron-core can build.
+
+    Its TE layer wrappers need ``transformer_engine.pytorch`` (extensions/transformer_engine.py) and its
+    GPT specs need those wrappers (gpt_layer_specs.py); a bare ``import transformer_engine`` can succeed
+    where both fail (TE's top-level package swallows a broken ``.pytorch``).
+    """
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(te_extension.HAVE_TE and gpt_layer_specs.HAVE_TE)
+
+
+def te_gradient_accumulation_fusion(use_te: bool) -> bool:
+    """TE layers accumulate weight gradients straight into megatron's fp32 ``main_grad`` buffers.
+
+    The flag is model-wide: megatron-core's local output layer then needs apex's
+    ``fused_weight_gradient_mlp_cuda`` (present in the NGC container) and refuses to build without it.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    return use_te and layers._grad_accum_fusion_available
 
 
 def gpu_has_fp8() -> bool:
@@ -118,11 +134,33 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=te_gradient_accumulation_fusion(use_te),
         recompute_granularity=cfg.train.recompute_granularity,
         recompute_method="uniform" if cfg.train.recompute_granularity == "full" else None,
         recompute_num_layers=1 if cfg.train.recompute_granularity == "full" else None,
     )
+
+
+def describe_layers(cfg: RecipeConfig, config: TransformerConfig, use_te: bool) -> str:
+    """One line naming what will actually run: layer spec, attention, precision/FP8 and fused kernels."""
+    cp = cfg.parallel.context_parallel_size > 1
+    t = cfg.train
+    if use_te:
+        spec = "TransformerEngine"
+        attention = "TE DotProductAttention" + (" with TE's context parallelism" if cp else "")
+    else:
+        spec = "megatron-core local"
+        attention = "ring attention over CP" if cp else "torch SDPA"
+    precision = t.precision + (f" + FP8 ({t.fp8} scaling, E4M3/E5M2 hybrid, through TE)" if t.fp8 else ", no FP8")
+    kernels = [name for name, on in [
+        ("fused SwiGLU", t.fused_swiglu),
+        (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", t.fused_cross_entropy),
+        ("torch.compile per layer", t.compile),
+        ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
+        (f"{t.recompute_granularity} recompute", t.recompute_granularity is not None),
+    ] if on]
+    return (f"layer spec: {spec}; attention: {attention}; precision: {precision}; "
+            f"kernels: {', '.join(kernels) or 'eager, none fused'}")
 
 
 def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerConfig,
@@ -148,17 +186,32 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,
             vp_stage=stage,
         ))
+    _give_row_parallel_layers_their_group(chunks)
     return chunks
 
 
 def compile_layers(chunks: list[GPTModel]) -> None:
     """torch.compile each decoder layer in place (parameter names, hence checkpoints, are unchanged)."""
-    # megatron-core's row-parallel linear warns about a missing tp_group on every call (rank 0);
-    # dynamo would break the graph at each warning.
-    torch._dynamo.config.ignore_logger_methods.add(warnings.warn)
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile()
+
+
+def _give_row_parallel_layers_their_group(chunks: list[GPTModel]) -> None:
+    """megatron-core 0.16.1's RowParallelLinear.forward hands its GEMM ``tp_group=None`` (tensor_parallel/
+    layers.py:1281), which then warns "tp_group is None, using default tp group" on rank 0 at every call and,
+    under torch.compile, puts a warnings.warn into every compiled layer. The layer's own group is the one
+    meant: pass it."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if type(module) is RowParallelLinear:
+                module._forward_impl = partial(_with_tp_group, module._forward_impl, module.tp_group)
+
+
+def _with_tp_group(forward_impl, group, /, *args, **kwargs):
+    if kwargs.get("tp_group") is None:
+        kwargs["tp_group"] = group
+    return forward_impl(*args, **kwargs)
 
 
 def num_parameters(cfg: RecipeConfig, vocab_size: int) -> int:

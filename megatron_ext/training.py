@@ -22,10 +22,12 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
 from megatron_ext import checkpointing, cpu_backend
+from megatron_ext.checkpoint_compat import is_torch_adam
 from megatron_ext.config import RecipeConfig, data_parallel_size
 from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.metrics import RunLogger
-from megatron_ext.model import build_model_chunks, compile_layers, transformer_config, transformer_engine_available
+from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
+                                transformer_engine_available)
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.tokenizer import SentencePieceTokenizer, VocabOnlyTokenizer
 
@@ -103,7 +105,7 @@ def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None
     passes). TE/apex FusedAdam is left alone."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
-        if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
+        if not is_torch_adam(inner):
             continue
         for group in inner.param_groups:
             group["fused"], group["foreach"] = fused, False if fused else None
@@ -116,7 +118,7 @@ def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None
 def _update_kernel(optimizer: MegatronOptimizer) -> str:
     """Which Adam implementation updates the weights, for the start-up log."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
-    if not isinstance(inner, torch.optim.Adam):
+    if not is_torch_adam(inner):
         return f"{type(inner).__module__.split('.')[0]} {type(inner).__name__}"  # TE's or apex's FusedAdam
     kernel = "fused kernel" if inner.param_groups[0].get("fused") else "torch's default kernel (foreach on GPU)"
     return f"torch {type(inner).__name__}, {kernel}"
@@ -145,16 +147,12 @@ class Trainer:
         if self.on_gpu:
             chunks = [c.cuda() for c in chunks]
         layout = describe_layout(chunks)
-        if self.rank == 0:
-            log.info(layout)
-            attention = "ring attention over CP" if cfg.parallel.context_parallel_size > 1 else "torch SDPA"
-            t = cfg.train
-            kernels = [name for name, on in [("fused SwiGLU", t.fused_swiglu),
-                                             ("fused cross-entropy", t.fused_cross_entropy),
-                                             ("torch.compile per layer", t.compile)] if on]
-            log.info(f"layer spec: {'TransformerEngine' if use_te else 'megatron-core local + ' + attention}; "
-                     f"kernels: {', '.join(kernels) or 'eager'}; "
-                     f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
+        self._info(layout)
+        self._info(f"{describe_layers(cfg, self.config, use_te)}; "
+                   f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
+        if use_te and not self.config.gradient_accumulation_fusion:
+            self._info("TE gradient-accumulation fusion is off: megatron-core's output layer needs apex's "
+                       "fused_weight_gradient_mlp_cuda for it, which is not installed here")
         self.model = wrap_with_ddp(chunks, self.config, cfg)
         self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
         o, t = cfg.optimizer, cfg.train

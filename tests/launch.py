@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
+
+from megatron_ext.metrics import read_scalars  # noqa: F401 -- re-exported for the tests
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -21,24 +24,17 @@ SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_mo
                   "parallel.sequence_parallel=false"]
 
 
-def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """torchrun the recipe on the tiny config with `overrides`; fails the test with the log if it fails."""
+def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: str = "recipes.pretrain",
+                 config: Optional[Path] = TINY) -> subprocess.CompletedProcess:
+    """torchrun `module` (the recipe entry point, or a test wrapper of it) on `config` with `overrides`;
+    fails the test with the log if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "recipes.pretrain", "--config", str(TINY), *overrides]
+           "-m", module, *(["--config", str(config)] if config else []), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
-
-
-def read_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
-    """{step: value} of one scalar tag, across every event file in the directory."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {event.step: event.value for event in acc.Scalars(tag)}
 
 
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:

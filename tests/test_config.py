@@ -72,6 +72,16 @@ def test_fp8_needs_an_fp8_gpu_and_bf16_even_with_te():
     validate_layout(tiny("train.fp8=delayed", "train.precision=bf16"), 4, te_available=True, fp8_capable=True)
 
 
+@pytest.mark.parametrize("local", [["model.attention_backend=local"],
+                                   ["model.attention_backend=local", "train.compile=true"]])
+def test_fp8_with_local_layers_is_refused_naming_the_keys(local):
+    """Local layers ignore TE's fp8_autocast: without this rule the run trains in BF16 silently."""
+    with pytest.raises(ConfigError, match=r"train.fp8='delayed' is invalid: FP8 runs only in TransformerEngine's "
+                                          r"layers, and model.attention_backend=local"):
+        validate_layout(tiny("train.fp8=delayed", "train.precision=bf16", *local), 4, te_available=True,
+                        fp8_capable=True)
+
+
 def test_compile_is_for_the_local_layer_spec():
     with pytest.raises(ConfigError, match="train.compile=True is invalid: compiles megatron-core's local layers"):
         validate_layout(tiny("train.compile=true"), 4, te_available=True)

@@ -1,0 +1,184 @@
+"""Checkpoints that move between layer specs and Adam implementations: local + torch AdamW ↔ TransformerEngine.
+
+A run on a CPU or a bare GPU builds megatron-core's local layers and falls back to torch AdamW; in the
+NGC container the same recipe builds TE layers and TE's FusedAdam. Their checkpoints differ in two
+places, repaired here when loading (saving stays as megatron-core writes it):
+
+* **Model.** TE's final norm (``TENorm``, te.pytorch.RMSNorm) saves an ``_extra_state`` (its FP8
+  metadata) that the local RMSNorm does not have. Every other key maps between the specs through
+  megatron-core's own key map (``input_layernorm.weight`` is saved as
+  ``self_attention.linear_qkv.layer_norm_weight`` by both). A requested ``_extra_state`` that the
+  checkpoint lacks keeps the module's fresh state (empty without FP8; TE derives new FP8 scales as it
+  trains); any other absent key is an error naming it.
+* **Optimizer.** torch Adam keeps the step count as a per-param float tensor ``state["step"]``; TE
+  FusedAdam keeps an ``int`` in each param group, passes it to a CUDA kernel taking ``int``, needs
+  ``bias_correction`` in each group, and rejects any per-param state key outside
+  ``exp_avg``/``exp_avg_sq``/``master_param`` (TE 2.9-2.11 ``fused_adam.py``, ``state_dict`` and
+  ``load_state_dict``). megatron-core's distributed optimizer saves the step in the param groups (a float
+  under torch, an int under TE); its other optimizers save torch's as a ``common_step`` state entry.
+  :func:`adapt_optimizer_state` rewrites a loaded state to the convention of the optimizer it goes into.
+
+Also the repairs of megatron-core 0.16.1's torch-Adam load path (distrib_optimizer.py:642, :818-824,
+:940), which apply to torch Adam only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer import MegatronOptimizer
+
+log = logging.getLogger(__name__)
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+class IncompatibleCheckpointError(RuntimeError):
+    """The checkpoint lacks tensors this model needs (another model shape or architecture)."""
+
+
+def is_torch_adam(inner: torch.optim.Optimizer) -> bool:
+    """megatron-core's fallback optimizer (torch's AdamW subclasses Adam), as opposed to TE's or apex's FusedAdam."""
+    return isinstance(inner, torch.optim.Adam)
+
+
+def _megatron_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _adam_states(optimizer: MegatronOptimizer) -> Iterator[tuple[torch.optim.Optimizer, dict, torch.Tensor]]:
+    for opt in _megatron_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                yield inner, inner.state[param], param
+
+
+def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
+    """Give every param of a fresh Adam the zero state its first step would create.
+
+    megatron-core builds the optimizer part of a checkpoint from the live state, which is empty until
+    the first step: its DistributedOptimizer.state_dict() asserts on one torch ``step`` value
+    (distrib_optimizer.py:642) and its parameter-state gather expects the moments. TE FusedAdam's state
+    is the two moments only (a ``step`` key would make its state_dict() raise KeyError).
+    """
+    for inner, state, param in _adam_states(optimizer):
+        if state:
+            continue
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if is_torch_adam(inner):
+            state["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _optimizer_substates(optimizer: MegatronOptimizer, state: Any) -> list[tuple[MegatronOptimizer, dict]]:
+    """Pair each megatron-core optimizer with its part of a loaded optimizer state (ChainedOptimizer's layout)."""
+    opts = _megatron_optimizers(optimizer)
+    if len(opts) == 1:
+        return [(opts[0], state)]
+    parts = [state[k] for k in sorted(state)] if isinstance(state, dict) else list(state)
+    return list(zip(opts, parts))
+
+
+def _saved_step(saved: dict) -> Optional[float]:
+    """The Adam step count a loaded optimizer state holds, wherever its optimizer kept it; None before step 1."""
+    common = saved.get("state", {}).get("common_step")
+    if common is not None:
+        return float(common)
+    steps = {float(g["step"]) for g in saved["param_groups"] if "step" in g}
+    if len(steps) > 1:
+        raise IncompatibleCheckpointError(f"optimizer param groups hold different step counts {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def adapt_optimizer_state(optimizer: MegatronOptimizer, state: Any) -> None:
+    """Rewrite a loaded optimizer state, in place, to the step convention of the Adam it is loaded into."""
+    for opt, part in _optimizer_substates(optimizer, state):
+        saved = part["optimizer"] if "optimizer" in part else part  # FP32Optimizer's is torch's own dict
+        inner = opt.optimizer
+        step = _saved_step(saved)
+        per_param = saved.get("state")  # present for megatron-core's non-distributed optimizers only
+        if is_torch_adam(inner):
+            # The distributed optimizer turns the group step into per-param tensors on load; the others
+            # restore per-param steps from 'common_step'.
+            if per_param is None:
+                for group in saved["param_groups"]:
+                    group["step"] = float(step or 0)
+            elif per_param:
+                per_param["common_step"] = torch.tensor(float(step or 0), dtype=torch.float32)
+        else:
+            if per_param is not None:
+                per_param.pop("common_step", None)
+            for group in saved["param_groups"]:
+                for key, value in inner.defaults.items():  # e.g. TE's bias_correction, absent from torch's groups
+                    group.setdefault(key, value)
+                if step is None:
+                    group.pop("step", None)
+                else:
+                    group["step"] = int(step)
+
+
+def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
+    """optimizer.load_state_dict after :func:`adapt_optimizer_state`, with megatron-core 0.16.1's
+    torch-Adam load path repaired.
+
+    Under torch Adam, load_state_dict first gives every param one *shared* 'step' tensor
+    (distrib_optimizer.py:818-824), then copies each param's saved tensors over its state keys, where
+    'step' has no source (KeyError at distrib_optimizer.py:940). Each copy is done with 'step' set aside
+    and then restored as the param's own tensor, because torch Adam increments it in place once per param.
+    """
+    adapt_optimizer_state(optimizer, state)
+    repaired = [opt for opt in _megatron_optimizers(optimizer)
+                if is_torch_adam(opt.optimizer) and hasattr(opt, "_set_main_param_and_optimizer_states")]
+    for opt in repaired:
+        opt._set_main_param_and_optimizer_states = _step_preserving(opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in repaired:
+            opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
+
+
+def _step_preserving(opt: MegatronOptimizer):
+    copy_states = type(opt)._set_main_param_and_optimizer_states
+
+    def copy_without_step(model_param, tensors):
+        group, order = opt.model_param_group_index_map[model_param]
+        state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        copy_states(opt, model_param, tensors)
+        if step is not None:
+            state["step"] = step.clone()
+
+    return copy_without_step
+
+
+def load_sharded(state: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
+    """dist_checkpointing.load, accepting a checkpoint without the ``_extra_state`` entries the current
+    layer spec requests (left out of the result; :func:`load_model_chunks` keeps the fresh ones)."""
+    loaded, _, absent = dist_checkpointing.load(state, str(checkpoint_dir), strict=StrictHandling.RETURN_UNEXPECTED)
+    needed = sorted(key for key in absent if not key.endswith(EXTRA_STATE_SUFFIX))
+    if needed:
+        shown = ", ".join(needed[:5]) + (f" and {len(needed) - 5} more" if len(needed) > 5 else "")
+        raise IncompatibleCheckpointError(
+            f"{checkpoint_dir} has no {shown}: it was saved from another model architecture; "
+            "check model.* against the config saved with it")
+    if absent and torch.distributed.get_rank() == 0:
+        log.info(f"{checkpoint_dir} was saved without the layer state of {', '.join(sorted(absent))} "
+                 "(another layer spec, e.g. local layers or a Hugging Face import): those start fresh")
+    return loaded
+
+
+def load_model_chunks(model_chunks: list[torch.nn.Module], loaded: dict[str, Any]) -> None:
+    """Load each chunk's weights from `loaded`; ``_extra_state`` the checkpoint lacked stays as the module has it."""
+    for i, chunk in enumerate(model_chunks):
+        weights = loaded["model"] if len(model_chunks) == 1 else loaded[f"model{i}"]
+        for key, value in chunk.module.state_dict().items():
+            if key.endswith(EXTRA_STATE_SUFFIX):
+                weights.setdefault(key, value)
+        chunk.module.load_state_dict(weights)

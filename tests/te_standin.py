@@ -1,0 +1,201 @@
+"""TE-shaped stand-ins, for tests only: TransformerEngine's checkpoint contracts where TE cannot be installed.
+
+* :class:`TEShapedSpecProvider` feeds megatron-core's own TE layer spec (``get_gpt_decoder_block_spec``
+  with ``use_transformer_engine=True``) plain torch/megatron modules that present what megatron-core's TE
+  wrappers present to a checkpoint: the norms fused into ``linear_qkv``/``linear_fc1`` as
+  ``layer_norm_weight``, an ``_extra_state`` on every TE module (TE ``module/base.py`` ``get_extra_state``:
+  an empty uint8 tensor without FP8), the final norm a ``TENorm`` with its own ``_extra_state`` (TE
+  ``ops/op.py``), and no sharded state for core attention (megatron-core's ``TEDotProductAttention``).
+  They compute what the local layers compute, so a run keeps its losses when it moves between the specs.
+  ``tests/golden/te_spec_sharded_keys.txt`` holds the keys megatron-core's TE spec produces; the
+  stand-ins are checked against it, and so is real TE where a GPU has it (``keys`` mode below).
+* :class:`FusedAdamStandIn` has TE FusedAdam's state contract (TE 2.9-2.11 ``optimizers/fused_adam.py``):
+  the step is an ``int`` in each param group (a float reaches a kernel taking ``int``: TypeError), each
+  group needs ``bias_correction``, and ``state_dict()``/``load_state_dict()`` look every per-param state
+  key up in a dtype map of ``exp_avg``/``exp_avg_sq``/``master_param`` (anything else: KeyError).
+
+Run as ``python -m tests.te_standin --config ... [overrides]`` (under torchrun) to train with both installed;
+``python -m tests.te_standin keys {local,te} [--real-te]`` prints a 2-layer model's sharded keys.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_ext.attention import SDPAttention
+from megatron_ext.model import RMSNorm
+
+
+class _TEExtraState:
+    """TE modules checkpoint their FP8 metadata as ``_extra_state``: an empty uint8 tensor without FP8."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        if state is not None and not isinstance(state, torch.Tensor):
+            raise TypeError(f"TE extra state must be a tensor, got {type(state).__name__}")
+
+
+class TELayerNormColumnParallelLinear(_TEExtraState, ColumnParallelLinear):
+    """RMSNorm fused into the column-parallel linear, its weight named ``layer_norm_weight`` (TE LayerNormLinear)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        self.layer_norm_weight.sequence_parallel = config.sequence_parallel
+        self.eps = config.layernorm_epsilon
+
+    def forward(self, x: torch.Tensor):
+        return super().forward(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps))
+
+
+class TERowParallelLinear(_TEExtraState, RowParallelLinear):
+    """megatron-core's TERowParallelLinear as a checkpoint sees it."""
+
+
+class TENorm(_TEExtraState, RMSNorm):
+    """The final norm: te.pytorch.RMSNorm, an FP8-aware op with its own ``_extra_state``."""
+
+
+class TEShapedSpecProvider(TESpecProvider):
+    """megatron-core's TE backend with the stand-in modules (dense Llama layers only)."""
+
+    def column_parallel_layer_norm_linear(self) -> type:
+        return TELayerNormColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return TERowParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TENorm
+
+    def core_attention(self) -> type:
+        return SDPAttention
+
+
+class FusedAdamStandIn(torch.optim.Optimizer):
+    """AdamW (torch's single-tensor arithmetic) behind TE FusedAdam's step and state contract."""
+
+    name_to_dtype_map = {"exp_avg": torch.float32, "exp_avg_sq": torch.float32, "master_param": torch.float32}
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
+                 eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, **_: object):
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool) -> None:
+        for name in ("exp_avg", "exp_avg_sq"):
+            self.state[param][name] = torch.zeros_like(param, dtype=self.name_to_dtype_map[name])
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        self.name_to_dtype_map[state_name]  # noqa: B018 -- TE's lookup: KeyError for any other key
+        return self.state[param][state_name]
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
+        assert unscaled_state.dtype == torch.float32, unscaled_state.dtype
+        dtype = self.name_to_dtype_map[state_name]
+        self.state[param][state_name] = unscaled_state.to(dtype).clone()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self):
+        packed = super().state_dict()
+        params = self._params()
+        packed["state"] = {index: {name: self.get_unscaled_state(params[index], name) for name in state}
+                           for index, state in packed["state"].items()}
+        return packed
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        for param in self._params():
+            saved, self.state[param] = self.state[param], {}
+            for name, value in saved.items():
+                if value is not None:
+                    self.set_scaled_state(param, name, value.float())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            bias_correction = group["bias_correction"]  # KeyError when absent, as TE's (fused_adam.py:493)
+            group["step"] = group["step"] + 1 if "step" in group else 1
+            step = group["step"]
+            if not isinstance(step, int):  # pybind11 refuses a float for the kernel's `int step`
+                raise TypeError(f"multi_tensor_adam(): incompatible function arguments: step={step!r} is not an int")
+            beta1, beta2 = group["betas"]
+            correction1 = 1 - beta1 ** step if bias_correction else 1.0
+            correction2 = (1 - beta2 ** step) ** 0.5 if bias_correction else 1.0
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    self.initialize_state(param, False)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                exp_avg.lerp_(param.grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                denom = (exp_avg_sq.sqrt() / correction2).add_(group["eps"])
+                param.addcdiv_(exp_avg, denom, value=-group["lr"] / correction1)
+
+
+def install() -> None:
+    """Make this process build TE-shaped layers and optimizers where megatron-core and this project pick TE."""
+    import megatron.core.optimizer as mcore_optimizer
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.optimizer import distrib_optimizer
+
+    import megatron_ext.model
+    import megatron_ext.training
+
+    gpt_layer_specs.TESpecProvider = TEShapedSpecProvider
+    gpt_layer_specs.TENorm = TENorm
+    mcore_optimizer.Adam = FusedAdamStandIn
+    mcore_optimizer.USING_PYTORCH_OPTIMIZER = False
+    distrib_optimizer.Adam = FusedAdamStandIn
+    distrib_optimizer.HAVE_APEX_OR_TE = True
+    distrib_optimizer.USING_TE_OPTIMIZER = True
+    for module in (megatron_ext.model, megatron_ext.training):
+        module.transformer_engine_available = lambda: True
+
+
+def sharded_keys(use_te: bool) -> list[str]:
+    """`key kind` of every entry of a 2-layer TP1 model's sharded_state_dict (one process)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from megatron_ext import cpu_backend
+    from megatron_ext.config import load_config
+    from megatron_ext.model import build_model_chunks, transformer_config
+    from megatron_ext.parallel import destroy_distributed, init_distributed
+
+    on_gpu = not cpu_backend.install()
+    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+                             "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=128"])
+    init_distributed(cfg, on_gpu)
+    try:
+        chunk = build_model_chunks(cfg, 128, transformer_config(cfg, on_gpu, use_te), use_te)[0]
+        if on_gpu:
+            chunk.cuda()
+        entries = {f"{value.key} {type(value).__name__}" for value in nested_values(chunk.sharded_state_dict())}
+    finally:
+        destroy_distributed()
+    return sorted(entries)
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns processes
+    if sys.argv[1:2] == ["keys"]:
+        if "--real-te" not in sys.argv:
+            install()
+        print("\n".join(sharded_keys(use_te=sys.argv[2] == "te")))
+        sys.exit(0)
+    install()
+    from recipes.pretrain import main
+
+    sys.exit(main())
