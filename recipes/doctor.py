@@ -27,12 +27,12 @@ PINNED = {"megatron-core": "0.16.1", "torch (CPU machines)": "2.13.0"}
 TE_RANGE = ("2.9.0a0", "2.12.0")  # megatron-core 0.16.1's declared transformer-engine range (its [dev] extra)
 STEPS, STOP = 5, 3
 # How close a continued run must stay to the uninterrupted one (relative, per step). CPU: fp32 and
-# deterministic, the parity matrix's bound. GPU: bf16 with kernels that are not bitwise reproducible
-# (atomics in attention backward). Across layer specs the kernels differ (TE's fused norm+GEMM, cuDNN vs
-# SDPA attention), which moves bf16 losses by up to ~1e-2 within 5 steps.
+# deterministic, the parity matrix's bound. GPU: bf16; an H100 reproduced its losses exactly on resume,
+# the bound leaves room for attention kernels that are not bitwise reproducible. Across layer specs the
+# kernels differ (TE's fused norm+GEMM and cuDNN attention vs torch's): measured 2e-4 (local -> TE) and
+# 5e-6 (TE -> local) on an H100 with TE 2.11; a resume that lost the Adam state is off by far more.
 SAME_SPEC = {"cpu": 1e-6, "gpu": 1e-3}
-CROSS_SPEC = 2e-2
-
+CROSS_SPEC = 5e-3
 
 @dataclass
 class Check:
@@ -245,8 +245,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep checkpoints and logs here (default: a temporary dir)")
     parser.add_argument("--json", type=Path, help="also write the report as JSON")
     args = parser.parse_args(argv)
-    machine = detect()
     print(f"recipes.doctor on {os.uname().nodename}, Python {sys.version.split()[0]}", flush=True)
+    try:
+        machine = detect()
+    except ImportError as e:  # megatron-core itself does not import (a broken TransformerEngine, say)
+        print(f"FAIL  megatron-core: cannot be imported: {e}", flush=True)
+        return 1
     checks = [*check_versions(machine), *check_gpu(machine)]
     for check in checks:
         print(f"{check.status:4}  {check.name}: {check.detail}", flush=True)

@@ -69,11 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        from megatron_ext.model import gpu_has_fp8, transformer_engine_available
+    except ImportError as e:  # megatron-core imports TE at import time wherever `import transformer_engine` works
+        if int(os.environ.get("RANK", "0")) == 0:
+            broken_te = "transformer_engine" in str(e)
+            print(f"error: megatron-core cannot be imported here: {e}"
+                  + (" — TransformerEngine is installed but incomplete or broken; reinstall it, or uninstall it to "
+                     "train with megatron-core's local layers (python -m recipes.doctor checks the result)"
+                     if broken_te else ""), file=sys.stderr)
+        return 2
+    try:
         cfg = load_config(args.config, args.overrides)
         if cfg.parallel.auto:
             cfg = _with_planned_layout(args, cfg, world_size)
-        from megatron_ext.model import gpu_has_fp8, transformer_engine_available
-
         validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
     except ConfigError as e:
         # Every rank sees the same error; one line per rank, exit before any process group exists.

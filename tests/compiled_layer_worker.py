@@ -28,9 +28,13 @@ if __name__ == "__main__":
     init_distributed(cfg, on_gpu)
     try:
         model = build_model_chunks(cfg, 128, transformer_config(cfg, on_gpu, use_te=False), use_te=False)[0]
+        if on_gpu:
+            model = model.cuda()
+            torch.set_float32_matmul_precision("high")  # else inductor warns about unused TF32 cores
         compile_layers([model])
-        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(32).expand(2, 32)
+        device = next(model.parameters()).device
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
+        positions = torch.arange(32, device=device).expand(2, 32)
         warnings.simplefilter("always")  # megatron-core's DeprecationWarnings are hidden by default
         with tempfile.TemporaryFile() as capture:
             stderr_fd = os.dup(2)

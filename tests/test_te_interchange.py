@@ -118,3 +118,29 @@ def test_hugging_face_import_trains_the_same_under_either_spec(tmp_path):
         diff = max_relative_difference(read_scalars(tmp_path / "te", tag), read_scalars(tmp_path / "local", tag))
         print(f"HF import, TE-shaped vs local {tag}: max rel diff {diff:.1e}")
         assert diff <= tolerance, tag
+
+
+def test_te_detection_is_megatron_cores_own():
+    """The layer spec follows megatron-core's TE decision (its TE wrappers need ``transformer_engine.pytorch``),
+    not whether a module named ``transformer_engine`` imports: here one does, megatron-core's spec module says
+    yes (its own check is that import), its wrappers say no — and so must we, or the TE spec is built from mocks."""
+    probe = ("import sys, types; from megatron_ext.model import transformer_engine_available; "
+             "from megatron.core.models.gpt import gpt_layer_specs; "
+             "sys.modules['transformer_engine'] = types.ModuleType('transformer_engine'); import transformer_engine; "
+             "gpt_layer_specs.HAVE_TE = True; print(transformer_engine_available())")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=True)
+    assert proc.stdout.split() == ["False"], proc.stdout + proc.stderr
+
+
+def test_a_broken_transformer_engine_is_one_clear_error(tmp_path):
+    """TE's top-level package imports while its torch part is missing (a half-finished install): megatron-core
+    0.16.1 fails at import; the recipe says so in one line instead of a traceback."""
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text('__version__ = "2.11.0"\n')
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "recipes.pretrain", "--config", str(ROOT / "configs" / "tiny.yaml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "TransformerEngine is installed but incomplete or broken" in proc.stderr, \
+        proc.stderr
