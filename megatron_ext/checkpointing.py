@@ -1,9 +1,11 @@
 """Save/resume through megatron-core dist_checkpointing (torch_dist): reshardable across TP/PP/VPP/DP.
 
 Layout: ``<save>/iter_XXXXXXX/`` holds model chunks, optimizer, LR scheduler, RNG states,
-consumed samples and the run config; ``<save>/latest_checkpointed_iteration.txt`` is replaced
-atomically only after every rank finished writing, so a crash mid-save never points at a
-half-written checkpoint.
+consumed samples, the run config and a manifest of its files (:mod:`checkpoint_integrity`);
+``<save>/latest_checkpointed_iteration.txt`` is replaced atomically only after every rank finished
+writing and the manifest exists, so a crash mid-save never points at a half-written checkpoint. A save
+that fails on any rank removes its directory and leaves the tracker and older checkpoints as they were;
+a tracker never moves back to an older iteration, except past a checkpoint found corrupt on load.
 
 Checkpoints load under either layer spec and Adam implementation (local + torch AdamW, or
 TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint_compat`.
@@ -17,7 +19,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext import checkpoint_compat
+from megatron_ext import checkpoint_compat, checkpoint_integrity
+from megatron_ext.checkpoint_retention import apply_retention, complete_iterations
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or used as asked; the message names the path and what to do."""
+
+
 def latest_iteration(root: str | Path) -> Optional[int]:
     """The iteration recorded in `root`'s tracker file, or None when there is no complete checkpoint."""
     tracker = Path(root) / TRACKER
@@ -49,8 +56,15 @@ def latest_iteration(root: str | Path) -> Optional[int]:
         return None
     text = tracker.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"{tracker}: expected an iteration number, found {text!r}")
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}; write the iteration of "
+                              f"an intact {root}/iter_XXXXXXX into it, or remove it to start over")
     return int(text)
+
+
+def _write_tracker(root: Path, iteration: int) -> None:
+    tmp = root / f".{TRACKER}.tmp"
+    tmp.write_text(f"{iteration}\n")
+    os.replace(tmp, root / TRACKER)
 
 
 def _rng_state() -> ShardedObject:
@@ -123,9 +137,41 @@ def start_save_helpers() -> None:
             signal.signal(sig, handler)
 
 
+def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
+    """Run one collective phase of a save; if it failed on any rank, remove the partial `target` and raise on
+    every rank one CheckpointError naming each failed rank's cause (the ranks agree before going on)."""
+    try:
+        step()
+        error = None
+    except Exception as e:  # ENOSPC, permission, a broken file system: reported below, collectively
+        error = f"{type(e).__name__}: {e}"
+    errors: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = {rank: e for rank, e in enumerate(errors) if e}
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(target, ignore_errors=True)
+    dist.barrier()
+    causes = "; ".join(f"rank {rank}: {e}" for rank, e in failed.items())
+    previous = latest_iteration(target.parent)
+    raise CheckpointError(
+        f"saving {target} failed while {what} ({causes}). Removed the partial {target.name}; the tracker still names "
+        + (f"iteration {previous}" if previous is not None else "no checkpoint")
+        + " and older checkpoints are untouched. Free space or fix the path, then resume with "
+          f"checkpoint.load={target.parent}")
+
+
 def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: MegatronOptimizer,
-                    scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any]) -> Path:
-    """Collective: every rank writes its shards into iter_XXXXXXX, then rank 0 updates the tracker."""
+                    scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any],
+                    keep_last: Optional[int] = None, keep_every: Optional[int] = None) -> Path:
+    """Collective: every rank writes its shards into iter_XXXXXXX, the manifest is written, then rank 0
+    moves the tracker and applies retention (:mod:`checkpoint_retention`)."""
+    root = Path(root)
+    ahead = latest_iteration(root)
+    if ahead is not None and ahead > iteration:
+        raise CheckpointError(f"{root} already holds iteration {ahead}, ahead of this save at {iteration}: "
+                              "refusing to move its tracker back")
     target = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         if target.exists():  # left over from a crashed save of the same iteration
@@ -135,39 +181,62 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True)
     state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config,
                  content=TRAINING_STATE)
-    dist_checkpointing.save(state, str(target))
-    dist.barrier()
+    _on_every_rank(lambda: dist_checkpointing.save(state, str(target)), target, "writing the shards")
+    _on_every_rank(lambda: checkpoint_integrity.write_manifest(target), target, "writing the manifest")
+    _on_every_rank(lambda: _write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
+                   "moving the tracker")
     if dist.get_rank() == 0:
-        tmp = Path(root) / f".{TRACKER}.tmp"
-        tmp.write_text(f"{iteration}\n")
-        os.replace(tmp, Path(root) / TRACKER)
+        apply_retention(root, iteration, keep_last, keep_every)
     dist.barrier()
     return target
 
 
-def load_checkpoint(root: str | Path, model_chunks, optimizer: MegatronOptimizer,
-                    scheduler: OptimizerParamScheduler) -> tuple[int, int]:
-    """Resume from `root`'s latest checkpoint; returns (iteration, consumed_samples).
+def intact_iteration(root: str | Path) -> int:
+    """Collective: the newest checkpoint in `root` whose files match their manifest.
 
-    A weights-only checkpoint is loaded as initial weights: (0, 0), fresh optimizer and schedule.
+    A corrupt or incomplete one is renamed aside (``iter_XXXXXXX.corrupt``) with a warning naming the file
+    and the reason, and the next older complete one is used (the tracker follows it: the checkpoint it
+    named is gone); with none left, one CheckpointError.
     """
+    root = Path(root)
     iteration = latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
-    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
-    if common.get("content", TRAINING_STATE) == WEIGHTS_ONLY:
-        load_pretrained_weights(root, model_chunks, optimizer)
-        return 0, 0
+        raise CheckpointError(f"{root / TRACKER} not found: {root} holds no complete checkpoint")
+    while True:
+        ckpt = iteration_dir(root, iteration)
+        problem = checkpoint_integrity.verify(ckpt) if ckpt.is_dir() else f"{ckpt} is missing"
+        if problem is None:
+            return iteration
+        older = [i for i in complete_iterations(root) if i < iteration]
+        if dist.get_rank() == 0:
+            aside = ckpt.with_name(ckpt.name + ".corrupt")
+            if ckpt.is_dir():
+                shutil.rmtree(aside, ignore_errors=True)
+                ckpt.rename(aside)
+            log.warning(f"CHECKPOINT NOT USABLE: {problem}. " + (f"Renamed it to {aside.name}; " if ckpt.is_dir()
+                        or aside.is_dir() else "") + (f"resuming from the previous complete checkpoint, iteration "
+                                                     f"{older[-1]}." if older else "no older complete checkpoint."))
+            if older:
+                _write_tracker(root, older[-1])
+        dist.barrier()
+        if not older:
+            raise CheckpointError(f"{root} holds no intact checkpoint: {problem}")
+        iteration = older[-1]
+
+
+def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, optimizer: MegatronOptimizer,
+                        scheduler: OptimizerParamScheduler) -> tuple[int, int]:
+    """Model, optimizer, LR schedule position and RNG of a training checkpoint; returns (iteration, consumed_samples)."""
     # RNG states are saved per (PP, TP) rank; under another TP/PP layout they have no counterpart
     # and stay freshly seeded (they only drive dropout, which the Llama recipes do not use).
     saved = common.get("config", {}).get("parallel", {})
     same_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
         parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
-    if not same_layout:
-        log.info(f"resharding {root} from TP{saved.get('tensor_model_parallel_size')}×"
+    if not same_layout and dist.get_rank() == 0:
+        log.info(f"resharding {ckpt_dir} from TP{saved.get('tensor_model_parallel_size')}×"
                  f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
-    loaded = checkpoint_compat.load_sharded(state, iteration_dir(root, iteration))
+    loaded = checkpoint_compat.load_sharded(state, ckpt_dir)
     checkpoint_compat.load_model_chunks(model_chunks, loaded)
     checkpoint_compat.load_optimizer(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
@@ -180,9 +249,7 @@ def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronO
     """Model weights only from `root`'s latest checkpoint (any layout); training starts at iteration 0.
 
     Returns the iteration the weights were saved at."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise FileNotFoundError(f"{Path(root) / TRACKER} not found: {root} holds no complete checkpoint")
+    iteration = intact_iteration(root)
     loaded = checkpoint_compat.load_sharded(_model_state(model_chunks), iteration_dir(root, iteration))
     checkpoint_compat.load_model_chunks(model_chunks, loaded)
     optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights

@@ -123,6 +123,8 @@ class CheckpointConfig:
     load: Optional[str] = None  # resume: model, optimizer, scheduler, RNG, consumed samples
     pretrained_checkpoint: Optional[str] = None  # weights only, start at iteration 0
     save_interval: Optional[int] = None  # None = only at the end
+    keep_last: Optional[int] = None  # delete older complete checkpoints beyond the newest N (None = keep all)
+    keep_every: Optional[int] = None  # with keep_last: also keep every iteration that is a multiple of this
 
 
 @dataclass
@@ -218,7 +220,17 @@ def _require(ok: bool, key: str, value: Any, valid: str) -> None:
 def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8_capable: bool = False) -> None:
     """Every check: the model shape and 4D layout for `world_size` processes, then the data files."""
     validate_layout(cfg, world_size, te_available, fp8_capable)
+    _validate_checkpoint(cfg)
     _validate_data(cfg)
+
+
+def _validate_checkpoint(cfg: RecipeConfig) -> None:
+    c = cfg.checkpoint
+    for key in ("save_interval", "keep_last", "keep_every"):
+        value = getattr(c, key)
+        _require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
+    _require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
+             "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
 
 
 def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,

@@ -28,6 +28,7 @@ from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.metrics import RunLogger
 from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
                                 transformer_engine_available)
+from megatron_ext.resume import resume_training
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.tokenizer import SentencePieceTokenizer, VocabOnlyTokenizer
 
@@ -161,20 +162,13 @@ class Trainer:
             lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1),
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(t.train_iters, 1), wd_incr_style="constant",
+            # A resumed run follows the current config's schedule (train_iters raised to go on, say).
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         self._wire_schedule_hooks()
         if cfg.checkpoint.save:
             checkpointing.start_save_helpers()
-        self.iteration, self.consumed_samples = 0, 0
-        if cfg.checkpoint.load and checkpointing.latest_iteration(cfg.checkpoint.load) is not None:
-            self.iteration, self.consumed_samples = checkpointing.load_checkpoint(
-                cfg.checkpoint.load, self.model, self.optimizer, self.scheduler)
-            self._info(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration} "
-                       f"({self.consumed_samples} samples consumed)")
-        elif cfg.checkpoint.pretrained_checkpoint:
-            source = checkpointing.load_pretrained_weights(cfg.checkpoint.pretrained_checkpoint, self.model,
-                                                           self.optimizer)
-            self._info(f"loaded weights of {cfg.checkpoint.pretrained_checkpoint} (iteration {source})")
+        self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self._info(f"optimizer: {_update_kernel(self.optimizer)}")
@@ -261,9 +255,10 @@ class Trainer:
         return _global_mean_loss(losses)
 
     def save(self) -> Path:
+        ck = self.cfg.checkpoint
         path = checkpointing.save_checkpoint(
-            self.cfg.checkpoint.save, self.iteration, self.model, self.optimizer, self.scheduler,
-            self.consumed_samples, self.cfg.to_dict())
+            ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
+            self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every)
         self._info(f"saved checkpoint {path}")
         return path
 

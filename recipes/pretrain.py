@@ -88,9 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    from megatron_ext.checkpointing import CheckpointError
     from megatron_ext.training import pretrain
 
-    result = pretrain(cfg)
+    try:
+        result = pretrain(cfg)
+    except CheckpointError as e:  # every rank raises the same one; rank 0 says it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(_summary(cfg, result), flush=True)
     return 0

@@ -1,0 +1,127 @@
+"""Where a run starts: the checkpoint it resumes (or the weights it starts from), and what changed since.
+
+Nothing is silent: a ``checkpoint.load`` with no checkpoint is an error unless it is the run's own
+``checkpoint.save`` (a first launch); every config difference to the checkpoint is listed as
+``key: old → new``; a change of parameter shapes is one error naming the keys; the LR schedule follows the
+current config (so ``train.train_iters`` can be raised to go on); a run never starts where it would move
+its save directory's tracker back.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_ext import checkpointing
+from megatron_ext.checkpointing import CheckpointError
+from megatron_ext.config import RecipeConfig, default_ffn_hidden_size
+
+log = logging.getLogger("megatron_ext")
+
+# Keys that differ between launches of one run by design: where it saves and logs, when it stops.
+_EXPECTED_TO_CHANGE = ("checkpoint.", "logging.", "recipe.description", "train.exit_interval",
+                       "train.exit_signal_handler", "data.num_workers", "data.path_to_cache", "parallel.auto",
+                       "parallel.distributed_timeout_minutes")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for every setting that differs, except where and how a run logs/saves."""
+    old, new = _flatten(saved), _flatten(current)
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k), new.get(k)) for k in keys
+            if old.get(k) != new.get(k) and not k.startswith(_EXPECTED_TO_CHANGE)]
+
+
+def _tensor_shapes(model: dict[str, Any]) -> dict[str, Any]:
+    """The model settings that decide parameter shapes, with their defaults resolved."""
+    hidden, heads = model["hidden_size"], model["num_attention_heads"]
+    return {
+        "model.num_layers": model["num_layers"],
+        "model.hidden_size": hidden,
+        "model.num_attention_heads": heads,
+        "model.num_query_groups": model.get("num_query_groups") or heads,
+        "model.kv_channels": model.get("kv_channels") or hidden // heads,
+        "model.ffn_hidden_size": model.get("ffn_hidden_size") or default_ffn_hidden_size(hidden),
+        "model.untie_embeddings_and_output_weights": model.get("untie_embeddings_and_output_weights"),
+    }
+
+
+def shape_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: old → new' for each change that gives the model other parameter shapes than the checkpoint's."""
+    old, new = _tensor_shapes(saved["model"]), _tensor_shapes(current["model"])
+    changes = [f"{k}: {old[k]} → {new[k]}" for k in old if old[k] != new[k]]
+    vocab_old, vocab_new = saved["model"].get("vocab_size"), current["model"].get("vocab_size")
+    if vocab_old is not None and vocab_new is not None and vocab_old != vocab_new:
+        changes.append(f"model.vocab_size: {vocab_old} → {vocab_new}")
+    return changes
+
+
+def _info(message: str) -> None:
+    if dist.get_rank() == 0:
+        log.info(message)
+
+
+def _check_config(ckpt_dir: Path, saved: dict[str, Any], cfg: RecipeConfig) -> None:
+    if not saved:  # saved by a version that did not record its config
+        return
+    current = cfg.to_dict()
+    changed = shape_changes(saved, current)
+    if changed:
+        raise CheckpointError(f"{ckpt_dir} was saved with other parameter shapes ({'; '.join(changed)}): set these "
+                              "model.* keys back to the checkpoint's values, or start a new run without checkpoint.load")
+    differences = config_differences(saved, current)
+    if differences:
+        _info(f"config differences to {ckpt_dir} (old → new): "
+              + "; ".join(f"{key}: {old!r} → {new!r}" for key, old, new in differences))
+    o = cfg.optimizer
+    _info(f"LR schedule follows the current config: warmup {o.lr_warmup_iters}, {o.lr_decay_style} decay "
+          f"over {o.lr_decay_iters or cfg.train.train_iters} iterations from {o.lr} to {o.min_lr}")
+
+
+def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tuple[int, int]:
+    """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from."""
+    ck = cfg.checkpoint
+    start = None
+    if ck.load and checkpointing.latest_iteration(ck.load) is None:
+        own = ck.save and Path(ck.load).resolve() == Path(ck.save).resolve()
+        if not own:
+            raise CheckpointError(f"checkpoint.load={ck.load} holds no checkpoint ({Path(ck.load) / checkpointing.TRACKER} "
+                                  "not found): check the path, or leave checkpoint.load unset to start a new run")
+        _info(f"no checkpoint in {ck.load} yet: starting at iteration 0")
+    elif ck.load:
+        iteration = checkpointing.intact_iteration(ck.load)
+        ckpt_dir = checkpointing.iteration_dir(ck.load, iteration)
+        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+        if common.get("content", checkpointing.TRAINING_STATE) == checkpointing.WEIGHTS_ONLY:
+            checkpointing.load_pretrained_weights(ck.load, model_chunks, optimizer)
+            _info(f"loaded weights of {ck.load} (iteration {iteration}); training starts at iteration 0")
+            start = (0, 0)
+        else:
+            _check_config(ckpt_dir, common.get("config", {}), cfg)
+            start = checkpointing.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler)
+            _info(f"resumed from {ck.load} at iteration {start[0]} ({start[1]} samples consumed)")
+    if start is None and ck.pretrained_checkpoint:
+        source = checkpointing.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
+        _info(f"loaded weights of {ck.pretrained_checkpoint} (iteration {source})")
+    start = start or (0, 0)
+    ahead = checkpointing.latest_iteration(ck.save) if ck.save else None
+    if ahead is not None and ahead > start[0]:
+        raise CheckpointError(
+            f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {start[0]}: "
+            f"saving there would move its tracker back and lose that progress. Resume it with "
+            f"checkpoint.load={ck.save}, or choose another checkpoint.save")
+    return start

@@ -1,0 +1,38 @@
+"""torchrun worker: the recipe with a disk that fills up while one rank writes a chosen checkpoint.
+
+``FAIL_ITERATION``/``FAIL_RANK`` (environment): that rank's save of that iteration writes part of a file and
+then fails with ENOSPC, after the other ranks finished theirs (the case where only one rank knows).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def install() -> None:
+    from megatron_ext import checkpointing
+
+    real_save = checkpointing.dist_checkpointing.save
+    target_name = f"iter_{int(os.environ['FAIL_ITERATION']):07d}"
+
+    def save(state, checkpoint_dir, *args, **kwargs):
+        result = real_save(state, checkpoint_dir, *args, **kwargs)
+        if Path(checkpoint_dir).name == target_name and dist.get_rank() == int(os.environ["FAIL_RANK"]):
+            partial = Path(checkpoint_dir) / "__extra_0.distcp"
+            partial.write_bytes(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(partial))
+        return result
+
+    checkpointing.dist_checkpointing.save = save
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns processes
+    install()
+    from recipes.pretrain import main
+
+    sys.exit(main())

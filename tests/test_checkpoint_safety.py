@@ -1,0 +1,129 @@
+"""Checkpoints you can trust: nothing silent on resume, trackers never move back, corrupt checkpoints are set
+aside, a failed save leaves nothing behind, retention keeps what it should. One process unless noted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.checkpointing import TRACKER, latest_iteration
+from tests.launch import SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
+
+pytestmark = pytest.mark.slow
+
+
+def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=4", "optimizer.lr_decay_iters=null",
+            f"logging.tensorboard_dir={tmp_path / name}", "checkpoint.save=null", *extra]
+
+
+def _fails(proc, fragment: str) -> None:
+    """The rank exits 2 (torchrun reports it) after one line on stderr containing `fragment`, no rank traceback."""
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("checkpoint error")]
+    assert len(errors) == 1 and fragment in errors[0], proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Path]:
+    """4 steps saved at 2 and 4 (tracker 4)."""
+    root = tmp_path_factory.mktemp("ckpt_safety")
+    run_pretrain(1, _overrides(root, "tb_full", f"checkpoint.save={root / 'ckpt'}", "checkpoint.save_interval=2"))
+    return {"root": root, "ckpt": root / "ckpt", "tb": root / "tb_full"}
+
+
+def test_a_mistyped_load_path_is_an_error_and_moves_no_tracker(run, tmp_path):
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.load={run['root'] / 'ckpt_typo'}",
+                                      f"checkpoint.save={run['ckpt']}"), check=False)
+    _fails(proc, "holds no checkpoint")
+    assert latest_iteration(run["ckpt"]) == 4
+
+
+def test_a_fresh_run_into_a_directory_ahead_of_it_is_refused(run, tmp_path):
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.save={run['ckpt']}"), check=False)
+    _fails(proc, f"checkpoint.save={run['ckpt']} already holds iteration 4")
+    assert latest_iteration(run["ckpt"]) == 4
+
+
+def test_the_runs_own_empty_save_directory_starts_fresh(tmp_path):
+    own = tmp_path / "own"
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", "train.train_iters=1", f"checkpoint.load={own}",
+                                      f"checkpoint.save={own}"))
+    assert f"no checkpoint in {own} yet" in proc.stdout and latest_iteration(own) == 1
+
+
+def test_config_differences_are_listed_and_shape_changes_refused(run, tmp_path):
+    seq = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.load={run['ckpt']}", "train.train_iters=5",
+                                     "model.seq_length=64"))
+    assert "model.seq_length: 128 → 64" in seq.stdout and "train.train_iters: 4 → 5" in seq.stdout, seq.stdout
+    wider = run_pretrain(1, _overrides(tmp_path, "tb2", f"checkpoint.load={run['ckpt']}", "train.train_iters=5",
+                                       "model.hidden_size=256"), check=False)
+    _fails(wider, "model.hidden_size: 128 → 256")
+
+
+def test_extending_train_iters_follows_the_new_lr_schedule(run, tmp_path):
+    """Resume 4 → 6: steps 5-6 get the LR an uninterrupted 6-step run has there, not the old min_lr."""
+    run_pretrain(1, _overrides(tmp_path, "tb_six", "train.train_iters=6"))
+    run_pretrain(1, _overrides(tmp_path, "tb_ext", "train.train_iters=6", f"checkpoint.load={run['ckpt']}"))
+    six, extended = read_scalars(tmp_path / "tb_six", "train/lr"), read_scalars(tmp_path / "tb_ext", "train/lr")
+    assert {k: extended[k] for k in (5, 6)} == {k: six[k] for k in (5, 6)}, (extended, six)
+    min_lr = 3.0e-4  # configs/tiny.yaml: where the saved 4-step schedule ends
+    assert min(extended.values()) > min_lr, extended
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_corrupt_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(run, tmp_path):
+    ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
+    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated, as by a full disk
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"))
+    assert "CHECKPOINT NOT USABLE" in proc.stdout and shard.name in proc.stdout and "truncated" in proc.stdout
+    assert (ckpt / "iter_0000004.corrupt").is_dir() and "resumed from" in proc.stdout
+    resumed = read_scalars(tmp_path / "tb", "train/lm_loss")
+    original = read_scalars(run["tb"], "train/lm_loss")
+    assert resumed == {3: original[3], 4: original[4]}  # continued exactly from iteration 2
+    assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()
+
+
+def test_with_no_intact_checkpoint_the_error_is_one_line(run, tmp_path):
+    ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
+    for iteration in (2, 4):
+        shard = sorted((ckpt / f"iter_{iteration:07d}").glob("*.distcp"))[0]
+        shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.load={ckpt}"), check=False)
+    _fails(proc, "holds no intact checkpoint")
+    assert "CRC32" in proc.stderr
+
+
+def test_retention_keeps_the_newest_n_and_every_kth(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", "train.train_iters=6", f"checkpoint.save={ckpt}",
+                                      "checkpoint.save_interval=1", "checkpoint.keep_last=2",
+                                      "checkpoint.keep_every=3"))
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000005", "iter_0000006"]
+    assert proc.stdout.count("retention (checkpoint.keep_last=2, keep_every=3): deleted") == 3
+    assert latest_iteration(ckpt) == 6
+
+
+def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_tracker(tmp_path):
+    """2 processes; rank 1's write of iteration 4 hits ENOSPC after rank 0 finished its part."""
+    ckpt = tmp_path / "ckpt"
+    overrides = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                 "parallel.sequence_parallel=false", "train.train_iters=4", f"checkpoint.save={ckpt}",
+                 "checkpoint.save_interval=2", "logging.tensorboard_dir=null"]
+    proc = run_pretrain(2, overrides, module="tests.checkpoint_fault_worker", check=False,
+                        env={"FAIL_ITERATION": "4", "FAIL_RANK": "1"})
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "checkpoint error" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "rank 1: OSError: [Errno 28] No space left on device" in errors[0] and "iteration 2" in errors[0]
+    assert not (ckpt / "iter_0000004").exists() and latest_iteration(ckpt) == 2
+    assert (ckpt / "iter_0000002" / "manifest.json").is_file() and (ckpt / TRACKER).read_text().strip() == "2"
