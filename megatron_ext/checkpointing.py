@@ -17,7 +17,6 @@ import logging
 import os
 import random
 import shutil
-import signal
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,6 +28,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext import checkpoint_compat, checkpoint_integrity
+from megatron_ext.checkpoint_async import AsyncCheckpointSaver, signals_ignored
 from megatron_ext.checkpoint_retention import apply_retention, complete_iterations
 
 log = logging.getLogger(__name__)
@@ -121,20 +121,13 @@ def start_save_helpers() -> None:
     """Start dist_checkpointing's long-lived helper processes now, with SIGTERM/SIGUSR1 ignored.
 
     The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.16.1,
-    strategies/filesystem_async.py:54) and keeps it for the life of the rank. A spawned child starts
-    with the default action for every signal its parent handles, and SLURM (scancel --signal,
-    pre-emption) and torchrun (killpg) signal a rank's whole process tree: the Manager dies, and the
-    checkpoint the signal asked for fails with BrokenPipeError. An ignored signal stays ignored
-    through spawn, so the helpers are started while both are ignored.
+    strategies/filesystem_async.py:54) and keeps it for the life of the rank; started later, a pre-emption
+    signal to the rank's process tree would kill it and fail the checkpoint the signal asked for.
     """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
 
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
+    with signals_ignored():
         _get_write_results_queue()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
@@ -164,9 +157,11 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
 
 def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: MegatronOptimizer,
                     scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any],
-                    keep_last: Optional[int] = None, keep_every: Optional[int] = None) -> Path:
+                    keep_last: Optional[int] = None, keep_every: Optional[int] = None,
+                    saver: Optional[AsyncCheckpointSaver] = None) -> Path:
     """Collective: every rank writes its shards into iter_XXXXXXX, the manifest is written, then rank 0
-    moves the tracker and applies retention (:mod:`checkpoint_retention`)."""
+    moves the tracker and applies retention (:mod:`checkpoint_retention`). With `saver` the shards are
+    written in the background and the rest happens when the saver finalizes it."""
     root = Path(root)
     ahead = latest_iteration(root)
     if ahead is not None and ahead > iteration:
@@ -181,13 +176,23 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True)
     state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config,
                  content=TRAINING_STATE)
-    _on_every_rank(lambda: dist_checkpointing.save(state, str(target)), target, "writing the shards")
-    _on_every_rank(lambda: checkpoint_integrity.write_manifest(target), target, "writing the manifest")
-    _on_every_rank(lambda: _write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
-                   "moving the tracker")
-    if dist.get_rank() == 0:
-        apply_retention(root, iteration, keep_last, keep_every)
-    dist.barrier()
+
+    def finish() -> None:
+        _on_every_rank(lambda: checkpoint_integrity.write_manifest(target), target, "writing the manifest")
+        _on_every_rank(lambda: _write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
+                       "moving the tracker")
+        if dist.get_rank() == 0:
+            apply_retention(root, iteration, keep_last, keep_every)
+        dist.barrier()
+
+    if saver is None:
+        _on_every_rank(lambda: dist_checkpointing.save(state, str(target)), target, "writing the shards")
+        finish()
+        return target
+    requests = []
+    _on_every_rank(lambda: requests.append(dist_checkpointing.save(state, str(target), async_sharded_save=True)),
+                   target, "starting the asynchronous write")
+    saver.schedule(requests[0], target, finish)
     return target
 
 

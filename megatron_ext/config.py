@@ -125,6 +125,7 @@ class CheckpointConfig:
     save_interval: Optional[int] = None  # None = only at the end
     keep_last: Optional[int] = None  # delete older complete checkpoints beyond the newest N (None = keep all)
     keep_every: Optional[int] = None  # with keep_last: also keep every iteration that is a multiple of this
+    async_save: bool = False  # write in the background (megatron-core's async dist_checkpointing)
 
 
 @dataclass

@@ -102,6 +102,11 @@ class RunLogger:
             self._write({"val/lm_loss": loss}, iteration)
             log.info(f"validation at step {iteration}: loss {loss:.4f}")
 
+    def checkpoint_stall(self, iteration: int, seconds: float) -> None:
+        """How long a checkpoint save held training up (the whole write, or its start when asynchronous)."""
+        if self.enabled:
+            self._write({"checkpoint/stall_s": seconds}, iteration)
+
     def _write(self, scalars: dict[str, float], iteration: int) -> None:
         if self.writer is not None:
             for tag, value in scalars.items():

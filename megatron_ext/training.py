@@ -22,6 +22,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
 from megatron_ext import checkpointing, cpu_backend
+from megatron_ext.checkpoint_async import AsyncCheckpointSaver
 from megatron_ext.checkpoint_compat import is_torch_adam
 from megatron_ext.config import RecipeConfig, data_parallel_size
 from megatron_ext.data import build_datasets, microbatch_iterator
@@ -168,6 +169,7 @@ class Trainer:
         self._wire_schedule_hooks()
         if cfg.checkpoint.save:
             checkpointing.start_save_helpers()
+        self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and cfg.checkpoint.async_save else None
         self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
@@ -255,11 +257,17 @@ class Trainer:
         return _global_mean_loss(losses)
 
     def save(self) -> Path:
+        """Write a checkpoint (in the background with checkpoint.async_save, after the previous one is done)."""
         ck = self.cfg.checkpoint
+        start = time.perf_counter()
+        if self.saver:
+            self.saver.finalize(blocking=True)
         path = checkpointing.save_checkpoint(
             ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
-            self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every)
-        self._info(f"saved checkpoint {path}")
+            self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver)
+        stall = time.perf_counter() - start
+        self._info(f"{'started saving' if self.saver else 'saved'} checkpoint {path}; training stalled {stall:.1f} s")
+        self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
 
     def train(self) -> RunResult:
@@ -287,6 +295,8 @@ class Trainer:
                                  console=self.iteration % cfg.logging.log_interval == 0)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
+            if self.saver:
+                self.saver.finalize(blocking=False)
             if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
                 val = self.evaluate()
                 if val is not None:
@@ -305,6 +315,8 @@ class Trainer:
         bar.close()
         if ckpt.save and t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self.save()
+        if self.saver:
+            self.saver.close()  # the last checkpoint is complete before the run reports it
         result.iteration = self.iteration
         self.run_logger.close()
         return result

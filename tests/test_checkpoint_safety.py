@@ -127,3 +127,20 @@ def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_track
     assert "rank 1: OSError: [Errno 28] No space left on device" in errors[0] and "iteration 2" in errors[0]
     assert not (ckpt / "iter_0000004").exists() and latest_iteration(ckpt) == 2
     assert (ckpt / "iter_0000002" / "manifest.json").is_file() and (ckpt / TRACKER).read_text().strip() == "2"
+
+
+def test_async_saves_resume_exactly(tmp_path):
+    """2 processes, checkpoint.async_save: 4 steps stopped by exit_interval, resumed to 8, equals 8 uninterrupted."""
+    dp2 = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+           "parallel.sequence_parallel=false", "train.train_iters=8", "optimizer.lr_decay_iters=null"]
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(2, [*dp2, f"logging.tensorboard_dir={tmp_path / 'full'}", "checkpoint.save=null"])
+    asynchronous = [*dp2, f"logging.tensorboard_dir={tmp_path / 'resumed'}", f"checkpoint.save={ckpt}",
+                    "checkpoint.save_interval=2", "checkpoint.async_save=true"]
+    first = run_pretrain(2, [*asynchronous, "train.exit_interval=4"])
+    assert "written in the background" in first.stdout, first.stdout[-3000:]
+    assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()
+    run_pretrain(2, [*asynchronous, f"checkpoint.load={ckpt}"])
+    for tag in ("train/lm_loss", "train/grad_norm"):
+        assert read_scalars(tmp_path / "resumed", tag) == read_scalars(tmp_path / "full", tag), tag
+    assert latest_iteration(ckpt) == 8 and (ckpt / "iter_0000008" / "manifest.json").is_file()

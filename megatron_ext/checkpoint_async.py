@@ -1,0 +1,86 @@
+"""Asynchronous checkpoint writes through megatron-core's ``AsyncCallsQueue`` (a writer process per rank).
+
+Training goes on while the shards are written; the save's finalisation (metadata, manifest, tracker, retention)
+runs on every rank once every rank's writer has finished, from :meth:`AsyncCheckpointSaver.finalize` — called
+at every step without blocking, and blocking before the next save and at the end of training, so an exit by
+signal or ``train.exit_interval`` still leaves a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGTERM/SIGUSR1 ignored while checkpoint helper processes are spawned.
+
+    A spawned child starts with the default action for every signal its parent handles, and SLURM
+    (scancel --signal, pre-emption) and torchrun (killpg) signal a rank's whole process tree: a helper would
+    die, and the checkpoint the signal asked for would fail. An ignored signal stays ignored through spawn.
+    """
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class AsyncCheckpointSaver:
+    """The queue of this rank's checkpoint writes in flight (megatron-core's persistent async caller)."""
+
+    def __init__(self) -> None:
+        # On GPUs, megatron-core's persistent writer process (it stages the shards device-to-host while training
+        # waits, then writes). On CPU it cannot start (it selects a CUDA device); there the writer is a process
+        # forked per save, whose copy-on-write memory is the snapshot of the state being saved.
+        self.queue = AsyncCallsQueue(persistent=torch.cuda.is_available())
+        self.in_flight: list[tuple[Path, float]] = []
+
+    def schedule(self, request: AsyncRequest, target: Path, finish: Callable[[], None]) -> None:
+        """Collective: start writing `target`; `finish` runs on every rank when every rank's write is done."""
+        request.add_finalize_fn(finish)
+        with signals_ignored():  # the first call spawns the writer process
+            self.queue.schedule_async_request(request)
+        self.in_flight.append((target, time.perf_counter()))
+
+    def finalize(self, blocking: bool) -> list[Path]:
+        """Collective: finish the saves whose writes are done (all of them if `blocking`); returns their paths."""
+        if not self.in_flight:
+            return []
+        from megatron_ext.checkpointing import CheckpointError  # here: checkpointing imports this module
+
+        try:
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:  # from the save's own finalisation, which already cleaned up
+            self.in_flight.pop(0)
+            raise
+        except Exception as e:  # a write failed on some rank: megatron-core raises it on every rank
+            target, _ = self.in_flight.pop(0)
+            if dist.get_rank() == 0:
+                shutil.rmtree(target, ignore_errors=True)
+            raise CheckpointError(f"the asynchronous save of {target} failed ({type(e).__name__}: {e}); removed "
+                                  "it, the tracker and older checkpoints are untouched") from None
+        finished = self.in_flight[:len(done)]
+        del self.in_flight[:len(done)]
+        for target, started in finished:
+            if dist.get_rank() == 0:
+                log.info(f"saved checkpoint {target} (written in the background in {time.perf_counter() - started:.1f} s)")
+        return [target for target, _ in finished]
+
+    def close(self) -> None:
+        """Collective: wait for every save in flight, then stop the writer processes."""
+        self.finalize(blocking=True)
+        self.queue.close()
