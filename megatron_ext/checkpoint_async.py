@@ -14,7 +14,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,10 @@ def signals_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _nothing() -> None:
+    """The writer's first request: it only starts the process."""
+
+
 class AsyncCheckpointSaver:
     """The queue of this rank's checkpoint writes in flight (megatron-core's persistent async caller)."""
 
@@ -47,7 +51,16 @@ class AsyncCheckpointSaver:
         # waits, then writes). On CPU it cannot start (it selects a CUDA device); there the writer is a process
         # forked per save, whose copy-on-write memory is the snapshot of the state being saved.
         self.queue = AsyncCallsQueue(persistent=torch.cuda.is_available())
-        self.in_flight: list[tuple[Path, float]] = []
+        self.in_flight: list[tuple[Optional[Path], float]] = []
+        if self.queue.persistent:
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Spawn the persistent writer now, with an empty request, rather than in the first save: starting it
+        held an H100 run's first save up 20.9 s, against 0.5 s for the next one."""
+        with signals_ignored():
+            self.queue.schedule_async_request(AsyncRequest(async_fn=_nothing, async_fn_args=(), finalize_fns=[]))
+        self.in_flight.append((None, time.perf_counter()))
 
     def schedule(self, request: AsyncRequest, target: Path, finish: Callable[[], None]) -> None:
         """Collective: start writing `target`; `finish` runs on every rank when every rank's write is done."""
@@ -69,18 +82,21 @@ class AsyncCheckpointSaver:
             raise
         except Exception as e:  # a write failed on some rank: megatron-core raises it on every rank
             target, _ = self.in_flight.pop(0)
-            if dist.get_rank() == 0:
+            if target is not None and dist.get_rank() == 0:
                 shutil.rmtree(target, ignore_errors=True)
             raise CheckpointError(f"the asynchronous save of {target} failed ({type(e).__name__}: {e}); removed "
                                   "it, the tracker and older checkpoints are untouched") from None
         finished = self.in_flight[:len(done)]
         del self.in_flight[:len(done)]
         for target, started in finished:
-            if dist.get_rank() == 0:
+            if target is not None and dist.get_rank() == 0:
                 log.info(f"saved checkpoint {target} (written in the background in {time.perf_counter() - started:.1f} s)")
-        return [target for target, _ in finished]
+        return [target for target, _ in finished if target is not None]
 
     def close(self) -> None:
         """Collective: wait for every save in flight, then stop the writer processes."""
         self.finalize(blocking=True)
         self.queue.close()
+        # Drop the stopped writer now: megatron-core 0.16.1's PersistentAsyncCaller.__del__ calls
+        # torch.distributed.get_rank(), which fails once the process group is destroyed at exit.
+        self.queue.persistent_caller = None

@@ -125,7 +125,9 @@ class CheckpointConfig:
     save_interval: Optional[int] = None  # None = only at the end
     keep_last: Optional[int] = None  # delete older complete checkpoints beyond the newest N (None = keep all)
     keep_every: Optional[int] = None  # with keep_last: also keep every iteration that is a multiple of this
-    async_save: bool = False  # write in the background (megatron-core's async dist_checkpointing)
+    # Write in the background (megatron-core's async dist_checkpointing). None = on GPUs, where it cut the
+    # 1.2B recipe's stall per 17 GB save from 30-40 s to 0.5 s on an H100; off in CPU rehearsal.
+    async_save: Optional[bool] = None
 
 
 @dataclass

@@ -169,7 +169,8 @@ class Trainer:
         self._wire_schedule_hooks()
         if cfg.checkpoint.save:
             checkpointing.start_save_helpers()
-        self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and cfg.checkpoint.async_save else None
+        use_async = cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else self.on_gpu
+        self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and use_async else None
         self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
