@@ -31,7 +31,8 @@ def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: s
     with `check`, fails the test with the log if the run fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *(["--config", str(config)] if config else []), *overrides]
+           "-m", module, *(["--config", str(config)] if config else []),
+           "checkpoint.save=null", *overrides]  # never into the repository's runs/ (a test that saves says where)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -104,14 +104,14 @@ def test_hugging_face_import_trains_the_same_under_either_spec(tmp_path):
     # A world of one on CPU patches torch for the process: import in a spawned one.
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         ckpt = pool.submit(convert.import_hf, hf, tmp_path / "imported").result()
-    common = ["--config", str(ckpt / "recipe.yaml"), f"checkpoint.load={ckpt}",
+    common = [f"checkpoint.load={ckpt}",
               f"data.blend=[{DATA / 'stdlib_text_document'}]", f"data.tokenizer_model={DATA / 'tokenizer.model'}",
               f"data.path_to_cache={tmp_path / 'cache'}", "model.seq_length=64", "train.train_iters=3",
               "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
               "train.eval_interval=1000", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "checkpoint.save=null"]
     for spec, module, extra in [("local", "recipes.pretrain", []), ("te", "tests.te_standin", TE)]:
         log = run_pretrain(1, [*common, *extra, f"logging.tensorboard_dir={tmp_path / spec}"], module=module,
-                           config=None)
+                           config=ckpt / "recipe.yaml")
         log = log.stdout + log.stderr
         assert f"loaded weights of {ckpt}" in log or f"resumed from {ckpt}" in log, log[-3000:]
     for tag, tolerance in TOLERANCE.items():
