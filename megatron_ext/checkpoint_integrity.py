@@ -31,19 +31,39 @@ def _data_files(ckpt_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's share of the work; a lone process (``python -m recipes.checkpoints``) checks every file."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def _my_share(names: list[str]) -> list[str]:
-    return names[dist.get_rank()::dist.get_world_size()]
+    rank, world = _rank_and_world()
+    return names[rank::world]
+
+
+def _gather(value: object) -> list:
+    if not dist.is_initialized():
+        return [value]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _from_rank0(value: object) -> object:
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def write_manifest(ckpt_dir: Path) -> None:
     """Collective, after every rank's data is on disk: rank 0 writes ``manifest.json`` (temp file, then rename)."""
-    names = [_data_files(ckpt_dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(names, src=0)
+    names = _from_rank0(_data_files(ckpt_dir) if _rank_and_world()[0] == 0 else None)
     mine = {name: {"bytes": (ckpt_dir / name).stat().st_size, "crc32": _crc32(ckpt_dir / name)}
-            for name in _my_share(names[0])}
-    shares: list[Optional[dict]] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, mine)
-    if dist.get_rank() == 0:
+            for name in _my_share(names)}
+    shares = _gather(mine)
+    if _rank_and_world()[0] == 0:
         files = {name: entry for share in shares for name, entry in share.items()}
         tmp = ckpt_dir / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1))
@@ -68,20 +88,17 @@ def _problem(ckpt_dir: Path, name: str, expected: dict) -> Optional[str]:
 
 def verify(ckpt_dir: Path) -> Optional[str]:
     """Collective: None when every file matches the manifest (or there is no manifest), else the first problem."""
-    manifest = [None]
-    if dist.get_rank() == 0 and has_manifest(ckpt_dir):
+    manifest = None
+    if _rank_and_world()[0] == 0 and has_manifest(ckpt_dir):
         try:
-            manifest[0] = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
+            manifest = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
         except (ValueError, KeyError) as e:
-            manifest[0] = {"": {"error": f"{ckpt_dir / MANIFEST} is unreadable: {e}"}}
-    dist.broadcast_object_list(manifest, src=0)
-    if manifest[0] is None:
+            manifest = {"": {"error": f"{ckpt_dir / MANIFEST} is unreadable: {e}"}}
+    files = _from_rank0(manifest)
+    if files is None:
         return None
-    files = manifest[0]
     if "" in files:
         return files[""]["error"]
     mine = [p for name in _my_share(sorted(files)) if (p := _problem(ckpt_dir, name, files[name]))]
-    problems: list[Optional[list[str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, mine)
-    found = [p for share in problems for p in share]
+    found = [p for share in _gather(mine) for p in share]
     return found[0] + (f" (and {len(found) - 1} more)" if len(found) > 1 else "") if found else None

@@ -144,3 +144,24 @@ def test_async_saves_resume_exactly(tmp_path):
     for tag in ("train/lm_loss", "train/grad_norm"):
         assert read_scalars(tmp_path / "resumed", tag) == read_scalars(tmp_path / "full", tag), tag
     assert latest_iteration(ckpt) == 8 and (ckpt / "iter_0000008" / "manifest.json").is_file()
+
+
+def test_the_listing_command_shows_state_layout_and_config_differences(run, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT, TINY
+
+    ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
+    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = subprocess.run([sys.executable, "-m", "recipes.checkpoints", str(ckpt), "--verify", "--config", str(TINY),
+                           *SMALL_MODEL, *SINGLE_PROCESS, "model.hidden_size=256"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=True)
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("iter_0000002") and "complete, verified" in line and "TP1×PP1×CP1, fp32" in line
+               for line in lines), proc.stdout
+    assert any(line.startswith("iter_0000004") and "CORRUPT" in line and "truncated" in line and "<- tracker" in line
+               for line in lines), proc.stdout
+    assert "config of iter_0000002" in proc.stdout and "model.hidden_size: 128 → 256" in proc.stdout
+    assert "a resume would be refused: parameter shapes differ (model.hidden_size: 128 → 256)" in proc.stdout

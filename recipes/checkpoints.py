@@ -1,0 +1,101 @@
+"""List a checkpoint directory: ``python -m recipes.checkpoints DIR [--verify] [--config YAML [overrides ...]]``.
+
+One line per ``iter_XXXXXXX``: complete (manifest present; with ``--verify``, every file's size and CRC32
+checked), partial or set aside as corrupt, its size, the layout and precision it was saved with, and which one
+the tracker names. With ``--config`` (and ``section.key=value`` overrides), the differences between the config
+saved in the newest checkpoint and that config, as a resume would list them, and whether the resume would be
+refused for changed parameter shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ext import checkpoint_integrity
+from megatron_ext.checkpointing import TRACKER, CheckpointError, latest_iteration
+from megatron_ext.config import ConfigError, load_config
+
+_ITERATION = re.compile(r"iter_(\d{7})(\.corrupt)?")
+
+
+def _saved_config(ckpt_dir: Path) -> dict[str, Any]:
+    import torch
+
+    common = torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=False)
+    return common.get("config", {})
+
+
+def _layout(config: dict[str, Any]) -> str:
+    p, t = config.get("parallel", {}), config.get("train", {})
+    if not p:
+        return "layout unknown"
+    return (f"TP{p['tensor_model_parallel_size']}×PP{p['pipeline_model_parallel_size']}"
+            + (f"×VPP{p['virtual_pipeline_model_parallel_size']}" if p.get("virtual_pipeline_model_parallel_size") else "")
+            + f"×CP{p['context_parallel_size']}, {t.get('precision', '?')}" + (f"+FP8 {t['fp8']}" if t.get("fp8") else ""))
+
+
+def _size(path: Path) -> str:
+    total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.1f} MiB"
+
+
+def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
+    """Lines describing `root`'s checkpoints, and the newest complete one."""
+    tracked = latest_iteration(root)
+    lines, newest = [], None
+    for path in sorted(root.glob("iter_*")):
+        match = _ITERATION.fullmatch(path.name)
+        if not match or not path.is_dir():
+            continue
+        if match.group(2):
+            state = "corrupt (set aside)"
+        elif not checkpoint_integrity.has_manifest(path):
+            state = "no manifest (partial, or saved before manifests)" if (path / "metadata.json").is_file() \
+                else "partial"
+        else:
+            problem = checkpoint_integrity.verify(path) if verify else None
+            state = f"CORRUPT: {problem}" if problem else ("complete, verified" if verify else "complete")
+            if not problem:
+                newest = path
+        tracker = "  <- tracker" if not match.group(2) and int(match.group(1)) == tracked else ""
+        layout = _layout(_saved_config(path)) if (path / "common.pt").is_file() else "-"
+        lines.append(f"{path.name:24} {state:40} {_size(path):>10}  {layout}{tracker}")
+    return lines, newest
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.checkpoints", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="a checkpoint.save directory")
+    parser.add_argument("--verify", action="store_true", help="check every file against its manifest (reads it all)")
+    parser.add_argument("--config", help="compare the newest checkpoint's config with this recipe YAML")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides of --config")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        if not args.directory.is_dir():
+            raise CheckpointError(f"{args.directory} is not a directory")
+        lines, newest = describe(args.directory, args.verify)
+        print(f"{args.directory} (tracker {args.directory / TRACKER}: {latest_iteration(args.directory)})")
+        print("\n".join(lines) if lines else "  no iter_XXXXXXX directories")
+        if args.config and newest is not None:
+            from megatron_ext.resume import config_differences, shape_changes
+
+            saved, current = _saved_config(newest), load_config(args.config, args.overrides).to_dict()
+            differences = config_differences(saved, current)
+            print(f"\nconfig of {newest.name} → {args.config}" + (" " + " ".join(args.overrides) if args.overrides else "")
+                  + ":\n" + ("\n".join(f"  {key}: {old!r} → {new!r}" for key, old, new in differences) or "  no differences"))
+            changed = shape_changes(saved, current)
+            if changed:
+                print(f"a resume would be refused: parameter shapes differ ({'; '.join(changed)})")
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
