@@ -405,7 +405,8 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
 
 
 def _flops_per_token(shape: _Shape, layers: int, output_layer: bool, recompute: Optional[str]) -> float:
-    """Forward+backward FLOPs per token (metrics.flops_per_token's convention) plus recompute."""
+    """Forward+backward FLOPs per token plus recompute, attention over the full score matrix
+    (metrics.flops_per_token(causal=False)): DEFAULT_MFU was set against that count."""
     h, d = shape.hidden, shape.head_dim
     layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + 3 * shape.ffn * h  # whole layer, no norms
     attention = 12.0 * shape.hidden * shape.seq

@@ -14,7 +14,8 @@ leaking into the peers) on the same model shape, micro batch, sequence length an
   without and with torch.compile.
 
 Reported per variant: tokens/s, model TFLOP/s per device and MFU (metrics.flops_per_token on the
-unpadded vocabulary for all variants), peak memory. Output: a table, JSON and a PNG bar chart.
+unpadded vocabulary for all variants: causal attention counted as current Megatron-LM does; the JSON also
+has the PaLM-style figure without causal halving), peak memory. Output: a table, JSON and a PNG bar chart.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Result:
     device: str
     tokens_per_sec: float
     tflops_per_device: float
-    mfu: Optional[float]
+    mfu: Optional[float]  # attention counted over the causal half (current Megatron-LM)
+    mfu_no_causal_halving: Optional[float]  # the full score matrix (PaLM-style), for older comparisons
     peak_memory_gb: Optional[float]
     step_time_s: float
     steps: int
@@ -90,11 +92,13 @@ def _measure(variant: str, step_times: list[float], shape: dict, precision: str)
     step = statistics.median(step_times)
     tokens = shape["micro_batch_size"] * shape["seq_length"]
     tflops = flops_per_token(cfg, shape["vocab_size"]) * tokens / step / 1e12
+    full_tflops = flops_per_token(cfg, shape["vocab_size"], causal=False) * tokens / step / 1e12
     peak = peak_tflops(cfg)
     on_gpu = torch.cuda.is_available()
     return Result(
         variant=variant, device=torch.cuda.get_device_name() if on_gpu else "cpu",
         tokens_per_sec=tokens / step, tflops_per_device=tflops, mfu=tflops / peak if peak else None,
+        mfu_no_causal_halving=full_tflops / peak if peak else None,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         step_time_s=step, steps=len(step_times),
     )

@@ -1,7 +1,9 @@
-"""torchrun worker: the recipe with a disk that fills up while one rank writes a chosen checkpoint.
+"""torchrun worker: the recipe with a save of a chosen iteration that goes wrong on one rank.
 
-``FAIL_ITERATION``/``FAIL_RANK`` (environment): that rank's save of that iteration writes part of a file and
-then fails with ENOSPC, after the other ranks finished theirs (the case where only one rank knows).
+``FAIL_ITERATION``/``FAIL_RANK`` (environment): that rank's save of that iteration writes part of a file and then
+fails with ENOSPC after the other ranks finished theirs (the case where only one rank knows); with ``HANG_MARKER``
+set it instead touches that file once the shards are written and waits there (before the manifest and the
+tracker), for the test to kill the job mid-save.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,6 +26,9 @@ def install() -> None:
     def save(state, checkpoint_dir, *args, **kwargs):
         result = real_save(state, checkpoint_dir, *args, **kwargs)
         if Path(checkpoint_dir).name == target_name and dist.get_rank() == int(os.environ["FAIL_RANK"]):
+            if os.environ.get("HANG_MARKER"):
+                Path(os.environ["HANG_MARKER"]).touch()
+                time.sleep(600)
             partial = Path(checkpoint_dir) / "__extra_0.distcp"
             partial.write_bytes(b"\0" * 4096)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(partial))

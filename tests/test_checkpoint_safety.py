@@ -165,3 +165,39 @@ def test_the_listing_command_shows_state_layout_and_config_differences(run, tmp_
                for line in lines), proc.stdout
     assert "config of iter_0000002" in proc.stdout and "model.hidden_size: 128 → 256" in proc.stdout
     assert "a resume would be refused: parameter shapes differ (model.hidden_size: 128 → 256)" in proc.stdout
+
+
+def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint_to_resume(run, tmp_path):
+    """The job is SIGKILLed after iteration 4's shards are written, before its manifest and tracker: the tracker
+    still names 2, and the resumed run continues the uninterrupted one exactly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.launch import ROOT, TINY
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
+    overrides = _overrides(tmp_path, "tb_killed", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "FAIL_ITERATION": "4", "FAIL_RANK": "0",
+           "HANG_MARKER": str(marker)}
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+                            "tests.checkpoint_fault_worker", "--config", str(TINY), *overrides], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not marker.exists() and job.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert marker.exists(), "the save of iteration 4 never started"
+    processes = [job_process := psutil.Process(job.pid), *job_process.children(recursive=True)]
+    for process in processes:  # torchrun puts its ranks in their own process groups: kill each
+        process.send_signal(signal.SIGKILL)
+    job.wait(timeout=60)
+    assert latest_iteration(ckpt) == 2 and not (ckpt / "iter_0000004" / "manifest.json").exists()
+    run_pretrain(1, _overrides(tmp_path, "tb_resumed", f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}",
+                               "checkpoint.save_interval=2"))
+    original = read_scalars(run["tb"], "train/lm_loss")
+    assert read_scalars(tmp_path / "tb_resumed", "train/lm_loss") == {3: original[3], 4: original[4]}
+    assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()

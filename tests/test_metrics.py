@@ -15,8 +15,11 @@ def small(*overrides: str):
 
 def test_flops_per_token_matches_a_hand_count():
     # per layer: q 64·64 + k,v 2·(64·32) + o 64·64 + SwiGLU 3·64·128 = 36,864 matmul weights;
-    # 2 layers + output layer 100·64 = 80,128; attention 12·L·h·s = 12·2·64·16 = 24,576.
-    assert flops_per_token(small(), vocab_size=100) == 6 * 80_128 + 24_576
+    # 2 layers + output layer 100·64 = 80,128. Attention per token: QKᵀ and ·V over s keys, 2 FLOPs per
+    # multiply-add, ×3 for forward + backward = 12·L·q·s = 12·2·64·16 = 24,576 for the whole score matrix,
+    # half of it causal (Megatron-LM's count).
+    assert flops_per_token(small(), vocab_size=100) == 6 * 80_128 + 24_576 / 2
+    assert flops_per_token(small(), vocab_size=100, causal=False) == 6 * 80_128 + 24_576
 
 
 def test_tied_output_layer_still_counts_as_a_matmul():
@@ -27,7 +30,7 @@ def test_tied_output_layer_still_counts_as_a_matmul():
 
 def test_flops_scale_with_sequence_only_through_attention():
     short, long = (flops_per_token(small(f"model.seq_length={s}"), 100) for s in (16, 32))
-    assert long - short == 12 * 2 * 64 * 16
+    assert long - short == 6 * 2 * 64 * 16
 
 
 def test_peak_table_has_the_gpus_the_docs_name():
