@@ -93,6 +93,11 @@ class AsyncCheckpointSaver:
                 log.info(f"saved checkpoint {target} (written in the background in {time.perf_counter() - started:.1f} s)")
         return [target for target, _ in finished if target is not None]
 
+    def abort(self) -> None:
+        """Stop the writer process now, finishing nothing (the run is failing; the tracker stays where it is)."""
+        self.queue.close(abort=True)
+        self.queue.persistent_caller = None
+
     def close(self) -> None:
         """Collective: wait for every save in flight, then stop the writer processes."""
         self.finalize(blocking=True)

@@ -169,9 +169,9 @@ class Trainer:
         self._wire_schedule_hooks()
         if cfg.checkpoint.save:
             checkpointing.start_save_helpers()
+        self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
         use_async = cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else self.on_gpu
         self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and use_async else None
-        self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self._info(f"optimizer: {_update_kernel(self.optimizer)}")
@@ -325,8 +325,13 @@ class Trainer:
 
 def pretrain(cfg: RecipeConfig) -> RunResult:
     """Train `cfg` on this process's rank; collective over all ranks started by torchrun."""
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg)
         return trainer.train()
+    except BaseException:
+        if trainer is not None and trainer.saver:
+            trainer.saver.abort()  # its writer process would otherwise keep the rank from exiting
+        raise
     finally:
         destroy_distributed()
