@@ -250,11 +250,12 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 
-def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronOptimizer) -> int:
-    """Model weights only from `root`'s latest checkpoint (any layout); training starts at iteration 0.
-
-    Returns the iteration the weights were saved at."""
-    iteration = intact_iteration(root)
+def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronOptimizer,
+                            iteration: Optional[int] = None) -> int:
+    """Model weights only from `root`'s latest intact checkpoint, or its `iteration` when the caller already
+    verified it (any layout); training starts at iteration 0. Returns the iteration the weights were saved at."""
+    if iteration is None:
+        iteration = intact_iteration(root)
     loaded = checkpoint_compat.load_sharded(_model_state(model_chunks), iteration_dir(root, iteration))
     checkpoint_compat.load_model_chunks(model_chunks, loaded)
     optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights

@@ -107,7 +107,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
         ckpt_dir = checkpointing.iteration_dir(ck.load, iteration)
         common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
         if common.get("content", checkpointing.TRAINING_STATE) == checkpointing.WEIGHTS_ONLY:
-            checkpointing.load_pretrained_weights(ck.load, model_chunks, optimizer)
+            checkpointing.load_pretrained_weights(ck.load, model_chunks, optimizer, iteration)
             _info(f"loaded weights of {ck.load} (iteration {iteration}); training starts at iteration 0")
             start = (0, 0)
         else:
