@@ -47,12 +47,13 @@ def is_torch_adam(inner: torch.optim.Optimizer) -> bool:
     return isinstance(inner, torch.optim.Adam)
 
 
-def _megatron_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+def megatron_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """The optimizers a (possibly chained) megatron-core optimizer consists of."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _adam_states(optimizer: MegatronOptimizer) -> Iterator[tuple[torch.optim.Optimizer, dict, torch.Tensor]]:
-    for opt in _megatron_optimizers(optimizer):
+    for opt in megatron_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for param in group["params"]:
@@ -78,7 +79,7 @@ def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
 
 def _optimizer_substates(optimizer: MegatronOptimizer, state: Any) -> list[tuple[MegatronOptimizer, dict]]:
     """Pair each megatron-core optimizer with its part of a loaded optimizer state (ChainedOptimizer's layout)."""
-    opts = _megatron_optimizers(optimizer)
+    opts = megatron_optimizers(optimizer)
     if len(opts) == 1:
         return [(opts[0], state)]
     parts = [state[k] for k in sorted(state)] if isinstance(state, dict) else list(state)
@@ -133,7 +134,7 @@ def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
     and then restored as the param's own tensor, because torch Adam increments it in place once per param.
     """
     adapt_optimizer_state(optimizer, state)
-    repaired = [opt for opt in _megatron_optimizers(optimizer)
+    repaired = [opt for opt in megatron_optimizers(optimizer)
                 if is_torch_adam(opt.optimizer) and hasattr(opt, "_set_main_param_and_optimizer_states")]
     for opt in repaired:
         opt._set_main_param_and_optimizer_states = _step_preserving(opt)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from megatron_ext import checkpointing, cpu_backend
 from megatron_ext.checkpoint_async import AsyncCheckpointSaver
-from megatron_ext.checkpoint_compat import is_torch_adam
+from megatron_ext.checkpoint_compat import is_torch_adam, megatron_optimizers
 from megatron_ext.config import RecipeConfig, data_parallel_size
 from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.metrics import RunLogger
@@ -105,7 +105,7 @@ def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None
     """Pick the update kernel of megatron-core's torch AdamW fallback (no TE/apex): torch's fused
     kernel (one pass over params, grads and moments) or torch's default (foreach on GPU, several
     passes). TE/apex FusedAdam is left alone."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in megatron_optimizers(optimizer):
         inner = opt.optimizer
         if not is_torch_adam(inner):
             continue
@@ -119,7 +119,7 @@ def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None
 
 def _update_kernel(optimizer: MegatronOptimizer) -> str:
     """Which Adam implementation updates the weights, for the start-up log."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
+    inner = megatron_optimizers(optimizer)[0].optimizer
     if not is_torch_adam(inner):
         return f"{type(inner).__module__.split('.')[0]} {type(inner).__name__}"  # TE's or apex's FusedAdam
     kernel = "fused kernel" if inner.param_groups[0].get("fused") else "torch's default kernel (foreach on GPU)"
