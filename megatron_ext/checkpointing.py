@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext import checkpoint_compat, checkpoint_integrity
+from megatron_ext import checkpoint_compat, checkpoint_format, checkpoint_integrity
 from megatron_ext.checkpoint_async import AsyncCheckpointSaver, signals_ignored
 from megatron_ext.checkpoint_retention import apply_retention, complete_iterations
 
@@ -38,7 +40,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
 TRAINING_STATE = "training_state"
 WEIGHTS_ONLY = "weights_only"
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# A checkpoint records the optimizer format it was written in (config.OPTIMIZER_FORMATS): loading asks for it.
+_FORMAT_OF_OLDER_CHECKPOINTS = "fully_reshardable"  # written before the format was recorded
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -102,19 +105,26 @@ def _model_state(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
 
 
 def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], scheduler, is_loading: bool,
-                   with_rng: bool) -> dict[str, Any]:
+                   with_rng: bool, optimizer_format: str) -> dict[str, Any]:
     state = _model_state(model_chunks)
     if optimizer is not None:
         checkpoint_compat.fill_empty_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
-            metadata=_OPTIMIZER_METADATA,
+            metadata=checkpoint_format.optimizer_metadata(optimizer_format),
         )
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_state()
     return state
+
+
+def _save_strategy() -> FullyParallelSaveStrategyWrapper:
+    """torch_dist, with what DP replicas hold in common (the model weights; all optimizer state but
+    dp_reshardable's) split for writing over the DP×CP ranks instead of all written by DP rank 0."""
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def start_save_helpers() -> None:
@@ -158,7 +168,8 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
 def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: MegatronOptimizer,
                     scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any],
                     keep_last: Optional[int] = None, keep_every: Optional[int] = None,
-                    saver: Optional[AsyncCheckpointSaver] = None) -> Path:
+                    saver: Optional[AsyncCheckpointSaver] = None,
+                    *, optimizer_format: str) -> Path:
     """Collective: every rank writes its shards into iter_XXXXXXX, the manifest is written, then rank 0
     moves the tracker and applies retention (:mod:`checkpoint_retention`). With `saver` the shards are
     written in the background and the rest happens when the saver finalizes it."""
@@ -173,9 +184,12 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
             shutil.rmtree(target)
         target.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True)
+    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True,
+                           optimizer_format=optimizer_format)
     state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config,
-                 content=TRAINING_STATE)
+                 content=TRAINING_STATE, optimizer_format=optimizer_format)
+    if optimizer_format == checkpoint_format.DP_RESHARDABLE:
+        state["buffer_layouts"] = checkpoint_format.buffer_layouts(model_chunks)
 
     def finish() -> None:
         _on_every_rank(lambda: checkpoint_integrity.write_manifest(target), target, "writing the manifest")
@@ -186,11 +200,13 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
         dist.barrier()
 
     if saver is None:
-        _on_every_rank(lambda: dist_checkpointing.save(state, str(target)), target, "writing the shards")
+        _on_every_rank(lambda: dist_checkpointing.save(state, str(target), _save_strategy()), target,
+                      "writing the shards")
         finish()
         return target
     requests = []
-    _on_every_rank(lambda: requests.append(dist_checkpointing.save(state, str(target), async_sharded_save=True)),
+    _on_every_rank(lambda: requests.append(dist_checkpointing.save(state, str(target), _save_strategy(),
+                                                                    async_sharded_save=True)),
                    target, "starting the asynchronous write")
     saver.schedule(requests[0], target, finish)
     return target
@@ -230,20 +246,27 @@ def intact_iteration(root: str | Path) -> int:
 
 
 def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, optimizer: MegatronOptimizer,
-                        scheduler: OptimizerParamScheduler) -> tuple[int, int]:
+                        scheduler: OptimizerParamScheduler, current_config: dict[str, Any]) -> tuple[int, int]:
     """Model, optimizer, LR schedule position and RNG of a training checkpoint; returns (iteration, consumed_samples)."""
     # RNG states are saved per (PP, TP) rank; under another TP/PP layout they have no counterpart
     # and stay freshly seeded (they only drive dropout, which the Llama recipes do not use).
     saved = common.get("config", {}).get("parallel", {})
+    problem = checkpoint_format.load_problem(ckpt_dir, common, model_chunks, current_config)
+    if problem:
+        raise CheckpointError(problem)
     same_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
         parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
     if not same_layout and dist.get_rank() == 0:
         log.info(f"resharding {ckpt_dir} from TP{saved.get('tensor_model_parallel_size')}×"
                  f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
-    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
+    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout,
+                           optimizer_format=common.get("optimizer_format", _FORMAT_OF_OLDER_CHECKPOINTS))
     loaded = checkpoint_compat.load_sharded(state, ckpt_dir)
     checkpoint_compat.load_model_chunks(model_chunks, loaded)
-    checkpoint_compat.load_optimizer(optimizer, loaded["optimizer"])
+    # no_grad: in fp32 the distributed optimizer's main params are views of the model's leaf params, which
+    # dp_reshardable's load copies into in place (an autograd error otherwise).
+    with torch.no_grad():
+        checkpoint_compat.load_optimizer(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])

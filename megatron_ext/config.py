@@ -117,6 +117,16 @@ class DataConfig:
     path_to_cache: Optional[str] = None
 
 
+# How the distributed optimizer's state is written: megatron-core's formats (DistributedOptimizer.sharded_state_dict).
+# fully_reshardable: each TP×PP shard's state all-gathered over DP into every rank's host memory, loadable under any
+# layout; *_mem_efficient: the same files, gathered over gloo onto DP rank 0 only; dp_reshardable: each rank writes
+# its own slice, no gather, loadable under another DP size only. auto: dp_reshardable, but the checkpoint at
+# train.train_iters (the finished run, the one handed on) fully_reshardable_mem_efficient. Measured in
+# docs/performance.md ("Checkpoint format"). (megatron-core's fourth, fully_sharded_model_space, fails to save in
+# 0.16.1: "ShardedTensor.flattened_range is not supported".)
+OPTIMIZER_FORMATS = ("auto", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+
+
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = None
@@ -128,6 +138,8 @@ class CheckpointConfig:
     # Write in the background (megatron-core's async dist_checkpointing). None = on GPUs, where it cut the
     # 1.2B recipe's stall per 17 GB save from 30-40 s to 0.5 s on an H100; off in CPU rehearsal.
     async_save: Optional[bool] = None
+    # The distributed optimizer's state in megatron-core's format of this name (see OPTIMIZER_FORMATS).
+    optimizer_format: str = "auto"
 
 
 @dataclass
@@ -234,6 +246,8 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
         _require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
     _require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
              "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
+    _require(c.optimizer_format in OPTIMIZER_FORMATS, "checkpoint.optimizer_format", c.optimizer_format,
+             f"must be one of {', '.join(OPTIMIZER_FORMATS)}")
 
 
 def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,

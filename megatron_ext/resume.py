@@ -112,7 +112,8 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
             start = (0, 0)
         else:
             _check_config(ckpt_dir, common.get("config", {}), cfg)
-            start = checkpointing.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler)
+            start = checkpointing.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
+                                                      cfg.to_dict())
             _info(f"resumed from {ck.load} at iteration {start[0]} ({start[1]} samples consumed)")
     if start is None and ck.pretrained_checkpoint:
         source = checkpointing.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)

@@ -265,11 +265,21 @@ class Trainer:
             self.saver.finalize(blocking=True)
         path = checkpointing.save_checkpoint(
             ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
-            self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver)
+            self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
+            optimizer_format=self._optimizer_format())
         stall = time.perf_counter() - start
         self._info(f"{'started saving' if self.saver else 'saved'} checkpoint {path}; training stalled {stall:.1f} s")
         self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
+
+    def _optimizer_format(self) -> str:
+        fmt = self.cfg.checkpoint.optimizer_format
+        if not self.cfg.parallel.use_distributed_optimizer:
+            return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
+        if fmt != "auto":
+            return fmt
+        # Saves along the way are the fast, lean format; the finished run's loads under any TP/PP layout.
+        return "fully_reshardable_mem_efficient" if self.iteration >= self.cfg.train.train_iters else "dp_reshardable"
 
     def train(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train

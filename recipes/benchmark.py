@@ -152,7 +152,7 @@ def _run_variant_subprocess(variant: str, args: argparse.Namespace, out: Path) -
     return Result(**json.loads(out.read_text()))
 
 
-def _versions() -> dict[str, Optional[str]]:
+def versions() -> dict[str, Optional[str]]:
     """What produced the numbers: a table is only comparable with one from the same stack."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -237,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"mbs {shape['micro_batch_size']} {args.precision} on {results[0].device}")
     table = _table(results)
     print(f"\n{title}\n{table}")
-    record = {"title": title, "shape": shape, "precision": args.precision, "versions": _versions(),
+    record = {"title": title, "shape": shape, "precision": args.precision, "versions": versions(),
               "results": [asdict(r) for r in results]}
     (out_dir / "benchmark.json").write_text(json.dumps(record, indent=1) + "\n")
     _chart(results, out_dir / "benchmark.png", title)

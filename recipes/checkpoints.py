@@ -1,7 +1,8 @@
 """List a checkpoint directory: ``python -m recipes.checkpoints DIR [--verify] [--config YAML [overrides ...]]``.
 
 One line per ``iter_XXXXXXX``: complete (manifest present; with ``--verify``, every file's size and CRC32
-checked), partial or set aside as corrupt, its size, the layout and precision it was saved with, and which one
+checked), partial or set aside as corrupt, its size, the layout, precision and distributed-optimizer format
+(:mod:`megatron_ext.checkpoint_format`) it was saved with, and which one
 the tracker names. With ``--config`` (and ``section.key=value`` overrides), the differences between the config
 saved in the newest checkpoint and that config, as a resume would list them, and whether the resume would be
 refused for changed parameter shapes.
@@ -22,20 +23,22 @@ from megatron_ext.config import ConfigError, load_config
 _ITERATION = re.compile(r"iter_(\d{7})(\.corrupt)?")
 
 
-def _saved_config(ckpt_dir: Path) -> dict[str, Any]:
+def _common(ckpt_dir: Path) -> dict[str, Any]:
     import torch
 
-    common = torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=False)
-    return common.get("config", {})
+    return torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=False)
 
 
-def _layout(config: dict[str, Any]) -> str:
+def _layout(common: dict[str, Any]) -> str:
+    config = common.get("config", {})
     p, t = config.get("parallel", {}), config.get("train", {})
     if not p:
         return "layout unknown"
     return (f"TP{p['tensor_model_parallel_size']}×PP{p['pipeline_model_parallel_size']}"
             + (f"×VPP{p['virtual_pipeline_model_parallel_size']}" if p.get("virtual_pipeline_model_parallel_size") else "")
-            + f"×CP{p['context_parallel_size']}, {t.get('precision', '?')}" + (f"+FP8 {t['fp8']}" if t.get("fp8") else ""))
+            + f"×CP{p['context_parallel_size']}, {t.get('precision', '?')}" + (f"+FP8 {t['fp8']}" if t.get("fp8") else "")
+            + (f", optimizer {common['optimizer_format']}" if p.get("use_distributed_optimizer")
+               and "optimizer_format" in common else ""))
 
 
 def _size(path: Path) -> str:
@@ -62,7 +65,7 @@ def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
             if not problem:
                 newest = path
         tracker = "  <- tracker" if not match.group(2) and int(match.group(1)) == tracked else ""
-        layout = _layout(_saved_config(path)) if (path / "common.pt").is_file() else "-"
+        layout = _layout(_common(path)) if (path / "common.pt").is_file() else "-"
         lines.append(f"{path.name:24} {state:40} {_size(path):>10}  {layout}{tracker}")
     return lines, newest
 
@@ -84,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.config and newest is not None:
             from megatron_ext.resume import config_differences, shape_changes
 
-            saved, current = _saved_config(newest), load_config(args.config, args.overrides).to_dict()
+            saved, current = _common(newest).get("config", {}), load_config(args.config, args.overrides).to_dict()
             differences = config_differences(saved, current)
             print(f"\nconfig of {newest.name} → {args.config}" + (" " + " ".join(args.overrides) if args.overrides else "")
                   + ":\n" + ("\n".join(f"  {key}: {old!r} → {new!r}" for key, old, new in differences) or "  no differences"))

@@ -214,12 +214,12 @@ def run_training_checks(runs: Runs, machine: Machine) -> list[Check]:
 
     def interchange() -> Check:
         reference = full if not fp8 else runs.train("full_bf16", "te", *init)
-        if fp8:
-            runs.train("first_bf16", "te", *init, f"train.exit_interval={STOP}", f"checkpoint.save={ckpt / 'te_bf16'}")
-        te_ckpt = ckpt / ("te_bf16" if fp8 else "te")
-        results = [_compare("TE -> local", runs.train("te_to_local", "local", f"checkpoint.load={te_ckpt}"),
+        # bf16, in the format that loads into another layer spec's buffers (the default mid-run one does not)
+        reshardable = [*init, f"train.exit_interval={STOP}", "checkpoint.optimizer_format=fully_reshardable"]
+        runs.train("te_first", "te", *reshardable, f"checkpoint.save={ckpt / 'te_reshardable'}")
+        results = [_compare("TE -> local", runs.train("te_to_local", "local", f"checkpoint.load={ckpt / 'te_reshardable'}"),
                             reference, range(STOP + 1, STEPS + 1), CROSS_SPEC, "TE checkpoint resumed by local layers")]
-        runs.train("local_first", "local", *init, f"train.exit_interval={STOP}", f"checkpoint.save={ckpt / 'local'}")
+        runs.train("local_first", "local", *reshardable, f"checkpoint.save={ckpt / 'local'}")
         results.append(_compare("local -> TE", runs.train("local_to_te", "te", f"checkpoint.load={ckpt / 'local'}"),
                                 reference, range(STOP + 1, STEPS + 1), CROSS_SPEC,
                                 "local checkpoint (torch AdamW) resumed by TE layers + TE FusedAdam"))

@@ -129,8 +129,16 @@ def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_track
     assert (ckpt / "iter_0000002" / "manifest.json").is_file() and (ckpt / TRACKER).read_text().strip() == "2"
 
 
-def test_async_saves_resume_exactly(tmp_path):
-    """2 processes, checkpoint.async_save: 4 steps stopped by exit_interval, resumed to 8, equals 8 uninterrupted."""
+def _optimizer_format(ckpt_dir: Path) -> str:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(ckpt_dir))["optimizer_format"]
+
+
+def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_only(tmp_path):
+    """2 processes, checkpoint.async_save: 4 steps stopped by exit_interval, resumed to 8, equals 8 uninterrupted.
+    The step-4 checkpoint (dp_reshardable, the default mid-run) also continues on 1 process; under TP2 it is
+    refused with one message naming the format and the changed key."""
     dp2 = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
            "parallel.sequence_parallel=false", "train.train_iters=8", "optimizer.lr_decay_iters=null"]
     ckpt = tmp_path / "ckpt"
@@ -140,10 +148,23 @@ def test_async_saves_resume_exactly(tmp_path):
     first = run_pretrain(2, [*asynchronous, "train.exit_interval=4"])
     assert "written in the background" in first.stdout, first.stdout[-3000:]
     assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()
+    assert _optimizer_format(ckpt / "iter_0000004") == "dp_reshardable"
+
+    run_pretrain(1, [*dp2, f"logging.tensorboard_dir={tmp_path / 'dp1'}", f"checkpoint.load={ckpt}"])
+    full = read_scalars(tmp_path / "full", "train/lm_loss")
+    on_one = read_scalars(tmp_path / "dp1", "train/lm_loss")
+    # 2 × 2 micro batches summed as 4 on one process: measured 0.0
+    assert sorted(on_one) == [5, 6, 7, 8] and max(abs(on_one[k] - full[k]) / full[k] for k in on_one) <= 1e-6
+    tp2 = run_pretrain(2, [*dp2, "parallel.tensor_model_parallel_size=2", f"checkpoint.load={ckpt}"], check=False)
+    assert tp2.returncode != 0
+    assert "dp_reshardable format" in tp2.stderr and "parallel.tensor_model_parallel_size: 1 → 2" in tp2.stderr, \
+        tp2.stderr[-3000:]
+
     run_pretrain(2, [*asynchronous, f"checkpoint.load={ckpt}"])
     for tag in ("train/lm_loss", "train/grad_norm"):
         assert read_scalars(tmp_path / "resumed", tag) == read_scalars(tmp_path / "full", tag), tag
     assert latest_iteration(ckpt) == 8 and (ckpt / "iter_0000008" / "manifest.json").is_file()
+    assert _optimizer_format(ckpt / "iter_0000008") == "fully_reshardable_mem_efficient"  # the finished run's
 
 
 def test_the_listing_command_shows_state_layout_and_config_differences(run, tmp_path):
@@ -160,9 +181,9 @@ def test_the_listing_command_shows_state_layout_and_config_differences(run, tmp_
                           text=True, timeout=300, check=True)
     lines = proc.stdout.splitlines()
     assert any(line.startswith("iter_0000002") and "complete, verified" in line and "TP1×PP1×CP1, fp32" in line
-               for line in lines), proc.stdout
+               and "optimizer dp_reshardable" in line for line in lines), proc.stdout
     assert any(line.startswith("iter_0000004") and "CORRUPT" in line and "truncated" in line and "<- tracker" in line
-               for line in lines), proc.stdout
+               and "optimizer fully_reshardable_mem_efficient" in line for line in lines), proc.stdout
     assert "config of iter_0000002" in proc.stdout and "model.hidden_size: 128 → 256" in proc.stdout
     assert "a resume would be refused: parameter shapes differ (model.hidden_size: 128 → 256;" in proc.stdout
 

@@ -123,6 +123,12 @@ def test_missing_data_files_are_named():
         validate(tiny("data.blend=[nowhere/x]"), world_size=4)
 
 
+def test_checkpoint_optimizer_format_is_one_of_megatron_cores():
+    with pytest.raises(ConfigError, match=r"checkpoint.optimizer_format='fully_sharded_model_space' is invalid: "
+                                          r"must be one of auto, dp_reshardable, fully_reshardable"):
+        validate(tiny("checkpoint.optimizer_format=fully_sharded_model_space"), world_size=4)
+
+
 def test_blend_forms():
     assert parse_blend(["a", "b"], "data.blend") == (["a", "b"], None)
     assert parse_blend([0.3, "a", 0.7, "b"], "data.blend") == (["a", "b"], [0.3, 0.7])

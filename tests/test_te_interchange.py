@@ -66,6 +66,20 @@ def _assert_continues(run_tb: Path, full_tb: Path, steps: range) -> None:
         assert diff <= tolerance, (tag, run, full)
 
 
+def test_a_dp_reshardable_checkpoint_is_refused_by_the_other_spec(tmp_path):
+    """The default mid-run format writes the optimizer's flat buffers as they are; another layer spec's buffers
+    hold other parameters at those offsets, so loading it is one clear error, not misplaced Adam moments."""
+    run = [*SINGLE_PROCESS, "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+           "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=64", "train.train_iters=2",
+           "train.global_batch_size=2", "train.micro_batch_size=2", "train.eval_iters=0", "logging.tensorboard_dir=null"]
+    ckpt = tmp_path / "ckpt"
+    run_pretrain(1, [*run, "train.exit_interval=1", f"checkpoint.save={ckpt}"])
+    proc = run_pretrain(1, [*run, *TE, f"checkpoint.load={ckpt}"], module="tests.te_standin", check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "dp_reshardable format" in proc.stderr and "model.attention_backend: auto → te" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [DP2, ONE_NON_DISTRIBUTED], ids=["dp2_distributed_optimizer",
                                                                    "1proc_plain_optimizer"])
@@ -81,7 +95,8 @@ def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout,
             # from the local-spec initial weights: under TE that is the weights-only path of defect 3
             log = _run("tests.te_standin" if saved_under == "te" else "recipes.pretrain", layout,
                        overrides(f"{saved_under}_first", *(TE if saved_under == "te" else []),
-                                 f"train.exit_interval={STOP}", f"checkpoint.save={save_dir}"))
+                                 f"train.exit_interval={STOP}", f"checkpoint.save={save_dir}",
+                                 "checkpoint.optimizer_format=fully_reshardable"))
             expected = "layer spec: TransformerEngine" if saved_under == "te" else "layer spec: megatron-core local"
             assert expected in log, log[-3000:]
             _assert_continues(tmp_path / f"{saved_under}_first" / "tb", tmp_path / "local_full" / "tb",

@@ -26,7 +26,9 @@ def runs(initial_weights, single_process_reference, tmp_path_factory) -> dict[st
     root = tmp_path_factory.mktemp("runs")
     run_pretrain(4, parity_overrides(initial_weights, root / "tb_full", STEPS))
     interrupted = parity_overrides(initial_weights, root / "tb_resumed", STEPS)
-    run_pretrain(4, [*interrupted, "train.exit_interval=10", f"checkpoint.save={root / 'ckpt'}"])
+    # in the format that reshards to any layout (the default mid-run one reshards across DP only)
+    run_pretrain(4, [*interrupted, "train.exit_interval=10", f"checkpoint.save={root / 'ckpt'}",
+                     "checkpoint.optimizer_format=fully_reshardable_mem_efficient"])
     run_pretrain(4, [*interrupted, f"checkpoint.load={root / 'ckpt'}", f"checkpoint.save={root / 'ckpt_end'}"])
     return {"single": single_process_reference, "full": root / "tb_full", "resumed": root / "tb_resumed",
             "ckpt": root / "ckpt", "ckpt_end": root / "ckpt_end"}

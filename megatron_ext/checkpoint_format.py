@@ -1,0 +1,82 @@
+"""The distributed optimizer's checkpoint format: megatron-core's metadata for it, and the guard on dp_reshardable.
+
+dp_reshardable writes each DP rank's slice of the optimizer's flat grad buffers as they are: it loads correctly
+only into buffers with the same parameters at the same offsets in the same buckets (same TP/PP/VPP split, same
+layer spec, same bucket size; the DP size may change). A save records a signature of that layout per (PP, TP)
+rank; a load compares it first, so a mismatch is one error instead of optimizer state silently landing on the
+wrong parameters (megatron-core only checks the buckets' total sizes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+DP_RESHARDABLE = "dp_reshardable"
+# Config keys that change the buffers' layout: named in the error as the likely cause.
+_LAYOUT_KEYS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+                "parallel.virtual_pipeline_model_parallel_size", "parallel.num_layers_in_first_pipeline_stage",
+                "parallel.num_layers_in_last_pipeline_stage", "parallel.use_distributed_optimizer",
+                "model.attention_backend", "train.compile")
+
+
+def optimizer_metadata(optimizer_format: str) -> dict[str, Any]:
+    """megatron-core's `metadata` for one of config.OPTIMIZER_FORMATS (other than auto)."""
+    return {"distrib_optim_sharding_type": optimizer_format.removesuffix("_mem_efficient"),
+            "distrib_optim_fully_reshardable_mem_efficient": optimizer_format.endswith("_mem_efficient")}
+
+
+def _rank_key() -> str:
+    return f"pp{parallel_state.get_pipeline_model_parallel_rank()}.tp{parallel_state.get_tensor_model_parallel_rank()}"
+
+
+def _local_signature(model_chunks) -> str:
+    """Every parameter's name, bucket and offset within its bucket, in every grad buffer of this rank."""
+    entries = []
+    for chunk_index, chunk in enumerate(model_chunks):
+        names = {param: name for name, param in chunk.module.named_parameters()}
+        for buffer_index, buffer in enumerate([*chunk.buffers, *chunk.expert_parallel_buffers]):
+            for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                offset = buffer.buckets[bucket_id].offset  # bucket starts move with the DP padding; offsets don't
+                entries.append((chunk_index, buffer_index, bucket_id, start - offset, end - offset, names[param]))
+    return hashlib.sha256(repr(sorted(entries)).encode()).hexdigest()[:16]
+
+
+def buffer_layouts(model_chunks) -> dict[str, str]:
+    """Collective: the buffer-layout signature of every (PP, TP) rank, to record in the checkpoint."""
+    mine = (_rank_key(), _local_signature(model_chunks))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return dict(every)
+
+
+def load_problem(ckpt_dir: Path, common: dict[str, Any], model_chunks, current_config: dict[str, Any]
+                 ) -> Optional[str]:
+    """Collective: why `ckpt_dir`'s optimizer state cannot load into this run's buffers (the same on every rank),
+    or None when it can."""
+    if common.get("optimizer_format") != DP_RESHARDABLE:
+        return None
+    saved = common.get("buffer_layouts", {}).get(_rank_key())
+    same = [None] * dist.get_world_size()
+    dist.all_gather_object(same, saved == _local_signature(model_chunks))
+    if all(same):
+        return None
+    saved_config = common.get("config", {})
+
+    def value(config: dict[str, Any], key: str) -> Any:
+        section, name = key.split(".")
+        return config.get(section, {}).get(name)
+
+    changed = [f"{k}: {value(saved_config, k)} → {value(current_config, k)}" for k in _LAYOUT_KEYS
+               if value(saved_config, k) != value(current_config, k)]
+    return (
+        f"{ckpt_dir} holds its optimizer state in megatron-core's dp_reshardable format, which loads only into the "
+        "same parameter buffers (it reshards across data parallelism alone), and this run's differ"
+        + (f" ({', '.join(changed)})" if changed else "")
+        + ". Resume it under its saved layout with checkpoint.optimizer_format=fully_reshardable and "
+          "train.exit_interval=1 (one step, then a checkpoint loadable under any layout), or start from its "
+          "weights only with checkpoint.pretrained_checkpoint")
