@@ -141,23 +141,26 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
     )
 
 
-def describe_layers(cfg: RecipeConfig, config: TransformerConfig, use_te: bool) -> str:
-    """One line naming what will actually run: layer spec, attention, precision/FP8 and fused kernels."""
-    cp = cfg.parallel.context_parallel_size > 1
-    t = cfg.train
+def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: bool, fp8: Optional[str]) -> str:
+    """One line naming what will actually run, read from the built model and its TransformerConfig (not from
+    the recipe config, so a flag lost on the way shows): layer spec, attention, precision/FP8, kernels."""
     if use_te:
         spec = "TransformerEngine"
-        attention = "TE DotProductAttention" + (" with TE's context parallelism" if cp else "")
+        attention = "TE DotProductAttention" + (" with TE's context parallelism" if config.context_parallel_size > 1
+                                                else "")
     else:
         spec = "megatron-core local"
-        attention = "ring attention over CP" if cp else "torch SDPA"
-    precision = t.precision + (f" + FP8 ({t.fp8} scaling, E4M3/E5M2 hybrid, through TE)" if t.fp8 else ", no FP8")
+        attention = "ring attention over CP" if config.context_parallel_size > 1 else "torch SDPA"
+    precision = ("bf16" if config.bf16 else "fp32") + (
+        f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE)" if config.fp8 else ", no FP8")
+    layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
     kernels = [name for name, on in [
-        ("fused SwiGLU", t.fused_swiglu),
-        (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", t.fused_cross_entropy),
-        ("torch.compile per layer", t.compile),
+        ("sequence parallel", config.sequence_parallel),
+        ("fused SwiGLU", config.bias_activation_fusion),
+        (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", config.cross_entropy_loss_fusion),
+        ("torch.compile per layer", bool(layers) and all(layer._compiled_call_impl is not None for layer in layers)),
         ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
-        (f"{t.recompute_granularity} recompute", t.recompute_granularity is not None),
+        (f"{config.recompute_granularity} recompute", config.recompute_granularity is not None),
     ] if on]
     return (f"layer spec: {spec}; attention: {attention}; precision: {precision}; "
             f"kernels: {', '.join(kernels) or 'eager, none fused'}")

@@ -24,11 +24,13 @@ allocates it under this recipe (``wrap_with_ddp`` sets ``grad_reduce_in_fp32=Tru
 
 A layout fits when (allocated + reserve) · (1 + ``FRAGMENTATION``) ≤ GPU memory.
 
-Step time: model FLOPs (+ recompute) at ``DEFAULT_MFU`` of dense BF16 peak on the slowest
-stage, TP collectives (4 per layer per micro batch, 6 with full recompute) on NVLink, CP's
+Step time: model FLOPs (+ recompute) at the calibrated ``KERNEL_EFFICIENCY`` of dense BF16 peak (eager or
+compiled layers) on the slowest stage, a fixed cost per micro batch (grad accumulation, per-layer launches),
+TP collectives (4 per layer per micro batch, 6 with full recompute) on NVLink, CP's
 K/V ring hidden behind attention where it can be, pipeline p2p, the bubble (p−1)/(v·m) of
 micro-batch times, the DP gradient reduce-scatter/all-gather (exposed beyond one micro batch's
-backward when overlapped), and the optimizer step at HBM bandwidth. Collectives cost
+backward when overlapped), and the optimizer step at HBM bandwidth. The single-GPU constants are fitted to
+measured H100 throughputs (see the calibration block below). Collectives cost
 ``bytes·algorithm factor / bus bandwidth + latency`` on the link class their group spans
 (megatron's rank order is TP fastest, then CP, DP, PP).
 
@@ -58,10 +60,18 @@ from megatron_ext.config import (
 GIB = 2**30
 NON_TORCH_RESERVE_GIB = 2.0  # CUDA context + cuBLAS/NCCL workspaces: memory torch's allocator never sees
 FRAGMENTATION = 0.05  # caching-allocator slack between allocated and reserved memory
-DEFAULT_MFU = 0.55  # fraction of dense BF16 peak the GEMM/attention kernels reach while computing
 LATENCY_INTRA_S = 8e-6  # per collective or p2p message inside a node
 LATENCY_INTER_S = 25e-6  # per collective or p2p message across nodes
-ADAM_BYTES_PER_ELEMENT = 30  # optimizer step traffic: read grad, r/w main param and two moments, write param
+# Calibration of the single-GPU costs, fitted to the eight throughputs measured on one H100 80GB (torch 2.11,
+# megatron-core 0.16.1, no TE; ../shared/notes/gpu-h100-no-te-measured.md §2-3): the 1.2B benchmark shape
+# (one micro batch per step: eager mbs 1; compiled mbs 1, 2, 4) and configs/llama3_2_1b_1gpu_bf16.yaml (global
+# batch 64: eager and compiled, mbs 2 and 4). With these constants every one is predicted within 4.5 %.
+KERNEL_EFFICIENCY = {"eager": 0.435, "compiled": 0.545}  # of dense BF16 peak, by the full-attention FLOP count
+LAYER_OVERHEAD_S = 0.5e-3  # per layer per micro batch: launches and small ops the FLOP count does not see
+GRAD_ACCUMULATE_BYTES = 10  # per parameter per micro batch: fp32 main_grad += bf16 grad (read 4 + 2, write 4)
+# per owned element per step at HBM bandwidth: AdamW over fp32 master weights (11.8 ms), the bf16 copy of the
+# updated weights (2.7 ms) and the grad-norm passes (3.4 ms) profiled for 1.24 B parameters: 17.9 ms.
+OPTIMIZER_BYTES_PER_ELEMENT = 48
 CP_STEP_LAUNCH_S = 10e-6  # per ring step of context-parallel attention: extra kernel launches and sync
 
 
@@ -406,7 +416,7 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
 
 def _flops_per_token(shape: _Shape, layers: int, output_layer: bool, recompute: Optional[str]) -> float:
     """Forward+backward FLOPs per token plus recompute, attention over the full score matrix
-    (metrics.flops_per_token(causal=False)): DEFAULT_MFU was set against that count."""
+    (metrics.flops_per_token(causal=False)): KERNEL_EFFICIENCY was fitted against that count."""
     h, d = shape.hidden, shape.head_dim
     layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + 3 * shape.ffn * h  # whole layer, no norms
     attention = 12.0 * shape.hidden * shape.seq
@@ -473,6 +483,17 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     return mem
 
 
+def compiled_layers(cfg: RecipeConfig) -> bool:
+    """Whether the recipe runs `cfg` with compiled layers on a GPU: train.compile, where auto means the local
+    layer spec (a TransformerEngine spec, model.attention_backend=te, is never compiled)."""
+    return cfg.train.compile is True or (cfg.train.compile == "auto" and cfg.model.attention_backend != "te")
+
+
+def kernel_efficiency(cfg: RecipeConfig) -> float:
+    """The calibrated fraction of peak the layer kernels reach under `cfg`'s compile choice."""
+    return KERNEL_EFFICIENCY["compiled" if compiled_layers(cfg) else "eager"]
+
+
 def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node: int, gpu: GPUSpec,
                mfu: float, grad_bytes: int) -> dict[str, float]:
     """Seconds per training step, by component (see the module docstring)."""
@@ -514,12 +535,15 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
         sent = tokens // (tp if layout.sp else 1) * shape.hidden * d_bytes
         p2p = v * 2 * (sent / (bw * 1e9) + lat)
 
-    per_microbatch = compute + tp_comm + cp_comm + p2p
-    bubble = per_microbatch * (pp - 1) / v
-
     # Grads are reduced over DP×CP: distopt = reduce-scatter + param all-gather, else all-reduce.
     params, grads, owned = _stage_static(shape, pp, layout.vpp, 0, dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
+    # What a micro batch costs besides its FLOPs: why small micro batches are slow (measured mbs 1 → 4: 1.45×)
+    overhead = params * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
+
+    per_microbatch = compute + overhead + tp_comm + cp_comm + p2p
+    bubble = per_microbatch * (pp - 1) / v
+
     bw, lat = link(tp * cp * dp)
     if layout.distopt:
         reduce = _ring(grads * grad_bytes, dp * cp, bw, lat)
@@ -530,16 +554,18 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
         reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
     if cfg.parallel.overlap_param_gather and layout.distopt:
         gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
-    optimizer = max(owned) * ADAM_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
-    time = {"compute": compute * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m, "pp_p2p": p2p * m,
+    optimizer = max(owned) * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    time = {"compute": compute * m, "overhead": overhead * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m, "pp_p2p": p2p * m,
             "pp_bubble": bubble, "dp_comm": reduce + gather, "optimizer": optimizer}
     time["step"] = sum(time.values())
     return time
 
 
 def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpec, vocab_size: int,
-             mfu: float = DEFAULT_MFU, grad_reduce_in_fp32: bool = True) -> Estimate:
+             mfu: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> Estimate:
     """Memory and step time of the layout `cfg` specifies on `world_size` GPUs.
+
+    `mfu`: the layer kernels' fraction of dense BF16 peak; None = calibrated (:func:`kernel_efficiency`).
 
     `grad_reduce_in_fp32=False` is a what-if for bf16 grad buffers (as Megatron-Bridge's performance
     configs run); the recipe's ``wrap_with_ddp`` always reduces in fp32.
@@ -550,7 +576,7 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     peak_stage = max(range(layout.pp), key=lambda r: stages[r]["total"])
     memory = stages[peak_stage]
     fits = memory["total"] * (1 + FRAGMENTATION) <= gpu.memory_gib * GIB
-    time = _step_time(cfg, vocab_size, world_size, gpus_per_node, gpu, mfu, grad_bytes)
+    time = _step_time(cfg, vocab_size, world_size, gpus_per_node, gpu, mfu or kernel_efficiency(cfg), grad_bytes)
     tokens = cfg.train.global_batch_size * shape.seq
     model_flops = _flops_per_token(shape, shape.layers, True, None) * tokens
     mfu_est = model_flops / (time["step"] * world_size * gpu.peak_bf16_tflops * 1e12)
@@ -594,7 +620,7 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
 
 
 def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUSpec,
-         mfu: float = DEFAULT_MFU, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
+         mfu: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
     """Every valid layout, those that fit first, fastest first (then smallest memory)."""
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     vocab = model_vocab_size(cfg)

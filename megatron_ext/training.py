@@ -24,7 +24,7 @@ from tqdm import tqdm
 from megatron_ext import checkpointing, cpu_backend
 from megatron_ext.checkpoint_async import AsyncCheckpointSaver
 from megatron_ext.checkpoint_compat import is_torch_adam, megatron_optimizers
-from megatron_ext.config import RecipeConfig, data_parallel_size
+from megatron_ext.config import RecipeConfig, data_parallel_size, resolve_kernel_options
 from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.metrics import RunLogger
 from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
@@ -126,6 +126,17 @@ def _update_kernel(optimizer: MegatronOptimizer) -> str:
     return f"torch {type(inner).__name__}, {kernel}"
 
 
+def _describe_grad_sync(model: list, optimizer: MegatronOptimizer) -> str:
+    """How gradients and parameters move over DP×CP, read from megatron-core's DDP and optimizer objects."""
+    ddp = model[0].ddp_config
+    distributed = [type(opt).__name__ == "DistributedOptimizer" for opt in megatron_optimizers(optimizer)]
+    state = (f"distributed optimizer (state sharded over DP×CP={parallel_state.get_data_parallel_world_size(True)})"
+             if all(distributed) else "replicated optimizer state")
+    overlap = [name for name, on in [("overlapped grad reduce", ddp.overlap_grad_reduce),
+                                     ("overlapped param gather", ddp.overlap_param_gather)] if on]
+    return f"{state}; grad sync: {', '.join(overlap) or 'after the backward pass'}"
+
+
 class Trainer:
     """Builds the model, optimizer, schedule and data for one rank, then trains."""
 
@@ -142,15 +153,17 @@ class Trainer:
         use_te = cfg.model.attention_backend == "te" or (
             cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()
         )
+        cfg = self.cfg = resolve_kernel_options(cfg, self.on_gpu, use_te)
         self.config = transformer_config(cfg, self.on_gpu, use_te)
         chunks = build_model_chunks(cfg, vocab, self.config, use_te)
         if cfg.train.compile:
             compile_layers(chunks)
+            self._info("compiling decoder layers with torch.compile: the first step includes the compilation")
         if self.on_gpu:
             chunks = [c.cuda() for c in chunks]
         layout = describe_layout(chunks)
         self._info(layout)
-        self._info(f"{describe_layers(cfg, self.config, use_te)}; "
+        self._info(f"{describe_layers(chunks, self.config, use_te, cfg.train.fp8)}; "
                    f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
         if use_te and not self.config.gradient_accumulation_fusion:
             self._info("TE gradient-accumulation fusion is off: megatron-core's output layer needs apex's "
@@ -174,7 +187,7 @@ class Trainer:
         self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and use_async else None
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
-        self._info(f"optimizer: {_update_kernel(self.optimizer)}")
+        self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
         self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
 
@@ -297,6 +310,8 @@ class Trainer:
             start = time.perf_counter()
             loss, grad_norm = self.train_step(data)
             step_time = time.perf_counter() - start
+            if cfg.train.compile and not result.step_times:
+                self._info(f"first step {step_time:.1f} s, including compiling the decoder layers")
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             result.train_losses[self.iteration] = loss

@@ -1,21 +1,30 @@
-"""Single-device training throughput: this recipe vs Hugging Face LlamaForCausalLM on the same shape.
+"""Single-device training throughput: this recipe vs Hugging Face LlamaForCausalLM on the same shape, per micro batch.
 
-    python -m recipes.benchmark                       # ~1B Llama, seq 4096, BF16 on a GPU
-    python -m recipes.benchmark --preset tiny         # CPU-sized smoke run (what CI exercises)
+    python -m recipes.benchmark                                  # ~1B Llama, seq 4096, BF16 on a GPU, mbs 1 2 4
+    python -m recipes.benchmark --seq-length 16384 --micro-batch-sizes 1
+    python -m recipes.benchmark --preset tiny                    # CPU-sized smoke run (what CI exercises)
 
-Every variant runs in its own process (clean peak-memory numbers, no CPU-rehearsal patches
-leaking into the peers) on the same model shape, micro batch, sequence length and random tokens:
+Every (variant, micro batch) runs in its own process (clean peak-memory numbers, no CPU-rehearsal patches
+leaking into the peers) on the same model shape, sequence length and random tokens. Variants, by precision
+regime (fp32 runs: every variant is plain fp32):
 
-* ``megatron``: recipes.pretrain's Trainer (megatron-core local layers + SDPA, or TE when present),
-  eager; ``megatron-fused``: + megatron-core's fused SwiGLU and fused cross-entropy;
-  ``megatron-compile``: local layers + torch.compile of every decoder layer (keys in MEGATRON_VARIANTS;
-  the fused cross-entropy only in bf16, the one precision it is correct in);
-* ``hf`` / ``hf-compile``: transformers LlamaForCausalLM, attn_implementation="sdpa", AdamW,
-  without and with torch.compile.
+* ``megatron-eager``: recipes.pretrain's Trainer, eager (TransformerEngine layers where TE imports, else
+  megatron-core's local layers + SDPA); fp32 master weights and grads, bf16 compute;
+* ``megatron-compile``: local layers + torch.compile of every decoder layer (the default on a GPU without TE);
+* ``megatron-fp8``: TE layers + FP8 (delayed scaling) compute, fp32 master weights; only where TE imports
+  on an FP8-capable GPU, otherwise reported as skipped;
+  (every megatron variant uses the recipe's default kernels: fused cross-entropy in bf16);
+* ``hf`` / ``hf-compile``: transformers, pure bf16 — bf16 weights and bf16 AdamW state, no fp32 master copy:
+  cheaper per step and numerically weaker (updates below bf16's resolution are lost);
+* ``hf-amp`` / ``hf-amp-compile``: transformers as HF Trainer ``bf16=True`` runs it — fp32 weights, bf16
+  autocast, fused AdamW; the like-for-like peer of the recipe's regime.
 
-Reported per variant: tokens/s, model TFLOP/s per device and MFU (metrics.flops_per_token on the
-unpadded vocabulary for all variants: causal attention counted as current Megatron-LM does; the JSON also
-has the PaLM-style figure without causal halving), peak memory. Output: a table, JSON and a PNG bar chart.
+All use ``attn_implementation="sdpa"`` / the same attention kernels SDPA picks. Reported per run: tokens/s,
+model TFLOP/s per device and MFU (metrics.flops_per_token on the unpadded vocabulary for every variant:
+causal attention counted as current Megatron-LM does; the JSON also has the PaLM-style figure without causal
+halving), peak memory. The closing lines give, per micro batch, the fastest recipe variant against the fastest
+peer with the same master-weight regime and against the fastest peer overall. Output: a table, JSON and a PNG
+chart grouped by micro batch.
 """
 
 from __future__ import annotations
@@ -33,24 +42,49 @@ from typing import Optional
 PRESETS = {
     # ~1.2B Llama-3.2-1B-like shape; the untied 32k vocabulary keeps the LM head from dominating.
     "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-               ffn_hidden_size=8192, vocab_size=32000, seq_length=4096, micro_batch_size=1),
+               ffn_hidden_size=8192, vocab_size=32000, seq_length=4096, micro_batch_sizes=[1, 2, 4]),
     "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                 ffn_hidden_size=384, vocab_size=1024, seq_length=128, micro_batch_size=2),
+                 ffn_hidden_size=384, vocab_size=1024, seq_length=128, micro_batch_sizes=[2]),
 }
-FUSED_CROSS_ENTROPY = "train.fused_cross_entropy=true"  # bf16 only (megatron_ext.config rejects it in fp32)
-# The recipe's kernel options, each a variant, so one run measures which of them pays off.
+# The recipe's kernel choices, each a variant, so one run measures which of them pays off.
 MEGATRON_VARIANTS = {
-    "megatron": [],
-    "megatron-fused": ["train.fused_swiglu=true", FUSED_CROSS_ENTROPY],
-    # compile applies to megatron-core's local layers, also where TE is importable
-    "megatron-compile": ["model.attention_backend=local", "train.compile=true", FUSED_CROSS_ENTROPY],
+    "megatron-eager": ["train.compile=false"],
+    "megatron-compile": ["model.attention_backend=local", "train.compile=true"],
+    "megatron-fp8": ["model.attention_backend=te", "train.compile=false", "train.fp8=delayed"],
 }
-VARIANTS = (*MEGATRON_VARIANTS, "hf", "hf-compile")
+HF_VARIANTS = {  # name: (fp32 master weights + autocast, torch.compile)
+    "hf": (False, False), "hf-compile": (False, True), "hf-amp": (True, False), "hf-amp-compile": (True, True),
+}
+VARIANTS = (*MEGATRON_VARIANTS, *HF_VARIANTS)
+
+
+def regime(variant: str, precision: str) -> tuple[str, str]:
+    """(master-weight precision, a description of the variant's precision regime)."""
+    if precision == "fp32":
+        return "fp32", "fp32 weights and compute"
+    if variant == "megatron-fp8":
+        return "fp32", "fp32 master weights, FP8 compute"
+    if variant in MEGATRON_VARIANTS or HF_VARIANTS[variant][0]:
+        return "fp32", "fp32 master weights, bf16 compute"
+    return "bf16", "pure bf16: bf16 weights and Adam state"
+
+
+def unavailable(variant: str, precision: str, te_available: bool, fp8_capable: bool) -> Optional[str]:
+    """Why `variant` cannot run here, or None."""
+    if variant == "megatron-fp8" and not (te_available and fp8_capable and precision == "bf16"):
+        return "needs TransformerEngine, an FP8-capable GPU (sm89+) and bf16"
+    if variant in HF_VARIANTS and HF_VARIANTS[variant][0] and precision != "bf16":
+        return "autocast regime: bf16 only (in fp32 `hf` is the same regime as the recipe)"
+    return None
 
 
 @dataclass
 class Result:
     variant: str
+    micro_batch_size: int
+    seq_length: int
+    master_weights: str  # fp32 | bf16: the comparison classes
+    regime: str
     device: str
     tokens_per_sec: float
     tflops_per_device: float
@@ -75,12 +109,12 @@ def _shape_overrides(shape: dict, precision: str, steps: int) -> list[str]:
             "optimizer.lr_warmup_iters=0"]
 
 
-def _recipe_config(shape: dict, precision: str, steps: int, variant: str = "megatron"):
+def recipe_config(shape: dict, precision: str, steps: int, variant: str = "megatron-eager"):
+    """The recipe config a megatron variant trains (`shape` with one micro_batch_size)."""
     from megatron_ext.config import load_config
 
-    kernels = [k for k in MEGATRON_VARIANTS[variant] if k != FUSED_CROSS_ENTROPY or precision == "bf16"]
     return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
-                       [*_shape_overrides(shape, precision, steps), *kernels])
+                       [*_shape_overrides(shape, precision, steps), *MEGATRON_VARIANTS[variant]])
 
 
 def _measure(variant: str, step_times: list[float], shape: dict, precision: str) -> Result:
@@ -88,15 +122,17 @@ def _measure(variant: str, step_times: list[float], shape: dict, precision: str)
 
     from megatron_ext.metrics import flops_per_token, peak_tflops
 
-    cfg = _recipe_config(shape, precision, len(step_times))
+    cfg = recipe_config(shape, precision, len(step_times))
     step = statistics.median(step_times)
     tokens = shape["micro_batch_size"] * shape["seq_length"]
     tflops = flops_per_token(cfg, shape["vocab_size"]) * tokens / step / 1e12
     full_tflops = flops_per_token(cfg, shape["vocab_size"], causal=False) * tokens / step / 1e12
     peak = peak_tflops(cfg)
     on_gpu = torch.cuda.is_available()
+    master, description = regime(variant, precision)
     return Result(
-        variant=variant, device=torch.cuda.get_device_name() if on_gpu else "cpu",
+        variant=variant, micro_batch_size=shape["micro_batch_size"], seq_length=shape["seq_length"],
+        master_weights=master, regime=description, device=torch.cuda.get_device_name() if on_gpu else "cpu",
         tokens_per_sec=tokens / step, tflops_per_device=tflops, mfu=tflops / peak if peak else None,
         mfu_no_causal_halving=full_tflops / peak if peak else None,
         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
@@ -107,16 +143,20 @@ def _measure(variant: str, step_times: list[float], shape: dict, precision: str)
 def run_megatron(variant: str, shape: dict, precision: str, warmup: int, steps: int) -> Result:
     from megatron_ext.training import pretrain
 
-    result = pretrain(_recipe_config(shape, precision, warmup + steps, variant))
+    result = pretrain(recipe_config(shape, precision, warmup + steps, variant))
     return _measure(variant, result.step_times[warmup:], shape, precision)
 
 
-def run_hf(shape: dict, precision: str, warmup: int, steps: int, compile_model: bool) -> Result:
+def run_hf(variant: str, shape: dict, precision: str, warmup: int, steps: int) -> Result:
+    import contextlib
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    amp, compile_model = HF_VARIANTS[variant]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    # pure bf16 keeps the weights (hence AdamW's state) in bf16; amp keeps them fp32 and autocasts the compute
+    dtype = torch.bfloat16 if precision == "bf16" and not amp else torch.float32
     config = LlamaConfig(
         vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
         num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
@@ -131,7 +171,9 @@ def run_hf(shape: dict, precision: str, warmup: int, steps: int, compile_model: 
     times = []
     for _ in range(warmup + steps):
         start = time.perf_counter()
-        loss = forward(input_ids=tokens, labels=tokens).loss
+        autocast = torch.autocast(device, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+        with autocast:
+            loss = forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -139,16 +181,17 @@ def run_hf(shape: dict, precision: str, warmup: int, steps: int, compile_model: 
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return _measure("hf-compile" if compile_model else "hf", times[warmup:], shape, precision)
+    return _measure(variant, times[warmup:], shape, precision)
 
 
-def _run_variant_subprocess(variant: str, args: argparse.Namespace, out: Path) -> Result:
+def _run_in_subprocess(variant: str, mbs: int, args: argparse.Namespace, out: Path) -> Result:
     cmd = [sys.executable, "-m", "recipes.benchmark", "--variant", variant, "--preset", args.preset,
            "--precision", args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--result-file", str(out)]
+           "--micro-batch-sizes", str(mbs), "--seq-length", str(args.seq_length), "--result-file", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"variant {variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"variant {variant} at micro batch {mbs} failed:\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-3000:]}")
     return Result(**json.loads(out.read_text()))
 
 
@@ -169,14 +212,38 @@ def versions() -> dict[str, Optional[str]]:
 
 
 def _table(results: list[Result]) -> str:
-    header = f"{'variant':<16} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'step ms':>9}"
+    header = (f"{'mbs':>3} {'variant':<16} {'regime':<36} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+              f"{'peak GiB':>8} {'step ms':>8}")
     rows = [header, "-" * len(header)]
-    for r in results:
+    for r in sorted(results, key=lambda r: r.micro_batch_size):
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
         mem = f"{r.peak_memory_gb:.1f}" if r.peak_memory_gb is not None else "n/a"
-        rows.append(f"{r.variant:<16} {r.tokens_per_sec:>12,.0f} {r.tflops_per_device:>9.2f} {mfu:>7} "
-                    f"{mem:>9} {1000 * r.step_time_s:>9.1f}")
+        rows.append(f"{r.micro_batch_size:>3} {r.variant:<16} {r.regime:<36} {r.tokens_per_sec:>10,.0f} "
+                    f"{r.tflops_per_device:>8.2f} {mfu:>6} {mem:>8} {1000 * r.step_time_s:>8.1f}")
     return "\n".join(rows)
+
+
+def _fastest(results: list[Result]) -> Optional[Result]:
+    return max(results, key=lambda r: r.tokens_per_sec, default=None)
+
+
+def comparisons(results: list[Result]) -> list[dict]:
+    """Per micro batch: the fastest recipe variant against the fastest peer of its master-weight regime and
+    against the fastest peer overall."""
+    rows = []
+    for mbs in sorted({r.micro_batch_size for r in results}):
+        at = [r for r in results if r.micro_batch_size == mbs]
+        ours = _fastest([r for r in at if r.variant in MEGATRON_VARIANTS])
+        peers = [r for r in at if r.variant in HF_VARIANTS]
+        if ours is None or not peers:
+            continue
+        row = {"micro_batch_size": mbs, "recipe": ours.variant}
+        for key, candidates in (("same_regime", [r for r in peers if r.master_weights == ours.master_weights]),
+                                ("overall", peers)):
+            peer = _fastest(candidates)
+            row[key] = {"peer": peer.variant, "ratio": ours.tokens_per_sec / peer.tokens_per_sec} if peer else None
+        rows.append(row)
+    return rows
 
 
 def _chart(results: list[Result], path: Path, title: str) -> None:
@@ -185,12 +252,20 @@ def _chart(results: list[Result], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar([r.variant for r in results], [r.tokens_per_sec for r in results],
-                  color=["#76b900" if r.variant in MEGATRON_VARIANTS else "#888888" for r in results])
-    ax.bar_label(bars, labels=[f"{r.tokens_per_sec:,.0f}" for r in results])
+    sizes = sorted({r.micro_batch_size for r in results})
+    variants = [v for v in VARIANTS if any(r.variant == v for r in results)]
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(2 + 1.2 * len(sizes) * max(1, len(variants) / 3), 3.8))
+    for i, variant in enumerate(variants):
+        points = [(sizes.index(r.micro_batch_size), r.tokens_per_sec) for r in results if r.variant == variant]
+        bars = ax.bar([x + (i - (len(variants) - 1) / 2) * width for x, _ in points], [y for _, y in points], width,
+                      label=variant, color=plt.cm.Greens(0.4 + 0.5 * i / len(variants)) if variant in
+                      MEGATRON_VARIANTS else plt.cm.Greys(0.3 + 0.5 * i / len(variants)))
+        ax.bar_label(bars, labels=[f"{y / 1000:.0f}k" for _, y in points], fontsize=6)
+    ax.set_xticks(range(len(sizes)), [f"micro batch {s}" for s in sizes])
     ax.set_ylabel("tokens/s (higher is better)")
     ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncols=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -204,10 +279,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="default: bf16 on a GPU, fp32 on CPU")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=None,
+                        help="each one a separate run of every variant (default: the preset's)")
+    parser.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out-dir", default="runs/benchmark")
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one run
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -216,39 +294,54 @@ def main(argv: Optional[list[str]] = None) -> int:
     on_gpu = torch.cuda.is_available()
     args.preset = args.preset or ("1b" if on_gpu else "tiny")
     args.precision = args.precision or ("bf16" if on_gpu else "fp32")
-    shape = PRESETS[args.preset]
+    preset = dict(PRESETS[args.preset])
+    sizes = args.micro_batch_sizes or preset.pop("micro_batch_sizes")
+    preset.pop("micro_batch_sizes", None)
+    args.seq_length = args.seq_length or preset["seq_length"]
+    shape = {**preset, "seq_length": args.seq_length}
 
-    if args.variant:  # child process: measure one variant, write its Result
+    if args.variant:  # child process: measure one variant at one micro batch, write its Result
+        one = {**shape, "micro_batch_size": sizes[0]}
         if args.variant in MEGATRON_VARIANTS:
-            result = run_megatron(args.variant, shape, args.precision, args.warmup, args.steps)
+            result = run_megatron(args.variant, one, args.precision, args.warmup, args.steps)
         else:
-            result = run_hf(shape, args.precision, args.warmup, args.steps, args.variant == "hf-compile")
+            result = run_hf(args.variant, one, args.precision, args.warmup, args.steps)
         Path(args.result_file).write_text(json.dumps(asdict(result)))
         return 0
 
+    from megatron_ext.model import transformer_engine_available
+
+    fp8_capable = on_gpu and torch.cuda.get_device_capability() >= (8, 9)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, skipped = [], {}
     for variant in args.variants:
-        print(f"benchmarking {variant} ({args.preset}, {args.precision}, {args.warmup}+{args.steps} steps)...",
-              flush=True)
-        results.append(_run_variant_subprocess(variant, args, out_dir / f"{variant}.json"))
-    title = (f"{args.preset}: {shape['num_layers']}L h{shape['hidden_size']} seq {shape['seq_length']} "
-             f"mbs {shape['micro_batch_size']} {args.precision} on {results[0].device}")
-    table = _table(results)
-    print(f"\n{title}\n{table}")
-    record = {"title": title, "shape": shape, "precision": args.precision, "versions": versions(),
-              "results": [asdict(r) for r in results]}
+        reason = unavailable(variant, args.precision, transformer_engine_available(), fp8_capable)
+        if reason:
+            skipped[variant] = reason
+            print(f"skipping {variant}: {reason}", flush=True)
+            continue
+        for mbs in sizes:
+            print(f"benchmarking {variant} at micro batch {mbs} ({args.preset}, seq {args.seq_length}, "
+                  f"{args.precision}, {args.warmup}+{args.steps} steps)...", flush=True)
+            results.append(_run_in_subprocess(variant, mbs, args, out_dir / f"{variant}-mbs{mbs}.json"))
+    if not results:
+        print("nothing ran", file=sys.stderr)
+        return 1
+    title = (f"{args.preset}: {shape['num_layers']}L h{shape['hidden_size']} seq {args.seq_length} "
+             f"{args.precision} on {results[0].device}")
+    print(f"\n{title}\n{_table(results)}")
+    compared = comparisons(results)
+    for row in compared:
+        parts = [f"{label} ({row[key]['peer']}) {row[key]['ratio']:.2f}×" for key, label in
+                 (("same_regime", "vs the fastest peer of its master-weight regime"), ("overall", "vs the fastest peer"))
+                 if row[key]]
+        print(f"micro batch {row['micro_batch_size']}: {row['recipe']} " + "; ".join(parts))
+    record = {"title": title, "shape": shape, "micro_batch_sizes": sizes, "precision": args.precision,
+              "versions": versions(), "results": [asdict(r) for r in results], "skipped": skipped,
+              "comparisons": compared}
     (out_dir / "benchmark.json").write_text(json.dumps(record, indent=1) + "\n")
     _chart(results, out_dir / "benchmark.png", title)
-    def fastest(rs: list[Result]) -> Optional[Result]:
-        return max(rs, key=lambda r: r.tokens_per_sec, default=None)
-
-    ours = fastest([r for r in results if r.variant in MEGATRON_VARIANTS])
-    best_peer = fastest([r for r in results if r.variant not in MEGATRON_VARIANTS])
-    if ours and best_peer:
-        print(f"\nbest recipe variant ({ours.variant}) vs best peer ({best_peer.variant}): "
-              f"{ours.tokens_per_sec / best_peer.tokens_per_sec:.2f}×")
     print(f"wrote {out_dir / 'benchmark.json'} and {out_dir / 'benchmark.png'}")
     return 0
 

@@ -12,8 +12,8 @@ import sys
 from typing import Optional
 
 from megatron_ext.config import ConfigError, load_config, validate_layout
-from megatron_ext.planner import (DEFAULT_MFU, FRAGMENTATION, GIB, GPUS, Estimate, Layout, estimate, explain,
-                                  model_vocab_size, plan)
+from megatron_ext.planner import (FRAGMENTATION, GIB, GPUS, Estimate, Layout, compiled_layers, estimate, explain,
+                                  kernel_efficiency, model_vocab_size, plan)
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "dist", "recomp", "mbs", "m", "params", "grads", "optim",
            "activ", "buffers", "total GiB", "step s", "bubble", "MFU", "tok/s/GPU"]
@@ -58,8 +58,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100-80gb")
     parser.add_argument("--seq-length", type=int, help="override model.seq_length")
     parser.add_argument("--global-batch-size", type=int, help="override train.global_batch_size")
-    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                        help="assumed kernel efficiency (fraction of dense BF16 peak)")
+    parser.add_argument("--mfu", type=float, default=None,
+                        help="kernel efficiency (fraction of dense BF16 peak); default: calibrated on H100 "
+                             "measurements for eager or compiled layers, as train.compile runs them")
     parser.add_argument("--bf16-grads", action="store_true",
                         help="what-if: bf16 grad buffers (the recipe reduces grads in fp32)")
     parser.add_argument("--top", type=int, default=10, help="layouts to list")
@@ -95,7 +96,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = cfg.model
     print(f"{cfg.recipe.name}: {m.num_layers} layers, h={m.hidden_size}, seq {m.seq_length}, global batch "
           f"{cfg.train.global_batch_size}, precision {cfg.train.precision} on {args.gpus}× {gpu.name} "
-          f"({args.gpus_per_node}/node); assumed kernel MFU {args.mfu:.0%}")
+          f"({args.gpus_per_node}/node); layer kernels at {100 * (args.mfu or kernel_efficiency(cfg)):.1f} % of peak "
+          + ("(--mfu)" if args.mfu else f"(calibrated, {'compiled' if compiled_layers(cfg) else 'eager'} layers)"))
     print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.memory_gib:.0f} GiB "
           f"(with {100 * FRAGMENTATION:.0f} % allocator slack)\n")
     if not fitting:

@@ -229,3 +229,30 @@ def test_recipe_auto_layout_is_the_planners_best_and_valid(monkeypatch):
                                     expected["parallel.pipeline_model_parallel_size"],
                                     expected["parallel.context_parallel_size"], expected["train.micro_batch_size"])
     validate_layout(cfg, 8, te_available=True, fp8_capable=True)
+
+
+# Measured on one H100 80GB, torch 2.11, megatron-core 0.16.1, no TE (../shared/notes/gpu-h100-no-te-measured.md §3):
+# configs/llama3_2_1b_1gpu_bf16.yaml with mock data, tokens/s by (micro batch, compiled layers).
+MEASURED_1B_RECIPE = {(2, False): 44_200, (4, False): 47_900, (2, True): 53_200, (4, True): 54_600}
+
+
+@pytest.mark.parametrize("mbs, compiled", list(MEASURED_1B_RECIPE))
+def test_predicted_speed_of_the_1b_recipe_is_within_15_percent_of_the_h100_measurement(mbs, compiled):
+    cfg = load_config(ROOT / "configs" / "llama3_2_1b_1gpu_bf16.yaml",
+                      [f"train.micro_batch_size={mbs}", f"train.compile={str(compiled).lower()}",
+                       "model.attention_backend=local"])
+    e = planner.estimate(cfg, 1, 8, GPUS["h100-80gb"], planner.model_vocab_size(cfg))
+    measured = MEASURED_1B_RECIPE[(mbs, compiled)]
+    print(f"mbs {mbs} compiled {compiled}: predicted {e.tokens_per_s_per_gpu:,.0f}, measured {measured:,}")
+    assert abs(e.tokens_per_s_per_gpu / measured - 1) <= 0.15
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_planner_ranks_larger_micro_batches_of_the_1b_recipe_faster(compiled):
+    """Measured: mbs 4 ≥ mbs 2 > mbs 1 (per-micro-batch costs that small micro batches do not amortise)."""
+    speed = {}
+    for mbs in (1, 2, 4):
+        cfg = load_config(ROOT / "configs" / "llama3_2_1b_1gpu_bf16.yaml",
+                          [f"train.micro_batch_size={mbs}", f"train.compile={str(compiled).lower()}"])
+        speed[mbs] = planner.estimate(cfg, 1, 8, GPUS["h100-80gb"], planner.model_vocab_size(cfg)).tokens_per_s_per_gpu
+    assert speed[4] >= speed[2] > speed[1], speed
