@@ -31,10 +31,10 @@ pretrain: data
 		-m recipes.pretrain --config $(CONFIG) $(ARGS)
 
 test: data
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests $(ARGS)
 
 test-fast: data
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -m "not slow" tests $(ARGS)
 
 clean:
 	rm -rf runs

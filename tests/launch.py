@@ -34,7 +34,8 @@ def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: s
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [sys.executable, *launcher,
            "-m", module, *(["--config", str(config)] if config else []),
-           "checkpoint.save=null", *overrides]  # never into the repository's runs/ (a test that saves says where)
+           # never into the repository's runs/ (a test that saves or logs says where)
+           "checkpoint.save=null", "logging.tensorboard_dir=null", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -1,7 +1,8 @@
 """The parity matrix: every 4D layout trains the same model as one process (CPU, gloo, fp32).
 
-Each layout loads the same initial weights, trains the same global batches for 5 steps, and must
-match the single-process run's per-step loss and grad-norm within TOLERANCE (relative).
+Each layout loads the same initial weights, trains the same global batches for 6 steps (5 updates reach the
+last compared loss), must match the single-process run's per-step loss and grad-norm within TOLERANCE
+(relative), and its start-up log must show that the feature it names was built.
 TP2×PP2 and the resharded resumes are in test_training.py.
 """
 
@@ -25,36 +26,50 @@ TOLERANCE = {"train/lm_loss": 1e-6, "train/grad_norm": 2e-5}
 TP1 = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false"]
 PP1 = ["parallel.pipeline_model_parallel_size=1"]
 NO_SP = ["parallel.sequence_parallel=false"]
+DISTOPT2, REPLICATED = "distributed optimizer (state sharded over DP×CP=2)", "replicated optimizer state"
+LOCAL_SDPA, RING = "attention: torch SDPA", "attention: ring attention over CP"
 
 LAYOUTS = {
-    # name: (processes, overrides on top of configs/tiny.yaml, whose layout is TP2×PP2+SP)
-    "tp2": (2, [*PP1, *NO_SP]),
-    "tp2_sp": (2, PP1),
-    "pp2_1f1b": (2, TP1),
-    "pp2_vpp2_interleaved": (2, [*TP1, "parallel.virtual_pipeline_model_parallel_size=2"]),
-    "pp2_uneven_1_3": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1"]),
-    "dp2": (2, [*TP1, *PP1, "parallel.use_distributed_optimizer=false"]),
-    "dp2_distopt": (2, [*TP1, *PP1]),
-    "cp2": (2, [*TP1, *PP1, "parallel.context_parallel_size=2"]),
-    "cp4": (4, [*TP1, *PP1, "parallel.context_parallel_size=4"]),
-    "dp2_tp2_sp_distopt": (4, PP1),
-    "tp2_cp2": (4, [*PP1, "parallel.context_parallel_size=2"]),
-    "pp2_cp2": (4, [*TP1, "parallel.context_parallel_size=2"]),
-    "tp2_sp_full_recompute": (2, [*PP1, "train.recompute_granularity=full"]),
-    "pp2_selective_recompute": (2, [*TP1, "train.recompute_granularity=selective"]),
-    "dp2_distopt_overlap": (2, [*TP1, *PP1, "parallel.overlap_grad_reduce=true",
-                                "parallel.overlap_param_gather=true"]),
-    "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"]),
-    "dp2_tp2_pp2": (8, []),
-    "dp2_tp2_pp2_cp2": (16, ["parallel.context_parallel_size=2"]),
+    # name: (processes, overrides on top of configs/tiny.yaml (TP2×PP2+SP), what the run's start-up log must say:
+    # the feature was really built — read from megatron-core's objects — not only asked for)
+    "tp2": (2, [*PP1, *NO_SP], ["TP2 × CP1 × DP1 × PP1", "kernels: eager, none fused"]),
+    "tp2_sp": (2, PP1, ["TP2 × CP1 × DP1 × PP1", "kernels: sequence parallel"]),
+    "pp2_1f1b": (2, TP1, ["TP1 × CP1 × DP1 × PP2\n", "PP stage 0 (ranks [0]): layers 1-2 + embedding",
+                          "PP stage 1 (ranks [1]): layers 3-4 + output layer/loss"]),
+    "pp2_vpp2_interleaved": (2, [*TP1, "parallel.virtual_pipeline_model_parallel_size=2"],
+                             ["TP1 × CP1 × DP1 × PP2 (VPP2)",
+                              "PP stage 0 (ranks [0]): chunk 0: layers 1-1; chunk 1: layers 3-3",
+                              "PP stage 1 (ranks [1]): chunk 0: layers 2-2; chunk 1: layers 4-4"]),
+    "pp2_uneven_1_3": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1"],
+                       ["PP stage 0 (ranks [0]): layers 1-1", "PP stage 1 (ranks [1]): layers 2-4"]),
+    "dp2": (2, [*TP1, *PP1, "parallel.use_distributed_optimizer=false"], ["TP1 × CP1 × DP2 × PP1", REPLICATED]),
+    "dp2_distopt": (2, [*TP1, *PP1], ["TP1 × CP1 × DP2 × PP1", DISTOPT2, "grad sync: after the backward pass"]),
+    "cp2": (2, [*TP1, *PP1, "parallel.context_parallel_size=2"], ["TP1 × CP2 × DP1 × PP1", RING, DISTOPT2]),
+    "cp4": (4, [*TP1, *PP1, "parallel.context_parallel_size=4"], ["TP1 × CP4 × DP1 × PP1", RING]),
+    "dp2_tp2_sp_distopt": (4, PP1, ["TP2 × CP1 × DP2 × PP1", "sequence parallel", DISTOPT2]),
+    "tp2_cp2": (4, [*PP1, "parallel.context_parallel_size=2"], ["TP2 × CP2 × DP1 × PP1", RING]),
+    "pp2_cp2": (4, [*TP1, "parallel.context_parallel_size=2"], ["TP1 × CP2 × DP1 × PP2", RING]),
+    "tp2_sp_full_recompute": (2, [*PP1, "train.recompute_granularity=full"], ["sequence parallel, full recompute"]),
+    "pp2_selective_recompute": (2, [*TP1, "train.recompute_granularity=selective"],
+                                ["kernels: selective recompute", "TP1 × CP1 × DP1 × PP2"]),
+    "dp2_distopt_overlap": (2, [*TP1, *PP1, "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
+                            [DISTOPT2, "grad sync: overlapped grad reduce, overlapped param gather"]),
+    "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"],
+                                     ["kernels: sequence parallel, fused SwiGLU, torch.compile per layer"]),
+    "dp2_tp2_pp2": (8, [], ["TP2 × CP1 × DP2 × PP2", "sequence parallel", DISTOPT2]),
+    "dp2_tp2_pp2_cp2": (16, ["parallel.context_parallel_size=2"],
+                        ["TP2 × CP2 × DP2 × PP2", RING, "distributed optimizer (state sharded over DP×CP=4)"]),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, initial_weights, single_process_reference, tmp_path):
-    nproc, layout = LAYOUTS[name]
+    nproc, layout, expected = LAYOUTS[name]
     tb = tmp_path / "tb"
-    run_pretrain(nproc, [*parity_overrides(initial_weights, tb), *layout], timeout=900)
+    proc = run_pretrain(nproc, [*parity_overrides(initial_weights, tb), *layout], timeout=900)
+    log = proc.stdout + proc.stderr
+    missing = [fragment for fragment in expected if fragment not in log]
+    assert not missing, f"{name}: the start-up log does not show {missing}:\n{log[:4000]}"
     for tag, tolerance in TOLERANCE.items():
         reference = read_scalars(single_process_reference, tag)
         measured = read_scalars(tb, tag)

@@ -48,12 +48,19 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
 
 
+def _unavailable(reason: str) -> None:
+    """Skip locally (with the reason, `-rs`); fail where the suite must prove SLURM (CI sets REQUIRE_SLURM=1)."""
+    if os.environ.get("REQUIRE_SLURM") == "1":
+        pytest.fail(f"REQUIRE_SLURM=1 but {reason}")
+    pytest.skip(reason)
+
+
 def _ensure_slurm_installed() -> None:
     missing = [tool for tool in (*DAEMONS, *CLIENTS) if _which(tool) is None]
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"SLURM test cluster: {', '.join(missing)} missing and cannot be installed here "
+        _unavailable(f"SLURM test cluster: {', '.join(missing)} missing and cannot be installed here "
                     f"(needs root and apt-get: apt-get install {' '.join(PACKAGES)})")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
@@ -63,7 +70,7 @@ def _ensure_slurm_installed() -> None:
         proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
     missing = [tool for tool in (*DAEMONS, *CLIENTS) if _which(tool) is None]
     if proc.returncode != 0 or missing:
-        pytest.skip(f"SLURM test cluster: `{' '.join(install)}` failed (exit {proc.returncode}), "
+        _unavailable(f"SLURM test cluster: `{' '.join(install)}` failed (exit {proc.returncode}), "
                     f"missing {missing}: {proc.stderr.strip()[-500:]}")
 
 
@@ -212,7 +219,7 @@ PartitionName=debug Nodes={','.join(self.NODES)} Default=YES MaxTime=INFINITE St
 def cluster(tmp_path_factory):
     _ensure_slurm_installed()
     if os.geteuid() != 0:
-        pytest.skip("SLURM test cluster: slurmd launches jobs as their user, so it must run as root")
+        _unavailable("SLURM test cluster: slurmd launches jobs as their user, so it must run as root")
     c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         c.start()
@@ -331,3 +338,12 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_
         resumed = read_scalars(job.run_dir / "tensorboard", tag)
         uninterrupted = read_scalars(single_node_job.run_dir / "tensorboard", tag)
         assert resumed == uninterrupted, (tag, resumed, uninterrupted)
+
+
+def test_a_missing_cluster_fails_where_slurm_is_required(monkeypatch):
+    monkeypatch.setenv("REQUIRE_SLURM", "1")
+    with pytest.raises(pytest.fail.Exception, match="REQUIRE_SLURM=1 but no slurmd"):
+        _unavailable("no slurmd")
+    monkeypatch.delenv("REQUIRE_SLURM")
+    with pytest.raises(pytest.skip.Exception, match="no slurmd"):
+        _unavailable("no slurmd")
