@@ -1,4 +1,5 @@
-"""Measures preprocess throughput and peak memory against a Megatron-LM-style per-document baseline."""
+"""Measures preprocess throughput and peak memory against a Megatron-LM-style per-document baseline, for the
+sentencepiece path and for a Hugging Face byte-level BPE of the same vocabulary size (tokens/s per worker)."""
 
 import argparse
 import hashlib
@@ -23,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 MB = 1_000_000
 GENERATOR_VERSION = 2  # part of the cached corpus name: bump when the generator changes its output
-IMPLS = ("megatron-style", "data_prep")  # baseline first: each pair runs in that order
+# baseline first: each pair runs in that order; data_prep-hf tokenizes with a byte-level BPE of the same vocabulary
+# size trained on the same sample (other ids, so its output is not compared with the sentencepiece runs')
+IMPLS = ("megatron-style", "data_prep", "data_prep-hf")
 MEASURE_FLAG = "--measure-one"  # internal: run one preprocess in this fresh process, print JSON
 
 COMMON_WORDS = (
@@ -212,7 +215,7 @@ def _measure_one(spec: dict) -> dict:
 
     before = resource.getrusage(resource.RUSAGE_SELF)  # after the imports: they are not the work
     start = time.perf_counter()
-    if spec["impl"] == "data_prep":
+    if spec["impl"] in ("data_prep", "data_prep-hf"):
         r = preprocess([spec["input"]], spec["output_prefix"], spec["tokenizer_model"], ["text"],
                        append_eod=True, workers=spec["workers"], chunk_docs=spec["chunk_docs"])
         documents, tokens, prefix = r.documents, r.tokens, r.prefixes[0]
@@ -307,6 +310,13 @@ def benchmark(size_mb: float, workers: list[int], out_dir: Path, vocab_size: int
         logger.info("tokenizer: bpe vocab %d on %.1f MB -> %s (%.1fs)", vocab_size, r.sample_bytes / MB,
                     r.model_path, r.seconds)
     tokenizer_model = Path(f"{tok_prefix}.model")
+    hf_tokenizer = Path(f"{tok_prefix}-byte-bpe")
+    if (hf_tokenizer / "tokenizer.json").exists():
+        logger.info("tokenizer: reusing %s", hf_tokenizer)
+    else:
+        r = train_tokenizer([str(corpus)], vocab_size, "byte-bpe", str(hf_tokenizer), sample_bytes=int(sample_mb * MB))
+        logger.info("tokenizer: byte-bpe vocab %d on %.1f MB -> %s (%.1fs)", vocab_size, r.sample_bytes / MB,
+                    r.model_path, r.seconds)
 
     runs, hashes = [], set()
     impls = IMPLS if baseline else IMPLS[1:]
@@ -315,10 +325,12 @@ def benchmark(size_mb: float, workers: list[int], out_dir: Path, vocab_size: int
             tries = []
             for attempt in range(repeats):
                 logger.info("running %s with %d worker(s) (%d/%d) ...", impl, n, attempt + 1, repeats)
-                r = run_one(impl, n, corpus, tokenizer_model, out_dir, chunk_docs, input_bytes)
+                model = hf_tokenizer if impl == "data_prep-hf" else tokenizer_model
+                r = run_one(impl, n, corpus, model, out_dir, chunk_docs, input_bytes)
                 logger.info("  %.1fs, %s tokens/s, %s tokens per CPU-second, main RSS %.0f MB", r["seconds"],
                             f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_cpu_s']:,.0f}", r["main_rss_mb"])
-                hashes.add(json.dumps(r["sha256"], sort_keys=True))
+                if impl != "data_prep-hf":
+                    hashes.add(json.dumps(r["sha256"], sort_keys=True))
                 tries.append(r)
             # Best of N: on a shared machine the slower tries measure the neighbours, not the code.
             best = min(tries, key=lambda t: t["seconds"])
@@ -328,7 +340,7 @@ def benchmark(size_mb: float, workers: list[int], out_dir: Path, vocab_size: int
                     "processor": platform.processor() or platform.machine(),
                     "load_average_at_end": os.getloadavg()},
         "size_mb": size_mb, "input_bytes": input_bytes, "vocab_size": vocab_size,
-        "tokenizer_model": str(tokenizer_model), "chunk_docs": chunk_docs,
+        "tokenizer_model": str(tokenizer_model), "hf_tokenizer": str(hf_tokenizer), "chunk_docs": chunk_docs,
         "identical_outputs": len(hashes) == 1, "runs": runs,
     }
 
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(result["runs"]))
     for line in _comparison(result["runs"]):
         print(line)
-    print(f"outputs identical across all runs: {'yes' if result['identical_outputs'] else 'NO'}")
+    print(f"outputs identical across all sentencepiece runs: {'yes' if result['identical_outputs'] else 'NO'}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -6,10 +6,10 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
+
+from megatron_ext.data import max_token_id
 
 HISTOGRAM_WIDTH = 40
-SCAN_CHUNK_TOKENS = 64 * 1024 * 1024  # max-id scan reads the memmap in pieces, never all at once
 
 
 class DatasetError(ValueError):
@@ -93,16 +93,6 @@ def document_tokens(ds, doc: int) -> np.ndarray:
     return np.concatenate(ds[first:last])
 
 
-def max_token_id(ds) -> int:
-    tokens = ds.bin_reader.read(dtype=ds.index.dtype, count=int(ds.sequence_lengths.sum(dtype=np.int64)),
-                                offset=0)
-    if tokens.size == 0:
-        return -1
-    return max(int(tokens[i:i + SCAN_CHUNK_TOKENS].max())
-               for i in tqdm(range(0, tokens.size, SCAN_CHUNK_TOKENS), desc="scan ids", disable=None,
-                             leave=False))
-
-
 def log2_histogram(lengths: np.ndarray, width: int = HISTOGRAM_WIDTH) -> list[str]:
     """Text histogram of lengths in buckets 0, 1, 2-3, 4-7, ... (one line per bucket up to the max)."""
     if lengths.size == 0:
@@ -140,11 +130,12 @@ def report(prefix: str, samples: int = 3, tokenizer_model: str | None = None, sa
         lines += ["document length histogram (tokens, log2 buckets):", *log2_histogram(lengths)]
     tokenizer = None
     if tokenizer_model is not None:
-        if not os.path.isfile(tokenizer_model):
-            raise DatasetError(f"{tokenizer_model}: no such tokenizer model")
-        from megatron_ext.tokenizer import SentencePieceTokenizer
+        from megatron_ext.tokenizer import TokenizerError, load_tokenizer
 
-        tokenizer = SentencePieceTokenizer(tokenizer_model)
+        try:
+            tokenizer = load_tokenizer(tokenizer_model)
+        except TokenizerError as e:
+            raise DatasetError(str(e)) from None
         # The costliest mistake here is training with another tokenizer than the one that wrote
         # the data: ids past the vocabulary crash the embedding, smaller ones silently mislead.
         top = max_token_id(ds)
@@ -181,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data_prep.inspect", description=__doc__)
     parser.add_argument("prefix", help="dataset prefix (PREFIX.bin + PREFIX.idx; a .bin/.idx path works too)")
     parser.add_argument("--samples", type=int, default=3, help="documents to show (0 = none)")
-    parser.add_argument("--tokenizer-model", help="sentencepiece .model to decode samples and check ids with")
+    parser.add_argument("--tokenizer-model", help="sentencepiece .model or Hugging Face tokenizer directory to "
+                                                  "decode samples and check ids with")
     parser.add_argument("--sample-chars", type=int, default=400, help="characters shown per decoded sample")
     args = parser.parse_args(argv)
     try:

@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from data_prep.records import BadRecordError, SkippedRecords, iter_documents
-from megatron_ext.tokenizer import SentencePieceTokenizer
+from megatron_ext.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,13 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 
 # Worker-process state, set once per process by _init_worker.
-_tokenizer: SentencePieceTokenizer | None = None
+_tokenizer: Tokenizer | None = None
 _append_eod = False
 
 
-def _init_worker(model_path: str, append_eod: bool) -> None:
+def _init_worker(model_path: str, tokenizer_type: str | None, append_eod: bool) -> None:
     global _tokenizer, _append_eod
-    _tokenizer, _append_eod = SentencePieceTokenizer(model_path), append_eod
+    _tokenizer, _append_eod = load_tokenizer(model_path, tokenizer_type), append_eod
     # Ctrl-C is handled once, by the parent, which then tears the pool down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -98,11 +98,13 @@ def preprocess(
     workers: int = 1,
     skip_bad_records: bool = False,
     chunk_docs: int = 256,
+    tokenizer_type: str | None = None,
 ) -> PreprocessResult:
-    """Write one .bin/.idx pair per json key; on any failure no new pair is left behind."""
+    """Write one .bin/.idx pair per json key; on any failure no new pair is left behind. `tokenizer_type`:
+    Megatron-LM's name (GPTSentencePieceTokenizer, HuggingFaceTokenizer), None = from the path."""
     start = time.perf_counter()
     json_keys = list(json_keys)
-    dtype = DType.optimal_dtype(SentencePieceTokenizer(tokenizer_model).vocab_size)
+    dtype = DType.optimal_dtype(load_tokenizer(tokenizer_model, tokenizer_type).vocab_size)
     prefixes = dict(zip(json_keys, (output_prefix_for(output_prefix, key) for key in json_keys)))
     tmp = f".tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -113,7 +115,7 @@ def preprocess(
         for key, prefix in prefixes.items():
             builders[key] = IndexedDatasetBuilder(f"{prefix}.bin{tmp}", dtype=dtype)
         docs = iter_documents(inputs, json_keys, skip_bad_records, skipped)
-        with (multiprocessing.Pool(workers, _init_worker, (tokenizer_model, append_eod)) as pool,
+        with (multiprocessing.Pool(workers, _init_worker, (tokenizer_model, tokenizer_type, append_eod)) as pool,
               tqdm(unit="doc", desc="tokenize", disable=None) as bar):
             for batch in _encode_in_order(pool, _batches(docs, chunk_docs), 2 * workers):
                 for key, (ids, lengths) in batch.items():
@@ -156,7 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input", nargs="+", required=True, help="files or globs (.jsonl, .jsonl.gz, .txt, .parquet)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
-    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
+    parser.add_argument("--tokenizer-model", required=True,
+                        help="a sentencepiece .model, or a Hugging Face tokenizer directory (tokenizer.json)")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                        help="Megatron-LM's name for it (default: from --tokenizer-model: a directory is "
+                             "HuggingFaceTokenizer, a file GPTSentencePieceTokenizer)")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--append-eod", action="store_true", help="append the EOS id to every non-empty document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -167,11 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.workers < 1 or args.chunk_docs < 1:
         parser.error("--workers and --chunk-docs must be >= 1")
-    if not os.path.isfile(args.tokenizer_model):
-        parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    try:
+        load_tokenizer(args.tokenizer_model, args.tokenizer_type)
+    except TokenizerError as e:
+        parser.error(f"--tokenizer-model {e}")
     try:
         result = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
-                            args.append_eod, args.workers, args.skip_bad_records, args.chunk_docs)
+                            args.append_eod, args.workers, args.skip_bad_records, args.chunk_docs,
+                            args.tokenizer_type)
     except BadRecordError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

@@ -1,9 +1,13 @@
-"""Trains a deterministic Llama-style sentencepiece tokenizer (byte fallback, code-preserving)."""
+"""Trains a deterministic Llama-style tokenizer: sentencepiece (bpe/unigram, byte fallback, code-preserving)
+into PREFIX.model/.vocab, or a Llama-3-style byte-level BPE (`tokenizers`) into the directory PREFIX/, which
+transformers.AutoTokenizer loads as is."""
 
 import argparse
 import io
+import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +23,12 @@ logger = logging.getLogger(__name__)
 MAX_SENTENCE_BYTES = 8192
 DEFAULT_SAMPLE_BYTES = 100_000_000
 SEED = 1234
+MODEL_TYPES = ("bpe", "unigram", "byte-bpe")
+# byte-bpe: Llama 3's special tokens (begin of text is added to every sequence, end of text is the EOD) and its
+# pre-tokenizer split (contractions, letters, up to 3 digits, punctuation runs, whitespace) before byte mapping.
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass
@@ -93,6 +103,15 @@ def train_tokenizer(
     json_keys = list(json_keys)
     skipped = SkippedRecords()
     sample = _Sample(iter_documents(inputs, json_keys, skip_bad_records, skipped), json_keys, sample_bytes)
+    if model_type == "byte-bpe":
+        try:
+            directory = _train_byte_bpe(sample, vocab_size, output_prefix)
+        except BaseException:
+            if sample.error is not None:
+                raise sample.error from None
+            raise
+        return TrainResult(directory, os.path.join(directory, "tokenizer.json"), vocab_size, sample.documents,
+                           sample.bytes, skipped, time.perf_counter() - start)
     model = io.BytesIO()
     try:
         _train(sample, model, vocab_size, model_type, num_threads)
@@ -104,6 +123,47 @@ def train_tokenizer(
     _write_atomically(model_path, vocab_path, model.getvalue())
     return TrainResult(model_path, vocab_path, vocab_size, sample.documents, sample.bytes, skipped,
                        time.perf_counter() - start)
+
+
+def _train_byte_bpe(sample: _Sample, vocab_size: int, directory: str) -> str:
+    """Byte-level BPE with the `tokenizers` library, saved by transformers' save_pretrained into `directory`
+    (replaced atomically): tokenizer.json, tokenizer_config.json, special_tokens_map.json."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(iter(sample), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, tok.token_to_id(BOS))])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                      clean_up_tokenization_spaces=False)
+    directory = os.path.abspath(directory)
+    tmp, old = f"{directory}.tmp-{os.getpid()}", f"{directory}.old-{os.getpid()}"
+    try:
+        wrapped.save_pretrained(tmp)
+        # transformers 5 names its own backend class; the 4.x releases in NGC containers know the fast class by
+        # its old name, which 5.x still loads
+        config_path = os.path.join(tmp, "tokenizer_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        config.pop("backend", None)
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        if os.path.exists(directory):
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return directory
 
 
 def _train(sample: _Sample, model: io.BytesIO, vocab_size: int, model_type: str, num_threads: int) -> None:
@@ -154,8 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input", nargs="+", required=True, help="files or globs (.jsonl, .jsonl.gz, .txt, .parquet)")
     parser.add_argument("--vocab-size", type=int, required=True)
-    parser.add_argument("--model-type", choices=["bpe", "unigram"], required=True)
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--model-type", choices=MODEL_TYPES, required=True,
+                        help="bpe/unigram: sentencepiece; byte-bpe: Llama-3-style byte-level BPE (tokenizers)")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.model and PREFIX.vocab (sentencepiece), or the directory PREFIX/ (byte-bpe)")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--sample-bytes", type=int, default=DEFAULT_SAMPLE_BYTES,
                         help="train on the first N bytes of text (sentencepiece holds them in memory)")
@@ -172,10 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:  # sentencepiece reports bad settings (e.g. vocab too large) this way
         sys.exit(f"error: sentencepiece: {e}")
     logger.info(
-        "wrote %s and %s: %s vocab %d, trained on %d documents / %d bytes, skipped bad records: %s, %.1fs",
-        result.model_path, result.vocab_path, args.model_type, result.vocab_size, result.documents,
-        result.sample_bytes, result.skipped.summary(), result.seconds,
+        "wrote %s: %s vocab %d, trained on %d documents / %d bytes, skipped bad records: %s, %.1fs",
+        result.model_path if args.model_type == "byte-bpe" else f"{result.model_path} and {result.vocab_path}",
+        args.model_type, result.vocab_size, result.documents, result.sample_bytes, result.skipped.summary(),
+        result.seconds,
     )
+    logger.info("tokenizer for data_prep.preprocess --tokenizer-model and data.tokenizer_model: %s", result.model_path)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -117,7 +118,8 @@ class DataConfig:
     valid_blend: Optional[list[Any]] = None
     test_blend: Optional[list[Any]] = None
     split: str = "98,2,0"
-    tokenizer_model: Optional[str] = None
+    tokenizer_model: Optional[str] = None  # a sentencepiece .model or a Hugging Face tokenizer directory
+    tokenizer_type: Optional[str] = None  # GPTSentencePieceTokenizer | HuggingFaceTokenizer; None = from the path
     mock: bool = False  # random tokens (megatron-core MockGPTDataset): benchmarks and smoke tests
     num_workers: int = 0
     path_to_cache: Optional[str] = None
@@ -513,10 +515,35 @@ def _validate_data(cfg: RecipeConfig) -> None:
         parts = []
     _require(len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0, "data.split", d.split,
              "three non-negative numbers like 98,2,0 (train,valid,test)")
-    _require(d.tokenizer_model is not None and Path(d.tokenizer_model).is_file(),
-             "data.tokenizer_model", d.tokenizer_model, "path of an existing sentencepiece .model file")
-    from megatron_ext.tokenizer import SentencePieceTokenizer
+    from megatron_ext.tokenizer import TokenizerError, load_tokenizer
 
-    vocab = SentencePieceTokenizer(d.tokenizer_model).vocab_size
+    _require(d.tokenizer_model is not None, "data.tokenizer_model", d.tokenizer_model,
+             "a sentencepiece .model file or a Hugging Face tokenizer directory")
+    try:
+        vocab = load_tokenizer(d.tokenizer_model, d.tokenizer_type).vocab_size
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer_model={d.tokenizer_model!r} is invalid: {e}") from None
     _require(cfg.model.vocab_size is None or cfg.model.vocab_size >= vocab, "model.vocab_size",
              cfg.model.vocab_size, f"must be >= the vocabulary of {d.tokenizer_model} ({vocab}) or null")
+    _check_token_ids(cfg, cfg.model.vocab_size or vocab)
+
+
+def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
+    """Every token id in the data below the model's vocabulary: data written with another tokenizer is one error
+    here, not a device-side assert in the embedding or a silently wrong run. One pass over every .bin, by the
+    first process of each node only (the others would read the same pages again)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.data import max_token_id
+
+    d = cfg.data
+    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
+        parsed = parse_blend(getattr(d, key), f"data.{key}")
+        for prefix in parsed[0] if parsed else []:
+            top = max_token_id(IndexedDataset(prefix))
+            _require(top < vocab, f"data.{key}", prefix,
+                     f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
+                     f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "
+                     "preprocess it with this one, or point data.tokenizer_model at the one that wrote it")

@@ -9,11 +9,28 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 from megatron_ext.config import RecipeConfig, parse_blend
+
+
+SCAN_CHUNK_TOKENS = 64 * 1024 * 1024  # the max-id scan reads the memmap in pieces, never all at once
+
+
+def max_token_id(ds: IndexedDataset) -> int:
+    """The largest token id in an indexed dataset (-1 when empty): one pass over its .bin."""
+    from tqdm import tqdm
+
+    tokens = ds.bin_reader.read(dtype=ds.index.dtype, count=int(ds.sequence_lengths.sum(dtype=np.int64)),
+                                offset=0)
+    if tokens.size == 0:
+        return -1
+    return max(int(tokens[i:i + SCAN_CHUNK_TOKENS].max())
+               for i in tqdm(range(0, tokens.size, SCAN_CHUNK_TOKENS), desc="scan ids", disable=None, leave=False))
 
 
 def build_datasets(cfg: RecipeConfig, tokenizer: object) -> tuple[GPTDataset, Optional[GPTDataset]]:

@@ -195,9 +195,9 @@ def model_vocab_size(cfg: RecipeConfig) -> int:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     if cfg.data.tokenizer_model:
-        from megatron_ext.tokenizer import SentencePieceTokenizer
+        from megatron_ext.tokenizer import load_tokenizer
 
-        return SentencePieceTokenizer(cfg.data.tokenizer_model).vocab_size
+        return load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type).vocab_size
     raise ConfigError("model.vocab_size=None is invalid for planning: set it or data.tokenizer_model")
 
 

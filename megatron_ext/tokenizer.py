@@ -1,8 +1,22 @@
-"""SentencePiece tokenizer with the interface megatron-core's GPTDataset and our data prep expect."""
+"""The tokenizers megatron-core's GPTDataset and our data prep use: sentencepiece and Hugging Face tokenizer.json.
 
+Both follow Megatron-LM's semantics for its ``--tokenizer-type`` of the same name, so data written here is the data
+Megatron-LM's tools/preprocess_data.py writes.
+"""
+
+import json
 from collections import OrderedDict
+from pathlib import Path
+from typing import Optional, Union
 
 import sentencepiece as spm
+
+SENTENCEPIECE, HUGGING_FACE = "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"  # Megatron-LM's type names
+TOKENIZER_TYPES = (SENTENCEPIECE, HUGGING_FACE)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer path or file that cannot be used; the message names it and what is expected."""
 
 
 class SentencePieceTokenizer:
@@ -60,6 +74,107 @@ class SentencePieceTokenizer:
     def detokenize(self, ids: list[int]) -> str:
         # int() so numpy arrays read back from an IndexedDataset decode too.
         return self._sp.decode_ids([int(i) for i in ids])
+
+
+def _token_text(value: object) -> Optional[str]:
+    """A special token as tokenizer_config.json / special_tokens_map.json spell it: a string or {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+class HuggingFaceTokenizer:
+    """Megatron-LM _HuggingFaceTokenizer semantics for a directory AutoTokenizer loads (tokenizer.json,
+    tokenizer_config.json): tokenize adds what the tokenizer's post-processor adds (Llama 3: the begin-of-text
+    token), eod is the EOS id, vocab_size counts added tokens. Encodes with the `tokenizers` library itself
+    (Rust, batched): the ids AutoTokenizer(text).input_ids gives, without transformers' per-call overhead.
+    Pickles as its directory.
+    """
+
+    def __init__(self, directory: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.model_path = directory
+        path = Path(directory)
+        if not (path / "tokenizer.json").is_file():
+            raise TokenizerError(f"{directory}: no tokenizer.json — a Hugging Face tokenizer is a directory with "
+                                 "tokenizer.json and tokenizer_config.json (as save_pretrained writes it)")
+        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._special = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, as in transformers
+            if (path / name).is_file():
+                config = json.loads((path / name).read_text())
+                self._special.update({k: _token_text(config[k]) for k in ("bos_token", "eos_token", "pad_token")
+                                      if _token_text(config.get(k)) is not None})
+        eos = self._special.get("eos_token")
+        self._eos = self._tok.token_to_id(eos) if eos else None
+        if self._eos is None:
+            raise TokenizerError(f"{directory}: the tokenizer has no end-of-text token (eos_token in "
+                                 "tokenizer_config.json, present in the vocabulary): it marks document ends (EOD)")
+
+    def __getstate__(self) -> dict:
+        return {"model_path": self.model_path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_path"])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eos
+
+    @property
+    def eos(self) -> int:
+        return self._eos
+
+    @property
+    def bos(self) -> Optional[int]:
+        bos = self._special.get("bos_token")
+        return self._tok.token_to_id(bos) if bos else None
+
+    @property
+    def pad(self) -> int:
+        return -1  # as for sentencepiece: megatron-core's _PAD_TOKEN_ID, masked out of the loss
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                            ("tokenizer_path", self.model_path)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self._tok.encode_batch(texts)]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+Tokenizer = Union[SentencePieceTokenizer, HuggingFaceTokenizer]
+
+
+def tokenizer_type(path: str, declared: Optional[str] = None) -> str:
+    """`declared` (Megatron-LM's --tokenizer-type name), or what `path` is: a directory is a Hugging Face
+    tokenizer, a file a sentencepiece model."""
+    if declared is not None:
+        if declared not in TOKENIZER_TYPES:
+            raise TokenizerError(f"tokenizer type {declared!r}: one of {', '.join(TOKENIZER_TYPES)}")
+        return declared
+    if not Path(path).exists():
+        raise TokenizerError(f"{path}: no such tokenizer (a sentencepiece .model file or a Hugging Face "
+                             "tokenizer directory)")
+    return HUGGING_FACE if Path(path).is_dir() else SENTENCEPIECE
+
+
+def load_tokenizer(path: str, declared: Optional[str] = None) -> Tokenizer:
+    """The tokenizer at `path` (see tokenizer_type)."""
+    if tokenizer_type(path, declared) == HUGGING_FACE:
+        return HuggingFaceTokenizer(path)
+    if not Path(path).is_file():
+        raise TokenizerError(f"{path}: not a sentencepiece .model file")
+    return SentencePieceTokenizer(path)
 
 
 class VocabOnlyTokenizer:

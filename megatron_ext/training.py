@@ -31,7 +31,7 @@ from megatron_ext.model import (build_model_chunks, compile_layers, describe_lay
                                 transformer_engine_available)
 from megatron_ext.resume import resume_training
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
-from megatron_ext.tokenizer import SentencePieceTokenizer, VocabOnlyTokenizer
+from megatron_ext.tokenizer import VocabOnlyTokenizer, load_tokenizer
 
 log = logging.getLogger("megatron_ext")
 
@@ -148,7 +148,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.dp_size = data_parallel_size(cfg, self.world_size)
         self.tokenizer = (VocabOnlyTokenizer(cfg.model.vocab_size) if cfg.data.mock
-                          else SentencePieceTokenizer(cfg.data.tokenizer_model))
+                          else load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type))
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         use_te = cfg.model.attention_backend == "te" or (
             cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()

@@ -7,7 +7,8 @@
 import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``; start
 training from it with ``--config CKPT_DIR/recipe.yaml checkpoint.load=CKPT_DIR`` under any TP/PP
 layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
-config.json + model.safetensors (+ tokenizer.model) for ``transformers.LlamaForCausalLM``.
+config.json + model.safetensors (+ the tokenizer: tokenizer.model, or a Hugging Face tokenizer.json +
+tokenizer_config.json) for ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
 Both build the model in this one process (a gloo world of one) and let dist_checkpointing reshard.
 """
 
@@ -119,13 +120,13 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     vocab = cfg.model.vocab_size
     if vocab is None:  # the run used its tokenizer's vocabulary
         path = cfg.data.tokenizer_model
-        if not path or not Path(path).is_file():
+        if not path or not Path(path).exists():
             raise ConversionError(f"{directory}: model.vocab_size is not in the saved config and its "
-                                  f"data.tokenizer_model={path!r} is not a file: the unpadded vocabulary "
+                                  f"data.tokenizer_model={path!r} does not exist: the unpadded vocabulary "
                                   "is unknown")
-        from megatron_ext.tokenizer import SentencePieceTokenizer
+        from megatron_ext.tokenizer import load_tokenizer
 
-        vocab = SentencePieceTokenizer(path).vocab_size
+        vocab = load_tokenizer(path, cfg.data.tokenizer_type).vocab_size
     return SavedCheckpoint(directory, cfg, vocab, int(embedding.global_shape[0]),
                            common.get("content", checkpointing.TRAINING_STATE))
 
@@ -217,12 +218,27 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     cfg.recipe.gpus = tensor_parallel * pipeline_parallel
     cfg.train.precision = _PRECISIONS[dtype]
     cfg.checkpoint.load = str(output)
+    # sentencepiece where the directory has one (Llama 2: its tokenizer.json is a conversion of it), else the
+    # Hugging Face tokenizer.json (Llama 3), copied into the checkpoint and recorded in its config
     tokenizer = hf_dir / "tokenizer.model"
+    if not tokenizer.is_file() and (hf_dir / "tokenizer.json").is_file():
+        tokenizer = hf_dir
     if tokenizer.is_file():
         cfg.data.tokenizer_model = str(output / "tokenizer.model")
         if _sentencepiece_vocab(tokenizer) > shape.vocab_size:
             raise ConversionError(f"{tokenizer} has more pieces than {hf_dir / 'config.json'} vocab_size="
                                   f"{shape.vocab_size}")
+    elif tokenizer == hf_dir:
+        from megatron_ext.tokenizer import HUGGING_FACE, HuggingFaceTokenizer, TokenizerError
+
+        try:
+            hf_vocab = HuggingFaceTokenizer(str(hf_dir)).vocab_size
+        except TokenizerError as e:
+            raise ConversionError(str(e)) from None
+        if hf_vocab > shape.vocab_size:
+            raise ConversionError(f"{hf_dir / 'tokenizer.json'} has {hf_vocab} tokens, more than "
+                                  f"{hf_dir / 'config.json'} vocab_size={shape.vocab_size}")
+        cfg.data.tokenizer_model, cfg.data.tokenizer_type = str(output / "tokenizer"), HUGGING_FACE
     try:  # the layout the recipe.yaml names must be a valid one for this model
         validate_layout(cfg, world_size=tensor_parallel * pipeline_parallel)
     except ConfigError as e:
@@ -259,10 +275,12 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
         (staging / checkpointing.TRACKER).write_text("0\n")
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.model")
+        elif tokenizer == hf_dir:
+            _copy_hf_tokenizer(hf_dir, staging / "tokenizer")
         header = (f"# Imported from {hf_dir.absolute()} by `python -m recipes.convert import-hf`.\n"
                   f"# Train: torchrun --nproc-per-node {cfg.recipe.gpus} -m recipes.pretrain "
                   f"--config {output / 'recipe.yaml'} data.blend=[PREFIX] "
-                  f"{'' if tokenizer.is_file() else 'data.tokenizer_model=TOKENIZER.model '}"
+                  f"{'' if cfg.data.tokenizer_model else 'data.tokenizer_model=TOKENIZER.model '}"
                   "checkpoint.save=DIR\n"
                   f"# Its {padded} embedding rows (vocab {shape.vocab_size} + padding) load under TP sizes "
                   f"{', '.join(map(str, portable))}: model.make_vocab_size_divisible_by is chosen for that; "
@@ -299,6 +317,21 @@ def _write_tokenizer(source: Path, output: Path, seq_length: int) -> tuple[Optio
     return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
 
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optional[int]]:
+    """A Hugging Face tokenizer directory's files into `output` (created); returns its (bos, eos) ids."""
+    from megatron_ext.tokenizer import HuggingFaceTokenizer
+
+    output.mkdir(parents=True, exist_ok=True)
+    for name in HF_TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, output / name)
+    tokenizer = HuggingFaceTokenizer(str(source))
+    return tokenizer.bos, tokenizer.eos
+
+
 def export_hf(checkpoint: Path, output: Path) -> Path:
     """Latest checkpoint under `checkpoint` (any layout) → Hugging Face Llama directory at `output`."""
     from safetensors.torch import save_file
@@ -311,8 +344,8 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
         raise ConversionError(f"{saved.iteration_dir}: vocabulary {saved.vocab_size} exceeds the "
                               f"{saved.padded_vocab} embedding rows")
     tokenizer = Path(cfg.data.tokenizer_model) if cfg.data.tokenizer_model else None
-    if tokenizer is not None and not tokenizer.is_file():
-        print(f"warning: data.tokenizer_model={tokenizer} of the saved config is not a file; "
+    if tokenizer is not None and not tokenizer.exists():
+        print(f"warning: data.tokenizer_model={tokenizer} of the saved config does not exist; "
               "exporting without a tokenizer", file=sys.stderr)
         tokenizer = None
     with _staged(output) as staging:
@@ -324,7 +357,9 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
             del model
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         bos = eos = None
-        if tokenizer is not None:
+        if tokenizer is not None and tokenizer.is_dir():
+            bos, eos = _copy_hf_tokenizer(tokenizer, staging)
+        elif tokenizer is not None:
             bos, eos = _write_tokenizer(tokenizer, staging, cfg.model.seq_length)
         config = hf_llama.hf_config(shape, dtype, bos, eos)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -516,9 +516,11 @@ def test_benchmark_runs_and_reports(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tok/CPU-s" in proc.stdout and "outputs identical across all runs: yes" in proc.stdout
+    assert "tok/CPU-s" in proc.stdout and "outputs identical across all sentencepiece runs: yes" in proc.stdout
     result = json.loads(out.read_text())
-    assert [(r["impl"], r["workers"]) for r in result["runs"]] == [("megatron-style", 1), ("data_prep", 1)]
+    assert [(r["impl"], r["workers"]) for r in result["runs"]] == [("megatron-style", 1), ("data_prep", 1),
+                                                                   ("data_prep-hf", 1)]
+    assert result["runs"][2]["tokens_per_s_per_worker"] > 0
     assert result["identical_outputs"] and result["runs"][0]["tokens"] == result["runs"][1]["tokens"] > 0
     assert all(r["main_rss_mb"] > 0 and r["cpu_seconds"] > 0 for r in result["runs"])
     assert not list((tmp_path / "work").glob("out-*"))  # scratch datasets are removed
