@@ -19,21 +19,30 @@ class TokenizerError(ValueError):
     """A tokenizer path or file that cannot be used; the message names it and what is expected."""
 
 
-class SentencePieceTokenizer:
-    """Megatron-LM GPTSentencePieceTokenizer semantics: no BOS on tokenize, eod is the EOS id.
+class _LoadedFromPath:
+    """Pickles as its path, so shipping it to worker processes costs a reload, not a copy; and names itself by
+    it in `unique_identifiers`, which megatron-core's MegatronDataset json-dumps to hash its index cache."""
 
-    Pickles as its model path, so shipping it to worker processes costs a reload, not a copy.
-    """
-
-    def __init__(self, model_path: str) -> None:
-        self.model_path = model_path
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+    model_path: str
 
     def __getstate__(self) -> dict:
         return {"model_path": self.model_path}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model_path"])
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                            ("tokenizer_path", self.model_path)])
+
+
+class SentencePieceTokenizer(_LoadedFromPath):
+    """Megatron-LM GPTSentencePieceTokenizer semantics: no BOS on tokenize, eod is the EOS id."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self._sp = spm.SentencePieceProcessor(model_file=model_path)
 
     @property
     def vocab_size(self) -> int:
@@ -58,12 +67,6 @@ class SentencePieceTokenizer:
         # collide with a real token id in the data.
         return self._sp.pad_id()
 
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        # MegatronDataset json-dumps config.tokenizer through this to hash its index cache.
-        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-                            ("tokenizer_path", self.model_path)])
-
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode_as_ids(text)
 
@@ -81,7 +84,7 @@ def _token_text(value: object) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_LoadedFromPath):
     """Megatron-LM _HuggingFaceTokenizer semantics for a directory AutoTokenizer loads (tokenizer.json,
     tokenizer_config.json): tokenize adds what the tokenizer's post-processor adds (Llama 3: the begin-of-text
     token), eod is the EOS id, vocab_size counts added tokens. Encodes with the `tokenizers` library itself
@@ -110,12 +113,6 @@ class HuggingFaceTokenizer:
             raise TokenizerError(f"{directory}: the tokenizer has no end-of-text token (eos_token in "
                                  "tokenizer_config.json, present in the vocabulary): it marks document ends (EOD)")
 
-    def __getstate__(self) -> dict:
-        return {"model_path": self.model_path}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_path"])
-
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -136,11 +133,6 @@ class HuggingFaceTokenizer:
     @property
     def pad(self) -> int:
         return -1  # as for sentencepiece: megatron-core's _PAD_TOKEN_ID, masked out of the loss
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-                            ("tokenizer_path", self.model_path)])
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

@@ -22,13 +22,14 @@ from data_prep import train_tokenizer as train_mod
 from data_prep.records import BadRecordError, SkippedRecords, iter_documents
 from data_prep.train_tokenizer import chunk_text
 from megatron_ext.tokenizer import SentencePieceTokenizer
+from tests.megatron_reference import write_reference
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
     from data_prep import inspect as inspect_mod
     from data_prep import merge as merge_mod
     from data_prep import preprocess as preprocess_mod
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["def", "return", "self", "value", "data", "for", "in", "if", "else", "import", "class", "print"]
@@ -99,22 +100,6 @@ def test_train_tokenizer_is_deterministic(corpus, model, tmp_path):
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
-def _reference_megatron(texts: list[str], tok: SentencePieceTokenizer, prefix: Path) -> None:
-    # Megatron-LM tools/preprocess_data.py without sentence splitting, for one json key.
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(tok.vocab_size))
-    for text in texts:
-        doc_ids, sentence_lens = [], []
-        sentence_ids = tok.tokenize(text)
-        if len(sentence_ids) > 0:
-            doc_ids.extend(sentence_ids)
-            sentence_lens.append(len(sentence_ids))
-        if len(doc_ids) > 0:
-            doc_ids.append(tok.eod)
-            sentence_lens[-1] += 1
-        builder.add_document(doc_ids, sentence_lens)
-    builder.finalize(f"{prefix}.idx")
-
-
 def test_preprocess_roundtrip_deterministic_and_megatron_identical(model, tmp_path):
     texts = _docs(23)
     texts[5] = ""  # empty document: no tokens, no EOD
@@ -128,7 +113,8 @@ def test_preprocess_roundtrip_deterministic_and_megatron_identical(model, tmp_pa
         outputs[workers] = [Path(f"{prefix}_text_document.{ext}").read_bytes() for ext in ("bin", "idx")]
     assert outputs[1] == outputs[2]
 
-    _reference_megatron(texts, SentencePieceTokenizer(str(model)), tmp_path / "ref")
+    sp = SentencePieceTokenizer(str(model))
+    write_reference(texts, sp.tokenize, sp.eod, sp.vocab_size, tmp_path / "ref")
     assert outputs[1] == [(tmp_path / f"ref.{ext}").read_bytes() for ext in ("bin", "idx")]
 
     tok = SentencePieceTokenizer(str(model))

@@ -18,12 +18,12 @@ from data_prep import train_tokenizer as train_mod
 from megatron_ext.config import ConfigError, load_config, validate
 from megatron_ext.tokenizer import HuggingFaceTokenizer, TokenizerError, load_tokenizer
 from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
+from tests.megatron_reference import write_reference
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
     from data_prep import inspect as inspect_mod
     from data_prep import preprocess as preprocess_mod
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 TEXTS = [f"def f{i}(x):\n    return x * {i}  # Café naïve, ünïcode ✓\n" * (1 + i % 4) for i in range(60)]
 TEXTS[7] = ""  # an empty document: the post-processor's BOS alone, then EOD (as Megatron-LM writes it)
@@ -62,28 +62,9 @@ def test_byte_bpe_trains_deterministically_into_a_directory_transformers_loads(c
     assert ours.detokenize(ours.tokenize("x = 1 ✓")) == "<|begin_of_text|>x = 1 ✓"
 
 
-def _reference_megatron(texts: list[str], tokenizer_dir: Path, prefix: Path) -> None:
-    """Megatron-LM core_v0.16.1 tools/preprocess_data.py for one json key, no sentence splitting, --append-eod,
-    --tokenizer-type HuggingFaceTokenizer: its _HuggingFaceTokenizer is AutoTokenizer with the defaults
-    (tokenize = tokenizer(text).input_ids, eod = eos_token_id, vocab_size = len(tokenizer))."""
+def test_preprocess_writes_megatron_lm_identical_datasets(corpus, tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(len(tok)))
-    for text in texts:
-        doc_ids, sentence_lens = [], []
-        sentence_ids = tok(text).input_ids
-        if len(sentence_ids) > 0:
-            doc_ids.extend(sentence_ids)
-            sentence_lens.append(len(sentence_ids))
-        if len(doc_ids) > 0:
-            doc_ids.append(tok.eos_token_id)
-            sentence_lens[-1] += 1
-        builder.add_document(doc_ids, sentence_lens)
-    builder.finalize(f"{prefix}.idx")
-
-
-def test_preprocess_writes_megatron_lm_identical_datasets(corpus, tokenizer_dir, tmp_path):
     outputs = {}
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}"
@@ -92,7 +73,10 @@ def test_preprocess_writes_megatron_lm_identical_datasets(corpus, tokenizer_dir,
                              "--append-eod", "--workers", str(workers), "--chunk-docs", "7"])
         outputs[workers] = [Path(f"{prefix}_text_document.{ext}").read_bytes() for ext in ("bin", "idx")]
     assert outputs[1] == outputs[2]
-    _reference_megatron(TEXTS, tokenizer_dir, tmp_path / "ref")
+    # Megatron-LM's _HuggingFaceTokenizer is AutoTokenizer with the defaults: tokenize = tokenizer(text).input_ids,
+    # eod = eos_token_id, vocab_size = len(tokenizer)
+    auto = AutoTokenizer.from_pretrained(tokenizer_dir)
+    write_reference(TEXTS, lambda text: auto(text).input_ids, auto.eos_token_id, len(auto), tmp_path / "ref")
     assert outputs[1] == [(tmp_path / f"ref.{ext}").read_bytes() for ext in ("bin", "idx")]
     # the type is also detected from the path (a directory)
     preprocess_mod.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "auto"), "--tokenizer-model",
