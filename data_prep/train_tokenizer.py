@@ -157,6 +157,8 @@ def _train_byte_bpe(sample: _Sample, vocab_size: int, directory: str) -> str:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
+        with open(os.path.join(tmp, "special_tokens_map.json"), "w") as f:  # what transformers 4.x also reads
+            json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, f, indent=2)
         if os.path.exists(directory):
             os.replace(directory, old)
         os.replace(tmp, directory)

@@ -121,8 +121,8 @@ class Runs:
         tb = self.workdir / "tb" / name
         args = [*self.base, f"model.attention_backend={spec}", f"logging.tensorboard_dir={tb}",
                 *(["train.fp8=delayed"] if fp8 else []), *overrides]
-        self._run(name, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "recipes.pretrain",
-                         "--config", str(ROOT / "configs" / "tiny.yaml"), *args])
+        # one process needs no launcher: the recipe starts a world of one itself (~5 s less per check)
+        self._run(name, ["-m", "recipes.pretrain", "--config", str(ROOT / "configs" / "tiny.yaml"), *args])
         from megatron_ext.metrics import read_scalars
 
         return read_scalars(tb, "train/lm_loss")

@@ -20,10 +20,11 @@ STEPS = 20
 OVERRIDES = [f"train.train_iters={STEPS}", "checkpoint.save=null", "logging.log_interval=1"]
 
 
-def produce(workdir: Path) -> dict[int, float]:
-    """Run the default recipe for STEPS steps and return its per-step training loss."""
+def produce(workdir: Path, stop_after: int = STEPS) -> dict[int, float]:
+    """Run the default recipe on its STEPS-step schedule, stopped after `stop_after` steps; its per-step loss."""
     tensorboard_dir = workdir / "tb"
-    run_pretrain(4, [*OVERRIDES, f"logging.tensorboard_dir={tensorboard_dir}"])
+    run_pretrain(4, [*OVERRIDES, f"logging.tensorboard_dir={tensorboard_dir}",
+                     *([f"train.exit_interval={stop_after}"] if stop_after < STEPS else [])])
     return read_scalars(tensorboard_dir, "train/lm_loss")
 
 

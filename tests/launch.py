@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,9 @@ from megatron_ext.metrics import read_scalars  # noqa: F401 -- re-exported for t
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
+# megatron-core's GPTDataset index cache, shared by the session's runs: by default it would go next to the data,
+# inside the repository (data/tiny/...), which no test may write into
+DATASET_CACHE = tempfile.mkdtemp(prefix="gptdataset-cache-")
 
 # A smaller shape than the default run so multi-process cases take seconds per step on 2 cores.
 SMALL_MODEL = [
@@ -35,7 +39,7 @@ def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: s
     cmd = [sys.executable, *launcher,
            "-m", module, *(["--config", str(config)] if config else []),
            # never into the repository's runs/ (a test that saves or logs says where)
-           "checkpoint.save=null", "logging.tensorboard_dir=null", *overrides]
+           "checkpoint.save=null", "logging.tensorboard_dir=null", f"data.path_to_cache={DATASET_CACHE}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

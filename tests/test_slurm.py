@@ -236,7 +236,9 @@ class Job:
         self.cluster, self.workdir = cluster, workdir
         self.run_dir = workdir / "run"
         env = {**cluster.env, "CONFIG": "configs/tiny.yaml", "NPROC_PER_NODE": str(nproc_per_node),
-               "RUN_DIR": str(self.run_dir), "OVERRIDES": " ".join(overrides), "PYTHON": sys.executable,
+               "RUN_DIR": str(self.run_dir), "PYTHON": sys.executable,
+               # megatron-core's dataset index cache next to the job, not inside the repository's data/
+               "OVERRIDES": " ".join([f"data.path_to_cache={workdir / 'dataset_cache'}", *overrides]),
                "PYTHONWARNINGS": "ignore"}
         proc = cluster.run("sbatch", "--parsable", "--gpus-per-node=0", f"--output={workdir}/batch-%j.out",
                            *sbatch_args, f"launch/slurm/{template}", cwd=ROOT, env=env)
