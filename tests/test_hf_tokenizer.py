@@ -96,9 +96,10 @@ def test_bad_tokenizers_are_one_clear_error(tokenizer_dir, tmp_path):
         load_tokenizer(str(empty))
     no_eos = tmp_path / "no_eos"
     shutil.copytree(tokenizer_dir, no_eos)
-    config = json.loads((no_eos / "tokenizer_config.json").read_text())
-    del config["eos_token"]
-    (no_eos / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((no_eos / name).read_text())
+        del config["eos_token"]
+        (no_eos / name).write_text(json.dumps(config))
     with pytest.raises(TokenizerError, match="no end-of-text token"):
         load_tokenizer(str(no_eos))
     with pytest.raises(SystemExit) as exit_:
