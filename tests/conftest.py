@@ -20,7 +20,12 @@ def _tree() -> dict[str, int]:
         dirs[:] = [d for d in dirs if d not in _NOT_THE_TREE]
         for name in names:
             path = os.path.join(top, name)
-            files[os.path.relpath(path, ROOT)] = os.stat(path, follow_symlinks=False).st_mtime_ns
+            relative = os.path.relpath(path, ROOT)
+            # megatron-core's GPTDataset index cache, which it writes next to a dataset unless data.path_to_cache
+            # says otherwise (as `make pretrain` does too): derived files, not the tree
+            if relative.startswith("data" + os.sep) and f"{os.sep}cache{os.sep}GPTDataset_indices{os.sep}" in relative:
+                continue
+            files[relative] = os.stat(path, follow_symlinks=False).st_mtime_ns
     return files
 
 
