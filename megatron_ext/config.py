@@ -503,12 +503,10 @@ def _validate_data(cfg: RecipeConfig) -> None:
     has_split_blends = any(b for b in (d.train_blend, d.valid_blend, d.test_blend))
     _require(bool(d.blend) or has_split_blends, "data.blend", d.blend,
              "give a dataset prefix list (or data.train_blend/valid_blend)")
-    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
-        parsed = parse_blend(getattr(d, key), f"data.{key}")
-        for prefix in parsed[0] if parsed else []:
-            for suffix in (".bin", ".idx"):
-                _require(Path(prefix + suffix).is_file(), f"data.{key}", prefix,
-                         f"{prefix}{suffix} does not exist (a prefix names PREFIX.bin + PREFIX.idx)")
+    for key, prefix in _blend_prefixes(cfg):
+        for suffix in (".bin", ".idx"):
+            _require(Path(prefix + suffix).is_file(), key, prefix,
+                     f"{prefix}{suffix} does not exist (a prefix names PREFIX.bin + PREFIX.idx)")
     try:
         parts = [float(x) for x in d.split.replace("/", ",").split(",")]
     except ValueError:
@@ -528,6 +526,15 @@ def _validate_data(cfg: RecipeConfig) -> None:
     _check_token_ids(cfg, cfg.model.vocab_size or vocab)
 
 
+def _blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """(data.KEY, dataset prefix) for every prefix the blends name."""
+    pairs = []
+    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
+        parsed = parse_blend(getattr(cfg.data, key), f"data.{key}")
+        pairs += [(f"data.{key}", prefix) for prefix in (parsed[0] if parsed else [])]
+    return pairs
+
+
 def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
     """Every token id in the data below the model's vocabulary: data written with another tokenizer is one error
     here, not a device-side assert in the embedding or a silently wrong run. One pass over every .bin, by the
@@ -539,11 +546,9 @@ def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
     from megatron_ext.data import max_token_id
 
     d = cfg.data
-    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
-        parsed = parse_blend(getattr(d, key), f"data.{key}")
-        for prefix in parsed[0] if parsed else []:
-            top = max_token_id(IndexedDataset(prefix))
-            _require(top < vocab, f"data.{key}", prefix,
-                     f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
-                     f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "
-                     "preprocess it with this one, or point data.tokenizer_model at the one that wrote it")
+    for key, prefix in _blend_prefixes(cfg):
+        top = max_token_id(IndexedDataset(prefix))
+        _require(top < vocab, key, prefix,
+                 f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
+                 f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "
+                 "preprocess it with this one, or point data.tokenizer_model at the one that wrote it")
