@@ -27,8 +27,8 @@ data/tiny/stdlib_text_document.idx: $(VENV)/.installed
 data: data/tiny/stdlib_text_document.idx
 
 pretrain: data
-	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
-		-m recipes.pretrain --config $(CONFIG) $(ARGS)
+	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC) \
+		--config $(CONFIG) $(ARGS)
 
 test: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests $(ARGS)

@@ -18,6 +18,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from data_prep.records import BadRecordError, SkippedRecords, iter_documents
+from megatron_ext.process_guard import die_with_parent
 from megatron_ext.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ def _init_worker(model_path: str, tokenizer_type: str | None, append_eod: bool) 
     _tokenizer, _append_eod = load_tokenizer(model_path, tokenizer_type), append_eod
     # Ctrl-C is handled once, by the parent, which then tears the pool down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A killed parent cannot tear it down: without this the workers would wait on their task queue forever.
+    die_with_parent()
 
 
 def _encode_batch(batch: Batch) -> EncodedBatch:

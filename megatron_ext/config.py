@@ -90,6 +90,10 @@ class TrainConfig:
     compile: Any = AUTO
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
+    # No finished step for this long (after the first): stacks to the rank logs, stopped ranks named, job ends
+    # (exit 4) for SLURM to requeue. Below parallel.distributed_timeout_minutes, so it fires first; null = off
+    hang_timeout_s: Optional[float] = 300.0
+    skip_nonfinite_steps: int = 0  # skip up to N steps with a non-finite loss/gradient before stopping
 
 
 @dataclass
@@ -155,6 +159,11 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     log_interval: int = 1
     gpu_peak_tflops: Optional[float] = None  # overrides the built-in table for MFU
+    log_dir: Optional[str] = None  # per-rank tracebacks and hang stacks (rank-N.log); None = runs/<recipe.name>/logs
+    loss_spike_factor: Optional[float] = 1.5  # warn when a loss exceeds this × the rolling median; null = off
+    loss_spike_window: int = 50  # steps in that median
+    straggler_factor: Optional[float] = 1.2  # warn about a rank computing this × slower than the others; null = off
+    straggler_intervals: int = 3  # ... for this many log intervals in a row
 
 
 @dataclass
@@ -244,6 +253,7 @@ def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8
     """Every check: the model shape and 4D layout for `world_size` processes, then the data files."""
     validate_layout(cfg, world_size, te_available, fp8_capable)
     _validate_checkpoint(cfg)
+    _validate_monitoring(cfg)
     _validate_data(cfg)
 
 
@@ -256,6 +266,25 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
              "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
     _require(c.optimizer_format in OPTIMIZER_FORMATS, "checkpoint.optimizer_format", c.optimizer_format,
              f"must be one of {', '.join(OPTIMIZER_FORMATS)}")
+
+
+def _validate_monitoring(cfg: RecipeConfig) -> None:
+    t, g = cfg.train, cfg.logging
+    collective_timeout_s = cfg.parallel.distributed_timeout_minutes * 60
+    _require(t.hang_timeout_s is None or 0 < t.hang_timeout_s < collective_timeout_s, "train.hang_timeout_s",
+             t.hang_timeout_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
+             f"{collective_timeout_s} s, so that the watchdog names the hung rank before the collectives time out")
+    _require(t.skip_nonfinite_steps >= 0, "train.skip_nonfinite_steps", t.skip_nonfinite_steps, "must be >= 0")
+    for key in ("loss_spike_factor", "straggler_factor"):
+        value = getattr(g, key)
+        _require(value is None or value > 1, f"logging.{key}", value, "must be above 1, or null (off)")
+    _require(g.loss_spike_window >= 5, "logging.loss_spike_window", g.loss_spike_window, "must be >= 5")
+    _require(g.straggler_intervals >= 1, "logging.straggler_intervals", g.straggler_intervals, "must be >= 1")
+
+
+def log_dir(cfg: RecipeConfig) -> str:
+    """Where each rank writes its tracebacks and hang stacks."""
+    return cfg.logging.log_dir or f"runs/{cfg.recipe.name}/logs"
 
 
 def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,

@@ -20,6 +20,7 @@ import torch
 
 from megatron_ext.config import RecipeConfig, padded_vocab_size
 from megatron_ext.model import num_parameters
+from megatron_ext.stragglers import spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")
 
@@ -56,6 +57,19 @@ def peak_tflops(cfg: RecipeConfig) -> Optional[float]:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def gpu_scalars() -> dict[str, float]:
+    """This GPU's memory (allocated, reserved, peak allocated) and, where NVML answers, utilisation and power."""
+    scalars = {"perf/mem_allocated_gib": torch.cuda.memory_allocated() / 2**30,
+               "perf/mem_reserved_gib": torch.cuda.memory_reserved() / 2**30,
+               "perf/mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    try:  # torch asks NVML (the pynvml / nvidia-ml-py package); absent or unsupported, these two are left out
+        scalars["perf/gpu_util_pct"] = float(torch.cuda.utilization())
+        scalars["perf/gpu_power_w"] = torch.cuda.power_draw() / 1000.0
+    except (ModuleNotFoundError, RuntimeError, AttributeError):
+        pass
+    return scalars
+
+
 class RunLogger:
     """Rank-0 console lines and TensorBoard scalars; the TensorBoard step is the training iteration."""
 
@@ -67,6 +81,7 @@ class RunLogger:
         )) * self.tokens_per_step
         self.world_size = world_size
         self.peak = peak_tflops(cfg)
+        self.straggler_factor, self.straggler_intervals = cfg.logging.straggler_factor, cfg.logging.straggler_intervals
         self.writer = None
         if enabled and cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -74,7 +89,9 @@ class RunLogger:
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
-             console: bool) -> dict[str, float]:
+             console: bool, rank_times: Optional[list[float]] = None) -> dict[str, float]:
+        """One step's scalars; `rank_times`, each rank's compute per step over the last log interval, adds their
+        spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line."""
         scalars = {
             "train/lm_loss": loss,
             "train/lr": lr,
@@ -85,9 +102,12 @@ class RunLogger:
         if torch.cuda.is_available():
             tflops = self.flops_per_step / step_time / self.world_size / 1e12
             scalars["train/tflops_per_gpu"] = tflops
-            scalars["train/mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             if self.peak:
                 scalars["train/mfu"] = tflops / self.peak
+            if self.enabled:
+                scalars.update(gpu_scalars())
+        if rank_times:
+            scalars.update(spread_scalars(rank_times))
         if not self.enabled:
             return scalars
         self._write(scalars, iteration)
@@ -98,7 +118,11 @@ class RunLogger:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"
                 if "train/mfu" in scalars:
                     line += f" | MFU {100 * scalars['train/mfu']:.1f}%"
-                line += f" | mem {scalars['train/mem_gb']:.1f} GiB"
+                line += f" | mem {scalars['perf/mem_peak_gib']:.1f} GiB"
+            if rank_times and len(rank_times) > 1:
+                line += (f" | compute {scalars['perf/step_time_min_s'] * 1000:.0f}-"
+                         f"{scalars['perf/step_time_max_s'] * 1000:.0f} ms (slowest rank "
+                         f"{scalars['perf/slowest_rank']:.0f})")
             log.info(line)
         return scalars
 
@@ -106,6 +130,19 @@ class RunLogger:
         if self.enabled:
             self._write({"val/lm_loss": loss}, iteration)
             log.info(f"validation at step {iteration}: loss {loss:.4f}")
+
+    def loss_spike(self, iteration: int, loss: float, ratio: float, median: float, samples: tuple[int, int]) -> None:
+        """A loss far above its rolling median: a warning naming the step's samples, and `train/loss_spike`."""
+        if self.enabled:
+            self._write({"train/loss_spike": ratio}, iteration)
+            log.warning(f"loss spike at iteration {iteration}: {loss:.4f} is {ratio:.2f}× the median {median:.4f} of "
+                        f"the previous steps; the step trained on samples {samples[0]}..{samples[1]} of the "
+                        f"training dataset (in megatron-core's shuffled sample order)")
+
+    def stragglers(self, iteration: int, times: list[float], named: list[int]) -> None:
+        """Warn about the ranks the straggler detector named."""
+        if self.enabled:
+            warn_stragglers(named, times, self.straggler_factor, self.straggler_intervals, iteration)
 
     def checkpoint_stall(self, iteration: int, seconds: float) -> None:
         """How long a checkpoint save held training up (the whole write, or its start when asynchronous)."""

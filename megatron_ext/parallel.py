@@ -63,7 +63,8 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # off: megatron_ext/divergence.py checks the same buffers and names the iteration and rank
+        check_for_nan_in_grad=False,
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
     )
     return [

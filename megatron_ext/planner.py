@@ -483,6 +483,11 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     return mem
 
 
+def stage_peak_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int) -> float:
+    """Estimated peak bytes on pipeline stage `pp_rank` under `cfg`'s layout (fp32 gradient buffers, as run)."""
+    return _stage_memory(cfg, vocab_size, world_size, pp_rank, grad_bytes=4)["total"]
+
+
 def compiled_layers(cfg: RecipeConfig) -> bool:
     """Whether the recipe runs `cfg` with compiled layers on a GPU: train.compile, where auto means the local
     layer spec (a TransformerEngine spec, model.attention_backend=te, is never compiled)."""

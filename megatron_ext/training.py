@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -24,14 +25,18 @@ from tqdm import tqdm
 from megatron_ext import checkpointing, cpu_backend
 from megatron_ext.checkpoint_async import AsyncCheckpointSaver
 from megatron_ext.checkpoint_compat import is_torch_adam, megatron_optimizers
-from megatron_ext.config import RecipeConfig, data_parallel_size, resolve_kernel_options
+from megatron_ext.config import RecipeConfig, data_parallel_size, log_dir, resolve_kernel_options
 from megatron_ext.data import build_datasets, microbatch_iterator
+from megatron_ext.divergence import LossSpikeDetector, NonFiniteSteps, describe_nonfinite, local_nonfinite
+from megatron_ext.failures import out_of_memory_advice, report_failure
 from megatron_ext.metrics import RunLogger
 from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
                                 transformer_engine_available)
 from megatron_ext.resume import resume_training
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.stragglers import ComputeTimers, StragglerDetector, gather_times
 from megatron_ext.tokenizer import VocabOnlyTokenizer, load_tokenizer
+from megatron_ext.watchdog import HangWatchdog
 
 log = logging.getLogger("megatron_ext")
 
@@ -47,6 +52,14 @@ class RunResult:
     step_times: list[float] = field(default_factory=list)
     checkpoint: Optional[Path] = None
     stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
+
+
+class RunFailed(Exception):
+    """This rank failed and has said so (once for the job, traceback in its log); carries the exit code."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(exit_code)
+        self.exit_code = exit_code
 
 
 class _ExitSignal:
@@ -88,17 +101,22 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]]) -> float:
-    """Token-weighted mean over the global batch, from the last pipeline stage's partial sums.
+def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]],
+                      nonfinite: Optional[torch.Tensor] = None) -> tuple[float, bool]:
+    """Token-weighted mean over the global batch, from the last pipeline stage's partial sums, and whether any
+    rank flagged `nonfinite` (riding along in the same all-reduce).
 
     All ranks join one all-reduce; TP replicas of the last stage contribute identical sums, which
     scale numerator and denominator alike, so the ratio is exact.
     """
-    totals = torch.zeros(2, dtype=torch.float64, device=_device())
+    totals = torch.zeros(4, dtype=torch.float64, device=_device())
     for item in losses_reduced:
-        totals += item["lm loss"].to(totals)
+        totals[:2] += item["lm loss"].to(totals)
+    if nonfinite is not None:
+        totals[2:] = nonfinite.to(totals)
     dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+    loss_sum, tokens, *flags = totals.tolist()
+    return loss_sum / tokens, any(flags)
 
 
 def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
@@ -142,6 +160,7 @@ class Trainer:
 
     def __init__(self, cfg: RecipeConfig):
         self.cfg = cfg
+        self.where = "start-up"  # what this rank is doing, for failure messages
         self.on_gpu = not cpu_backend.install()
         init_distributed(cfg, self.on_gpu)
         self.world_size = dist.get_world_size()
@@ -190,6 +209,17 @@ class Trainer:
         self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
         self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
+        self._build_monitors()
+
+    def _build_monitors(self) -> None:
+        """Divergence, loss spikes, stragglers and hangs (each off when its setting is null)."""
+        t, g = self.cfg.train, self.cfg.logging
+        self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
+        self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
+        self.stragglers = StragglerDetector(g.straggler_factor, g.straggler_intervals)
+        self.compute_timers = self.config.timers = ComputeTimers(self.on_gpu)
+        self.compute_seconds = 0.0  # this rank's forward+backward compute since the last log interval
+        self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
 
     def _optimizer_config(self) -> OptimizerConfig:
         o, cfg = self.cfg.optimizer, self.cfg
@@ -244,18 +274,25 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def train_step(self, data_iterator) -> tuple[float, float]:
-        """One global batch: forward/backward through the pipeline schedule, then one optimizer step."""
+    def train_step(self, data_iterator) -> Optional[tuple[float, float]]:
+        """One global batch: forward/backward through the pipeline schedule, then one optimizer step; None when
+        the loss or gradients were non-finite and the step was skipped (train.skip_nonfinite_steps)."""
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
+        flags = local_nonfinite(losses, self.model, _device())
+        loss, nonfinite = _global_mean_loss(losses, flags)
+        if nonfinite:
+            self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
+            return None
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError(f"optimizer step failed at iteration {self.iteration + 1} (non-finite grads)")
+        if not ok:  # a grad scaler's overflow; bf16 and fp32 have none
+            self.nonfinite.skip_or_raise(f"the optimizer found non-finite gradients at iteration {self.iteration + 1}")
+            return None
         self.scheduler.step(increment=1)
-        return _global_mean_loss(losses), float(grad_norm)
+        return loss, float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -268,18 +305,20 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
-        return _global_mean_loss(losses)
+        return _global_mean_loss(losses)[0]
 
     def save(self) -> Path:
         """Write a checkpoint (in the background with checkpoint.async_save, after the previous one is done)."""
         ck = self.cfg.checkpoint
         start = time.perf_counter()
-        if self.saver:
-            self.saver.finalize(blocking=True)
-        path = checkpointing.save_checkpoint(
-            ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
-            self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
-            optimizer_format=self._optimizer_format())
+        self.where = f"checkpoint save at iteration {self.iteration}"
+        with self.watchdog.suspended():
+            if self.saver:
+                self.saver.finalize(blocking=True)
+            path = checkpointing.save_checkpoint(
+                ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
+                self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
+                optimizer_format=self._optimizer_format())
         stall = time.perf_counter() - start
         self._info(f"{'started saving' if self.saver else 'saved'} checkpoint {path}; training stalled {stall:.1f} s")
         self.run_logger.checkpoint_stall(self.iteration, stall)
@@ -294,6 +333,25 @@ class Trainer:
         # Saves along the way are the fast, lean format; the finished run's loads under any TP/PP layout.
         return "fully_reshardable_mem_efficient" if self.iteration >= self.cfg.train.train_iters else "dp_reshardable"
 
+    def _record_step(self, result: RunResult, loss: float, grad_norm: float, lr: float, step_time: float) -> None:
+        """Results, console/TensorBoard, loss spikes, and each log interval the ranks' compute-time spread."""
+        result.train_losses[self.iteration] = loss
+        result.grad_norms[self.iteration] = grad_norm
+        result.step_times.append(step_time)
+        self.compute_seconds += self.compute_timers.take()
+        log_now = self.iteration % self.cfg.logging.log_interval == 0
+        rank_times = None
+        if log_now:  # one small all-gather per log interval
+            rank_times = [s / self.cfg.logging.log_interval for s in gather_times(self.compute_seconds, _device())]
+            self.compute_seconds = 0.0
+        self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time, console=log_now, rank_times=rank_times)
+        if rank_times:
+            self.run_logger.stragglers(self.iteration, rank_times, self.stragglers.update(rank_times))
+        spike = self.spikes.check(loss)
+        if spike:
+            first = self.consumed_samples - self.cfg.train.global_batch_size
+            self.run_logger.loss_spike(self.iteration, loss, *spike, (first, self.consumed_samples - 1))
+
     def train(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         result = RunResult(iteration=self.iteration)
@@ -305,29 +363,31 @@ class Trainer:
                    f"seq {cfg.model.seq_length}")
         bar = tqdm(total=t.train_iters, initial=self.iteration, desc="train", unit="step",
                    disable=self.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+        self.watchdog.start(self.iteration)
         while self.iteration < t.train_iters:
+            self.where = f"iteration {self.iteration + 1}"
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             start = time.perf_counter()
-            loss, grad_norm = self.train_step(data)
+            stepped = self.train_step(data)
             step_time = time.perf_counter() - start
             if cfg.train.compile and not result.step_times:
                 self._info(f"first step {step_time:.1f} s, including compiling the decoder layers")
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
-            result.train_losses[self.iteration] = loss
-            result.grad_norms[self.iteration] = grad_norm
-            result.step_times.append(step_time)
-            self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time,
-                                 console=self.iteration % cfg.logging.log_interval == 0)
+            if stepped is not None:
+                self._record_step(result, *stepped, lr, step_time)
+                bar.set_postfix(loss=f"{stepped[0]:.3f}")
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
+            self.watchdog.step_done(self.iteration)
             if self.saver:
                 self.saver.finalize(blocking=False)
             if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
+                self.where = f"evaluation after iteration {self.iteration}"
                 val = self.evaluate()
                 if val is not None:
                     result.val_losses[self.iteration] = val
                     self.run_logger.validation(self.iteration, val)
+                self.watchdog.step_done(self.iteration)
             signalled = exit_signal.any_rank_received()
             stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
             due = ckpt.save_interval and self.iteration % ckpt.save_interval == 0
@@ -338,6 +398,7 @@ class Trainer:
                            f"({'exit signal' if signalled else 'train.exit_interval'})")
                 result.stopped_early = True
                 break
+        self.watchdog.close()
         bar.close()
         if ckpt.save and t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self.save()
@@ -354,9 +415,19 @@ def pretrain(cfg: RecipeConfig) -> RunResult:
     try:
         trainer = Trainer(cfg)
         return trainer.train()
-    except BaseException:
-        if trainer is not None and trainer.saver:
-            trainer.saver.abort()  # its writer process would otherwise keep the rank from exiting
-        raise
+    except BaseException as exc:
+        if trainer is not None:
+            trainer.watchdog.close()  # a slow teardown is not a hang
+            if trainer.saver:
+                trainer.saver.abort()  # its writer process would otherwise keep the rank from exiting
+        where = trainer.where if trainer is not None else "start-up"
+        advice = _out_of_memory_advice(cfg) if isinstance(exc, torch.OutOfMemoryError) else ""
+        raise RunFailed(report_failure(exc, int(os.environ.get("RANK", "0")), where, log_dir(cfg), advice)) from exc
     finally:
         destroy_distributed()
+
+
+def _out_of_memory_advice(cfg: RecipeConfig) -> str:
+    stage = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return out_of_memory_advice(cfg, stage, dist.get_world_size() if dist.is_initialized() else 1, device)

@@ -9,6 +9,8 @@ import statistics
 import sys
 
 from megatron_ext.config import ConfigError, load_config, validate
+from megatron_ext.failures import EXIT_USER_ERROR
+from megatron_ext.process_guard import guard_training_rank
 
 
 def _setup_logging() -> None:
@@ -47,18 +49,37 @@ def _summary(cfg, result) -> str:
     return "\n".join(lines)
 
 
-def _with_planned_layout(args: argparse.Namespace, cfg, world_size: int):
+def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int, gpus_per_node: int):
     """parallel.auto=true: the planner's best layout for this world size, applied as overrides."""
     from megatron_ext.planner import best_layout, detect_gpu
 
     gpu = cfg.parallel.auto_gpu or detect_gpu()
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     chosen = best_layout(cfg, world_size, gpus_per_node, gpu)
-    overrides = [f"{key}={'null' if value is None else value}" for key, value in chosen.items()]
+    planned = [f"{key}={'null' if value is None else value}" for key, value in chosen.items()]
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megatron_ext").info(
-            f"parallel.auto: planner's best layout on {world_size}× {gpu}: {' '.join(overrides)}")
-    return load_config(args.config, [*args.overrides, *overrides])
+            f"parallel.auto: planner's best layout on {world_size}× {gpu}: {' '.join(planned)}")
+    return load_config(config, [*overrides, *planned])
+
+
+def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_per_node: int):
+    """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes.
+    Raises ConfigError; ImportError when megatron-core cannot be imported here."""
+    from megatron_ext.model import gpu_has_fp8, transformer_engine_available
+
+    cfg = load_config(config, overrides)
+    if cfg.parallel.auto:
+        cfg = _with_planned_layout(config, overrides, cfg, world_size, gpus_per_node)
+    validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
+    return cfg
+
+
+def import_problem(e: ImportError) -> str:
+    """The one line for a megatron-core that cannot be imported (usually a broken TransformerEngine)."""
+    return (f"error: megatron-core cannot be imported here: {e}"
+            + (" — TransformerEngine is installed but incomplete or broken; reinstall it, or uninstall it to "
+               "train with megatron-core's local layers (python -m recipes.doctor checks the result)"
+               if "transformer_engine" in str(e) else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,38 +87,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.train_iters=20")
     args = parser.parse_args(argv)
+    orphan_guard_missing = guard_training_rank()  # first: a launcher may die while this rank still imports
     _setup_logging()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if orphan_guard_missing and rank == 0:
+        logging.getLogger("megatron_ext").warning(f"ranks will not stop with their launcher: {orphan_guard_missing}")
     try:
-        from megatron_ext.model import gpu_has_fp8, transformer_engine_available
+        cfg = load_and_validate(args.config, args.overrides, world_size,
+                                int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     except ImportError as e:  # megatron-core imports TE at import time wherever `import transformer_engine` works
-        if int(os.environ.get("RANK", "0")) == 0:
-            broken_te = "transformer_engine" in str(e)
-            print(f"error: megatron-core cannot be imported here: {e}"
-                  + (" — TransformerEngine is installed but incomplete or broken; reinstall it, or uninstall it to "
-                     "train with megatron-core's local layers (python -m recipes.doctor checks the result)"
-                     if broken_te else ""), file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if cfg.parallel.auto:
-            cfg = _with_planned_layout(args, cfg, world_size)
-        validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
+        if rank == 0:
+            print(import_problem(e), file=sys.stderr)
+        return EXIT_USER_ERROR
     except ConfigError as e:
-        # Every rank sees the same error; one line per rank, exit before any process group exists.
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        # Every rank sees the same error (recipes.launch catches it before starting any): rank 0 says it.
+        if rank == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
-    from megatron_ext.checkpointing import CheckpointError
-    from megatron_ext.training import pretrain
+    from megatron_ext.training import RunFailed, pretrain
 
     try:
         result = pretrain(cfg)
-    except CheckpointError as e:  # every rank raises the same one; rank 0 says it
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+    except RunFailed as e:  # already said once for the job, traceback in the rank's log
+        return e.exit_code
+    if rank == 0:
         print(_summary(cfg, result), flush=True)
     return 0
 

@@ -16,6 +16,8 @@ TINY = ROOT / "configs" / "tiny.yaml"
 # megatron-core's GPTDataset index cache, shared by the session's runs: by default it would go next to the data,
 # inside the repository (data/tiny/...), which no test may write into
 DATASET_CACHE = tempfile.mkdtemp(prefix="gptdataset-cache-")
+# Per-rank failure logs of runs whose test does not look at them.
+RANK_LOGS = tempfile.mkdtemp(prefix="rank-logs-")
 
 # A smaller shape than the default run so multi-process cases take seconds per step on 2 cores.
 SMALL_MODEL = [
@@ -28,19 +30,31 @@ SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_mo
                   "parallel.sequence_parallel=false"]
 
 
+def pretrain_command(nproc: int, overrides: list[str], module: str = "recipes.pretrain",
+                     config: Optional[Path] = TINY, launcher: str = "torchrun") -> list[str]:
+    """The command line: `module` on `nproc` processes (torchrun, or recipes.launch, for more than one)."""
+    if launcher == "recipes.launch":
+        start = ["-m", "recipes.launch", "--standalone", f"--nproc-per-node={nproc}"]
+    else:  # one process needs no launcher (the recipe starts a world of one itself), which saves ~5 s per run
+        start = ([] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
+        start += ["-m", module]
+    return [sys.executable, *start, *(["--config", str(config)] if config else []),
+            # never into the repository's runs/ (a test that saves or logs says where)
+            "checkpoint.save=null", "logging.tensorboard_dir=null", f"logging.log_dir={RANK_LOGS}",
+            f"data.path_to_cache={DATASET_CACHE}", *overrides]
+
+
+def run_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+
+
 def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: str = "recipes.pretrain",
-                 config: Optional[Path] = TINY, check: bool = True, env: Optional[dict[str, str]] = None
-                 ) -> subprocess.CompletedProcess:
-    """Run `module` (the recipe entry point, or a test wrapper of it) on `nproc` processes (torchrun for more
-    than one) with `config` and `overrides`; with `check`, fails the test with the log if the run fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    # One process needs no launcher (the recipe starts a world of one itself), which saves ~5 s per run.
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *launcher,
-           "-m", module, *(["--config", str(config)] if config else []),
-           # never into the repository's runs/ (a test that saves or logs says where)
-           "checkpoint.save=null", "logging.tensorboard_dir=null", f"data.path_to_cache={DATASET_CACHE}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                 config: Optional[Path] = TINY, check: bool = True, env: Optional[dict[str, str]] = None,
+                 launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """Run `module` (the recipe entry point, or a test wrapper of it) on `nproc` processes with `config` and
+    `overrides`; with `check`, fails the test with the log if the run fails."""
+    cmd = pretrain_command(nproc, overrides, module, config, launcher)
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -21,7 +21,7 @@ def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 def _fails(proc, fragment: str) -> None:
     """The (single-process) run exits 2 after one line on stderr containing `fragment`, and no traceback."""
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("checkpoint error")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[rank 0, start-up] checkpoint error:")]
     assert len(errors) == 1 and fragment in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 

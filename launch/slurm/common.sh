@@ -13,6 +13,7 @@
 #                     outlives the job: a new job given the same RUN_DIR resumes from it.
 #   CHECKPOINT_DIR    default $RUN_DIR/checkpoints (checkpoint.save and checkpoint.load)
 #   TENSORBOARD_DIR   default $RUN_DIR/tensorboard
+#                     (per-rank tracebacks and hang stacks go to $RUN_DIR/logs/rank-N.log)
 #   CONTAINER_IMAGE   run the step in this image with pyxis/enroot (srun --container-image)
 #   CONTAINER_MOUNTS  extra mounts, comma separated src:dst (the repository is always mounted
 #                     at its own path, so paths are the same inside and outside the container)
@@ -20,6 +21,7 @@
 #                     NodeAddr in slurm.conf (usually its hostname)
 #   RDZV_PORT         multi-node: rendezvous port; default 20000 + job id % 20000
 #   REQUEUE_ON_SIGNAL 1 (default): requeue the job after a clean stop on SIGUSR1; 0: just stop
+#   REQUEUE_ON_HANG   1 (default): requeue the job when the hang watchdog ended it (train.hang_timeout_s)
 #   PYTHON            interpreter; default python in a container, else .venv/bin/python if
 #                     present, else python3
 
@@ -34,8 +36,11 @@
 #   cancelled job stays cancelled; a pre-empted one is requeued by SLURM itself when the
 #   cluster's PreemptMode says so).
 # Whether the run stopped early on a signal is read from the training log ("stopped cleanly
-# after iteration N (exit signal)", printed by megatron_ext/training.py): torchrun reports any
-# non-zero rank exit as its own exit 1, so an exit code could not carry it.
+# after iteration N (exit signal)", printed by megatron_ext/training.py): a clean stop exits 0, as
+# a finished run does. A hang is read from the exit code (EXIT_HUNG), which recipes.launch passes on.
+
+# megatron_ext/failures.py: the exit code of a job whose hang watchdog fired (srun passes on the launcher's).
+EXIT_HUNG=4
 
 _log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }
 
@@ -94,7 +99,7 @@ slurm_pretrain() {
     local log="$run_dir/logs/job-${SLURM_JOB_ID}.${restart}.log"
 
     local -a overrides=("checkpoint.save=$ckpt_dir" "checkpoint.load=$ckpt_dir"
-                        "logging.tensorboard_dir=$tb_dir")
+                        "logging.tensorboard_dir=$tb_dir" "logging.log_dir=$run_dir/logs")
     local -a extra=()
     read -r -a extra <<<"${OVERRIDES:-}"
     overrides+=("${extra[@]}" "$@")
@@ -149,6 +154,16 @@ slurm_pretrain() {
                 _log "error: requeue refused; resubmit with the same RUN_DIR to resume"
                 return 1
             fi
+        fi
+        return 0
+    fi
+    if ((rc == EXIT_HUNG)) && ((_term_seen == 0)) && [[ ${REQUEUE_ON_HANG:-1} == 1 ]]; then
+        # The watchdog named the hung rank(s) in the log and wrote every live rank's stacks to rank-N.log.
+        _log "the hang watchdog ended the job (see $log and $run_dir/logs/rank-*.log); requeueing: the next attempt"\
+             "resumes from $ckpt_dir"
+        if ! scontrol requeue "$SLURM_JOB_ID"; then
+            _log "error: requeue refused; resubmit with the same RUN_DIR to resume"
+            return 1
         fi
         return 0
     fi

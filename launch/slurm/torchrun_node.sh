@@ -49,5 +49,6 @@ export PYTHONUNBUFFERED=1
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
 trap '' USR1 TERM
 
-exec "$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0 \
-    -m recipes.pretrain "$@"
+# recipes.launch is torchrun's agent plus a config check before any rank starts and a one-line summary of a
+# failed run; its exit code is the failed rank's (4: the hang watchdog ended the job, which common.sh requeues).
+exec "$python" -m recipes.launch "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0 "$@"

@@ -1,0 +1,105 @@
+"""Divergence: a non-finite loss or gradient stops the run at its step, naming where it was seen first (or is
+skipped, up to train.skip_nonfinite_steps); a loss far above its rolling median is reported as a spike.
+
+The check runs before the optimizer step, so a skipped step leaves weights, moments and LR schedule untouched.
+It replaces megatron-core's ``check_for_nan_in_grad`` (which reports "iteration -1": the iteration lives in
+Megatron-LM's training loop, not in megatron-core) at the same cost, one reduction over each gradient buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_ext.failures import DivergenceError
+
+log = logging.getLogger("megatron_ext")
+
+LOSS_NONFINITE, GRADS_NONFINITE = 1, 2
+
+
+def local_nonfinite(losses_reduced: list[dict[str, torch.Tensor]], model: list, device: torch.device
+                    ) -> torch.Tensor:
+    """[loss non-finite, grads non-finite] on this rank as a float tensor on `device`: no host sync, so it can
+    ride along the step's loss all-reduce. Loss sums exist only on the last pipeline stage."""
+    loss_bad = torch.zeros((), device=device)
+    if losses_reduced:
+        sums = torch.stack([item["lm loss"][0] for item in losses_reduced]).to(device)
+        loss_bad = (~torch.isfinite(sums)).any().to(loss_bad.dtype)
+    grad_sums = [buffer.grad_data.sum(dtype=torch.float32)
+                 for chunk in model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    grads_bad = ((~torch.isfinite(torch.stack(grad_sums))).any().to(loss_bad.dtype) if grad_sums
+                 else torch.zeros_like(loss_bad))
+    return torch.stack([loss_bad, grads_bad])
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def describe_nonfinite(iteration: int, local_flags: torch.Tensor) -> str:
+    """Which ranks and pipeline stages saw it (collective: every rank joins and gets the same text)."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    mine = torch.tensor([int(local_flags[0].item()) * LOSS_NONFINITE | int(local_flags[1].item()) * GRADS_NONFINITE,
+                         pp_rank], dtype=torch.int64, device=local_flags.device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    flags = {rank: (int(t[0]), int(t[1])) for rank, t in enumerate(gathered)}
+    loss_ranks = [r for r, (f, _) in flags.items() if f & LOSS_NONFINITE]
+    grad_ranks = [r for r, (f, _) in flags.items() if f & GRADS_NONFINITE]
+    if loss_ranks:
+        stage = flags[loss_ranks[0]][1]
+        text = (f"non-finite loss at iteration {iteration}, first seen on pipeline stage {stage} "
+                f"({_ranks(loss_ranks)}), where the loss is computed")
+        if grad_ranks:
+            text += f"; gradients non-finite on {_ranks(grad_ranks)}"
+        return text
+    # The backward pass runs from the last stage to the first: the highest stage with bad gradients saw them first.
+    stage = max(flags[r][1] for r in grad_ranks)
+    first = [r for r in grad_ranks if flags[r][1] == stage]
+    return (f"non-finite gradients at iteration {iteration} with a finite loss, first seen in the backward pass on "
+            f"pipeline stage {stage} ({_ranks(first)}); non-finite on {_ranks(grad_ranks)}")
+
+
+class NonFiniteSteps:
+    """Counts skipped non-finite steps against train.skip_nonfinite_steps; raises once they run out."""
+
+    def __init__(self, allowed: int, lr: float, speak: bool):
+        self.allowed, self.skipped, self.lr, self.speak = allowed, 0, lr, speak  # speak: this rank logs the skips
+
+    def skip_or_raise(self, description: str) -> None:
+        if self.skipped < self.allowed:
+            self.skipped += 1
+            if self.speak:
+                    log.warning(f"skipped: {description} (weights and schedule unchanged; {self.skipped} of "
+                            f"train.skip_nonfinite_steps={self.allowed} used)")
+            return
+        used = f" after skipping {self.skipped} such steps" if self.allowed else ""
+        raise DivergenceError(
+            f"{description}{used}. Resume from the last checkpoint (checkpoint.load) with a lower optimizer.lr "
+            f"(now {self.lr:g}), a longer optimizer.lr_warmup_iters or a lower optimizer.clip_grad; "
+            f"train.skip_nonfinite_steps=N skips up to N such steps instead of stopping")
+
+
+class LossSpikeDetector:
+    """Flags a loss above `factor` × the median of the previous `window` losses (after `window // 5` of them)."""
+
+    def __init__(self, factor: Optional[float], window: int):
+        self.factor, self.window = factor, window
+        self.history: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> Optional[tuple[float, float]]:
+        """(ratio to the median, the median) when `loss` is a spike, else None; remembers `loss` either way."""
+        spike = None
+        if self.factor and len(self.history) >= max(self.window // 5, 1):
+            median = statistics.median(self.history)
+            if median > 0 and loss > self.factor * median:
+                spike = (loss / median, median)
+        self.history.append(loss)
+        return spike

@@ -1,0 +1,146 @@
+"""One message per failure: the rank that knows prints one line (rank, where, what happened, what to do); the
+full traceback goes to that rank's log file, which the line names. Exit codes say which kind it was."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+EXIT_FAILED = 1  # anything else: the traceback in the rank's log says more
+EXIT_USER_ERROR = 2  # config, data, tokenizer or checkpoint: fix what the message names and run again
+EXIT_DIVERGED = 3  # non-finite loss or gradients
+EXIT_HUNG = 4  # the hang watchdog ended the job: requeue it, it resumes from the last checkpoint
+EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's message says why)
+
+# What torch.distributed raises on the survivors when a peer process dies: a consequence, not the cause.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+              "ProcessGroupNCCL is aborted", "Broken pipe", "Socket closed")
+
+
+class DivergenceError(RuntimeError):
+    """The loss or the gradients became non-finite; raised identically on every rank."""
+
+
+def rank_log(log_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its tracebacks and hang stacks."""
+    return Path(log_dir) / f"rank-{rank}.log"
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.distributed.DistBackendError) or any(s in str(exc) for s in _PEER_LOST)
+
+
+def _classify(exc: BaseException) -> tuple[str, int, str]:
+    """(kind, exit code, what to do) for the console line."""
+    import torch
+
+    from megatron_ext.checkpointing import CheckpointError
+    from megatron_ext.config import ConfigError
+    from megatron_ext.tokenizer import TokenizerError
+
+    if isinstance(exc, ConfigError):
+        return "config error", EXIT_USER_ERROR, ""
+    if isinstance(exc, CheckpointError):
+        return "checkpoint error", EXIT_USER_ERROR, ""
+    if isinstance(exc, TokenizerError):
+        return "tokenizer error", EXIT_USER_ERROR, ""
+    if isinstance(exc, DivergenceError):
+        return "divergence", EXIT_DIVERGED, ""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out of GPU memory", EXIT_FAILED, ""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 128 + 2, ""
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "I/O error", EXIT_FAILED, ("free space there (or point checkpoint.save elsewhere) and resume: "
+                                              "checkpoints already complete are untouched")
+        return "I/O error", EXIT_FAILED, ""
+    return type(exc).__name__, EXIT_FAILED, ""
+
+
+def _summary(exc: BaseException) -> str:
+    """The exception's own message: whole for this project's errors (written to be read), else its first line."""
+    text = str(exc).strip() or type(exc).__name__
+    if type(exc).__module__.startswith("megatron_ext"):
+        return text
+    first = text.splitlines()[0]
+    return first if len(first) <= 300 else first[:297] + "..."
+
+
+def write_rank_log(log_dir: str | Path, rank: int, where: str, body: str) -> Optional[Path]:
+    """Append a dated section to the rank's log; None when it cannot be written (the caller prints instead)."""
+    path = rank_log(log_dir, rank)
+    header = (f"==== {datetime.datetime.now().isoformat(timespec='seconds')} rank {rank} "
+              f"(host {socket.gethostname()}, pid {os.getpid()}), {where}\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(header + body + ("" if body.endswith("\n") else "\n"))
+    except OSError:
+        return None
+    return path
+
+
+def _first_to_say(text: str) -> bool:
+    """True on exactly one rank per distinct message (the store counts who got there first); True without one."""
+    from megatron_ext.job_store import job_store
+
+    store = job_store(timeout_s=5.0)
+    if store is None:
+        return True
+    try:
+        return store.add("failure/" + hashlib.sha1(text.encode()).hexdigest()[:16], 1) == 1
+    except (RuntimeError, OSError):
+        return True
+
+
+def report_failure(exc: BaseException, rank: int, where: str, log_dir: str | Path,
+                   advice: str = "") -> int:
+    """Say `exc` once for the whole job and log its traceback; returns the process's exit code.
+
+    `where`: "start-up", "iteration 12", "checkpoint save at iteration 12", ...; `advice`: what to do, from a
+    caller that knows more than the exception (the OOM hint, say)."""
+    from megatron_ext.process_guard import LauncherGone
+
+    trace = "".join(traceback.format_exception(exc))
+    if isinstance(exc, LauncherGone):  # nobody is left to read a console line
+        write_rank_log(log_dir, rank, where, "the launcher died: stopped without a checkpoint\n" + trace)
+        return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+    log_path = write_rank_log(log_dir, rank, where, trace)
+    if _is_peer_loss(exc):
+        return EXIT_PEER_FAILED  # the failed rank says why; the survivors only log
+    kind, code, default_advice = _classify(exc)
+    what = _summary(exc)
+    todo = advice or default_advice
+    message = f"{kind}: {what}" + (f"\n  → {todo}" if todo else "")
+    if _first_to_say(message):
+        where_line = f"[rank {rank}, {where}] {message}"
+        if log_path is not None:
+            where_line += f"\n  (traceback: {log_path})"
+        else:
+            where_line += "\n" + trace
+        print(where_line, file=sys.stderr, flush=True)
+    return code
+
+
+def out_of_memory_advice(cfg, stage: int, world_size: int, device_bytes: int) -> str:
+    """For an out-of-memory error: the rank's stage and micro batch beside the planner's estimate for this layout,
+    and the ways out."""
+    from megatron_ext.planner import GIB, model_vocab_size, stage_peak_bytes
+
+    t = cfg.train
+    estimate = stage_peak_bytes(cfg, model_vocab_size(cfg), world_size, stage) / GIB
+    return (f"pipeline stage {stage} of {cfg.parallel.pipeline_model_parallel_size}, micro batch size "
+            f"{t.micro_batch_size} × seq {cfg.model.seq_length}: the planner estimates {estimate:.1f} GiB peak for "
+            f"this stage, the GPU has {device_bytes / GIB:.1f} GiB. Lower train.micro_batch_size, set "
+            f"train.recompute_granularity=selective (or full), or raise TP/PP: python -m recipes.plan --config "
+            f"<recipe> --gpus {world_size} lists the layouts that fit")

@@ -1,0 +1,143 @@
+"""Hang watchdog: when no training step finishes for ``train.hang_timeout_s``, every live rank writes its Python
+stacks to its log, the ranks whose heartbeat stopped are named once, and the job ends with EXIT_HUNG (the SLURM
+templates requeue it; it resumes from the last checkpoint).
+
+Armed after the first step (start-up, compilation and communicator set-up are bounded by
+``parallel.distributed_timeout_minutes``) and suspended while a checkpoint is written, so a long save is not
+taken for a hang. A thread per rank bumps a heartbeat counter in the job's store every interval: a rank that is
+stopped, dead or stuck outside Python stops bumping it, while ranks merely waiting for it in a collective do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+from megatron_ext.failures import EXIT_HUNG, rank_log, write_rank_log
+from megatron_ext.job_store import job_store
+
+
+class HangWatchdog:
+    """One per rank; `step_done` after every step, `suspended()` around checkpoint saves, `close` at the end."""
+
+    def __init__(self, timeout_s: Optional[float], log_dir: str | Path, rank: int, world_size: int):
+        self.timeout_s, self.log_dir, self.rank, self.world_size = timeout_s, log_dir, rank, world_size
+        self.interval = min(max((timeout_s or 0) / 10, 0.5), 10.0)
+        self.iteration = 0
+        self._last_progress: Optional[float] = None  # None until the first step: not armed
+        self._suspended = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._store = None
+        self._beats = 0
+
+    def start(self, iteration: int) -> None:
+        if not self.timeout_s:
+            return
+        self.iteration = iteration
+        self._store = job_store(timeout_s=max(self.interval * 2, 5.0))
+        if self._store is not None:
+            self._store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def step_done(self, iteration: int) -> None:
+        self.iteration, self._last_progress = iteration, time.monotonic()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+            if self._last_progress is not None:
+                self._last_progress = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval * 2)
+
+    # -- the thread ------------------------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        self._beats += 1
+        with contextlib.suppress(RuntimeError, OSError):
+            if self._store is not None:
+                self._store.set(f"hb/{self.rank}", f"{self._beats} {self.iteration}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._beat()
+            last = self._last_progress
+            if last is not None and not self._suspended and time.monotonic() - last > self.timeout_s:
+                self._fire()
+
+    def _heartbeats(self) -> dict[int, str]:
+        beats = {}
+        for rank in range(self.world_size):
+            with contextlib.suppress(RuntimeError, OSError):
+                if self._store.check([f"hb/{rank}"]):
+                    beats[rank] = self._store.get(f"hb/{rank}").decode()
+        return beats
+
+    def _fire(self) -> None:
+        where = f"iteration {self.iteration + 1}"
+        write_rank_log(self.log_dir, self.rank, where, f"hang watchdog: no step finished for {self.timeout_s:g} s; "
+                                                       "Python stacks of every thread follow")
+        with contextlib.suppress(OSError), open(rank_log(self.log_dir, self.rank), "a") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        stopped, behind = [], {}
+        if self._store is not None:
+            before = self._heartbeats()
+            for _ in range(3):  # every live rank, firing too or not, bumps its counter at least twice meanwhile
+                time.sleep(self.interval)
+                self._beat()
+            after = self._heartbeats()
+            stopped = [r for r in range(self.world_size)
+                       if r != self.rank and (r not in after or before.get(r) == after[r])]
+            behind = {r: int(v.split()[1]) for r, v in after.items()
+                      if r not in stopped and int(v.split()[1]) < self.iteration}
+            self._kill_local(stopped)
+        live = [r for r in range(self.world_size) if r not in stopped]
+        if self.rank == min(live):
+            print(self._message(where, stopped, behind), file=sys.stderr, flush=True)
+        self._beat()  # a last bump: a peer still sampling must not take this exit for a stopped rank
+        os._exit(EXIT_HUNG)
+
+    def _kill_local(self, stopped: list[int]) -> None:
+        """End stopped ranks on this host: a SIGSTOPped process ignores the launcher's SIGTERM, and the job must go."""
+        for rank in stopped:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):
+                host, pid = self._store.get(f"proc/{rank}").decode().split()
+                if host == socket.gethostname():
+                    os.kill(int(pid), signal.SIGKILL)
+
+    def _message(self, where: str, stopped: list[int], behind: dict[int, int]) -> str:
+        lines = [f"[rank {self.rank}, {where}] hang: no training step finished for {self.timeout_s:g} s "
+                 f"(train.hang_timeout_s) after iteration {self.iteration}"]
+        if stopped:
+            procs = []
+            for rank in stopped:
+                with contextlib.suppress(RuntimeError, OSError, ValueError):
+                    host, pid = self._store.get(f"proc/{rank}").decode().split()
+                    procs.append(f"rank {rank} (host {host}, pid {pid})")
+            lines.append(f"  heartbeat stopped on {', '.join(procs)}: that process is stopped, dead or stuck "
+                         "outside Python; the other ranks wait for it")
+        else:
+            lines.append("  every rank's heartbeat is alive: they all wait in a collective that never completes "
+                         "(a stuck device or network); the stacks show where")
+        if behind:
+            lines.append("  behind the others: " + ", ".join(f"rank {r} at iteration {i}" for r, i in behind.items()))
+        lines.append(f"  → Python stacks of the live ranks: {Path(self.log_dir) / 'rank-*.log'}; the job ends "
+                     f"(exit {EXIT_HUNG}) so that SLURM requeues it and it resumes from the last checkpoint")
+        return "\n".join(lines)

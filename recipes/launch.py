@@ -1,0 +1,96 @@
+"""Launcher: ``python -m recipes.launch [torchrun options] --config X.yaml [section.key=value ...]``.
+
+Checks the recipe once for the world size about to start (a config error is one line, before any rank exists),
+then runs torchrun's elastic agent in this process with ``-m recipes.pretrain``. A failed run ends with one line
+naming the rank that failed first and its log instead of torchrun's traceback; the exit code is that rank's
+(2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/failures.py), so SLURM scripts can act on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from megatron_ext.config import ConfigError, log_dir
+from megatron_ext.failures import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, rank_log
+from recipes.pretrain import import_problem, load_and_validate
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """torchrun's options, and the recipe's arguments (from ``--config`` on)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            return argv[:i], argv[i:]
+    raise SystemExit("usage: python -m recipes.launch [torchrun options] --config X.yaml [section.key=value ...]")
+
+
+def _recipe_args(recipe_argv: list[str]) -> tuple[str, list[str]]:
+    if recipe_argv[0].startswith("--config="):
+        return recipe_argv[0].split("=", 1)[1], recipe_argv[1:]
+    if len(recipe_argv) < 2:
+        raise SystemExit("recipes.launch: --config needs a recipe YAML")
+    return recipe_argv[1], recipe_argv[2:]
+
+
+def _world_size(args) -> tuple[int, int]:
+    """(world size, processes per node) torchrun will start, from its own parsed options."""
+    from torch.distributed.run import config_from_args
+
+    config, _, _ = config_from_args(args)
+    return config.max_nodes * config.nproc_per_node, config.nproc_per_node
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        why = " (the kernel's out-of-memory killer, or kill -9)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {code}"
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The rank that failed by itself: not one that stopped because a peer did, nor one torchrun then ended."""
+    def rank_of_cause(item):
+        rank, failure = item
+        consequence = failure.exitcode in (EXIT_PEER_FAILED, -signal.SIGTERM)
+        return consequence, failure.timestamp, rank
+
+    return min(failures.items(), key=rank_of_cause)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # torchrun's banner ("Setting OMP_NUM_THREADS ... to 1") and its per-failure lines and traceback, which repeat
+    # what the failed rank said: the summary below replaces them. Errors of its own (rendezvous) still show.
+    for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL if name.endswith("elastic") else logging.ERROR)
+    torchrun_argv, recipe_argv = _split(list(sys.argv[1:] if argv is None else argv))
+    config, overrides = _recipe_args(recipe_argv)
+    args = parse_args([*torchrun_argv, "-m", "recipes.pretrain", *recipe_argv])
+    world_size, per_node = _world_size(args)
+    try:
+        cfg = load_and_validate(config, overrides, world_size, per_node)
+    except ImportError as e:
+        print(import_problem(e), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = _root_cause(e.failures)
+        others = len(e.failures) - 1
+        print(f"training failed: rank {rank} {_describe(failure.exitcode)} first"
+              + (f" ({others} other rank{'s' if others > 1 else ''} stopped with it)" if others else "")
+              + f"; its log: {rank_log(log_dir(cfg), rank)}", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
