@@ -88,6 +88,9 @@ class TrainConfig:
     # torch.compile every transformer layer (local layer spec); auto = on for local layers on a GPU, off on CPU
     # and with TransformerEngine (measured on an H100: +13-20 % tokens/s, docs/performance.md)
     compile: Any = AUTO
+    # liger-kernel's Triton RMSNorm, SwiGLU and vocab-parallel cross-entropy through its megatron-core adapter
+    # (local layer spec on a GPU; `pip install liger-kernel==0.8.5`). Refused on CPU and with TE. Unmeasured.
+    liger_kernels: bool = False
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
     # No finished step for this long (after the first): stacks to the rank logs, stopped ranks named, job ends
@@ -455,8 +458,18 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
 
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
     """`cfg` with train.compile / train.fused_cross_entropy `auto` decided for this machine and layer spec:
-    compile on for local layers on a GPU, fused cross-entropy on in bf16 (docs/performance.md)."""
+    compile on for local layers on a GPU, fused cross-entropy on in bf16 (docs/performance.md). Raises
+    ConfigError for kernels this machine or spec cannot run."""
     t = cfg.train
+    if t.liger_kernels:
+        _require(on_gpu, "train.liger_kernels", True, "liger-kernel's kernels are Triton and need a GPU; a CPU "
+                 "rehearsal runs megatron-core's own (the numerics differ slightly, so nothing is swapped silently)")
+        _require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers only; with "
+                 "TransformerEngine set model.attention_backend=local to use it")
+        try:
+            import liger_kernel.megatron  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"train.liger_kernels=True needs liger-kernel: pip install liger-kernel==0.8.5 ({e})")
     compile_ = (on_gpu and not use_te) if t.compile == AUTO else t.compile
     fused_ce = (t.precision == "bf16") if t.fused_cross_entropy == AUTO else t.fused_cross_entropy
     return dataclasses.replace(cfg, train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))

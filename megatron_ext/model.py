@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -70,21 +70,47 @@ class RMSNorm(torch.nn.RMSNorm):
             param.sequence_parallel = config.sequence_parallel
 
 
-def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
+def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
+               liger: bool = False) -> TransformerBlockSubmodules:
     """This chunk's decoder layers: TE fused layers, or megatron-core local layers with an SP-capable
-    RMSNorm and SDPA core attention (ring attention when the sequence is split across CP ranks)."""
+    RMSNorm (liger-kernel's with `liger`) and SDPA core attention (ring attention when the sequence is split
+    across CP ranks)."""
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
+    norm = RMSNorm
+    if liger:
+        from liger_kernel.megatron import LigerMegatronRMSNorm as norm
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    layer.submodules.input_layernorm = RMSNorm
-    layer.submodules.pre_mlp_layernorm = RMSNorm
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
     layer.submodules.self_attention.submodules.core_attention = (
         RingAttention if config.context_parallel_size > 1 else SDPAttention
     )
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm
     )
+
+
+def use_liger_kernels() -> None:
+    """liger-kernel's SwiGLU and vocab-parallel cross-entropy, through its own megatron-core adapter (it rebinds
+    megatron-core's SwiGLUFunction and both cross-entropy call sites; the RMSNorm goes in by `block_spec`).
+    Its SwiGLU replaces the fused path: the config turns bias_activation_fusion on with it."""
+    from liger_kernel.megatron import apply_liger_kernel_to_megatron
+
+    apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True, swiglu=True)
+
+
+def _liger_kernels(chunks: list[GPTModel]) -> list[str]:
+    """Which liger-kernel pieces the built model runs, read from the model and the patched functions."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    norms = [type(m).__name__ for chunk in chunks for m in chunk.modules()]
+    return [name for name, on in [
+        ("RMSNorm", "LigerMegatronRMSNorm" in norms),
+        ("SwiGLU", getattr(fused_bias_swiglu.SwiGLUFunction, "__liger_patched__", False)),
+        ("cross-entropy", getattr(tensor_parallel.vocab_parallel_cross_entropy, "__liger_patched__", False)),
+    ] if on]
 
 
 def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> TransformerConfig:
@@ -128,7 +154,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         fp8="hybrid" if cfg.train.fp8 else None,
         fp8_recipe=cfg.train.fp8 or "delayed",
         calculate_per_token_loss=True,
-        bias_activation_fusion=cfg.train.fused_swiglu,
+        bias_activation_fusion=cfg.train.fused_swiglu or cfg.train.liger_kernels,
         cross_entropy_loss_fusion=cfg.train.fused_cross_entropy,
         cross_entropy_fusion_impl="te" if use_te else "native",
         masked_softmax_fusion=False,
@@ -154,11 +180,13 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
     precision = ("bf16" if config.bf16 else "fp32") + (
         f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE)" if config.fp8 else ", no FP8")
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+    liger = [] if use_te else _liger_kernels(chunks)
     kernels = [name for name, on in [
         ("sequence parallel", config.sequence_parallel),
-        ("fused SwiGLU", config.bias_activation_fusion),
+        ("fused SwiGLU", config.bias_activation_fusion and "SwiGLU" not in liger),
         (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", config.cross_entropy_loss_fusion),
         ("torch.compile per layer", bool(layers) and all(layer._compiled_call_impl is not None for layer in layers)),
+        (f"liger-kernel {', '.join(liger)}", bool(liger)),
         ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
         (f"{config.recompute_granularity} recompute", config.recompute_granularity is not None),
     ] if on]
@@ -177,7 +205,7 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
         stage = vp_stage if vpp else None
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, use_te, stage),
+            transformer_layer_spec=block_spec(config, use_te, stage, cfg.train.liger_kernels),
             vocab_size=padded,
             max_sequence_length=cfg.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

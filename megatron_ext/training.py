@@ -31,7 +31,7 @@ from megatron_ext.divergence import LossSpikeDetector, NonFiniteSteps, describe_
 from megatron_ext.failures import out_of_memory_advice, report_failure
 from megatron_ext.metrics import RunLogger
 from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
-                                transformer_engine_available)
+                                transformer_engine_available, use_liger_kernels)
 from megatron_ext.resume import resume_training
 from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.stragglers import ComputeTimers, StragglerDetector, gather_times
@@ -173,6 +173,8 @@ class Trainer:
             cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()
         )
         cfg = self.cfg = resolve_kernel_options(cfg, self.on_gpu, use_te)
+        if cfg.train.liger_kernels:
+            use_liger_kernels()  # before the model is built: it rebinds megatron-core functions the layers call
         self.config = transformer_config(cfg, self.on_gpu, use_te)
         chunks = build_model_chunks(cfg, vocab, self.config, use_te)
         if cfg.train.compile:

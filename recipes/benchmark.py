@@ -13,6 +13,8 @@ regime (fp32 runs: every variant is plain fp32):
 * ``megatron-compile``: local layers + torch.compile of every decoder layer (the default on a GPU without TE);
 * ``megatron-fp8``: TE layers + FP8 (delayed scaling) compute, fp32 master weights; only where TE imports
   on an FP8-capable GPU, otherwise reported as skipped;
+* ``megatron-liger``: ``megatron-compile`` with liger-kernel's Triton RMSNorm, SwiGLU and cross-entropy
+  (``train.liger_kernels``); only on a GPU with liger-kernel installed, otherwise reported as skipped;
   (every megatron variant uses the recipe's default kernels: fused cross-entropy in bf16);
 * ``hf`` / ``hf-compile``: transformers, pure bf16 — bf16 weights and bf16 AdamW state, no fp32 master copy:
   cheaper per step and numerically weaker (updates below bf16's resolution are lost);
@@ -30,6 +32,7 @@ chart grouped by micro batch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -51,6 +54,7 @@ MEGATRON_VARIANTS = {
     "megatron-eager": ["train.compile=false"],
     "megatron-compile": ["model.attention_backend=local", "train.compile=true"],
     "megatron-fp8": ["model.attention_backend=te", "train.compile=false", "train.fp8=delayed"],
+    "megatron-liger": ["model.attention_backend=local", "train.compile=true", "train.liger_kernels=true"],
 }
 HF_VARIANTS = {  # name: (fp32 master weights + autocast, torch.compile)
     "hf": (False, False), "hf-compile": (False, True), "hf-amp": (True, False), "hf-amp-compile": (True, True),
@@ -69,10 +73,13 @@ def regime(variant: str, precision: str) -> tuple[str, str]:
     return "bf16", "pure bf16: bf16 weights and Adam state"
 
 
-def unavailable(variant: str, precision: str, te_available: bool, fp8_capable: bool) -> Optional[str]:
-    """Why `variant` cannot run here, or None."""
+def unavailable(variant: str, precision: str, te_available: bool, fp8_capable: bool,
+                liger_capable: bool = False) -> Optional[str]:
+    """Why `variant` cannot run here, or None. `liger_capable`: a GPU, and liger-kernel imports."""
     if variant == "megatron-fp8" and not (te_available and fp8_capable and precision == "bf16"):
         return "needs TransformerEngine, an FP8-capable GPU (sm89+) and bf16"
+    if variant == "megatron-liger" and not liger_capable:
+        return "needs a GPU and liger-kernel (pip install liger-kernel==0.8.5)"
     if variant in HF_VARIANTS and HF_VARIANTS[variant][0] and precision != "bf16":
         return "autocast regime: bf16 only (in fp32 `hf` is the same regime as the recipe)"
     return None
@@ -316,7 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results, skipped = [], {}
     for variant in args.variants:
-        reason = unavailable(variant, args.precision, transformer_engine_available(), fp8_capable)
+        reason = unavailable(variant, args.precision, transformer_engine_available(), fp8_capable,
+                             liger_capable=on_gpu and importlib.util.find_spec("liger_kernel") is not None)
         if reason:
             skipped[variant] = reason
             print(f"skipping {variant}: {reason}", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,18 @@ def test_bad_layout_is_one_line_from_the_launcher_and_once_under_plain_torchrun(
     assert proc.returncode != 0
     assert expected in proc.stderr and proc.stderr.count("config error:") == 1, proc.stderr
     assert "megatron/core" not in proc.stderr and "[rank0]: Traceback" not in proc.stderr
+
+
+def test_liger_kernels_are_refused_where_they_cannot_run():
+    """Triton kernels: never on CPU (the rehearsal keeps megatron-core's own, no silent numerics change), never
+    with TE's fused layers, and a missing liger-kernel says how to install it."""
+    cfg = load_config(TINY, ["train.liger_kernels=true"])
+    with pytest.raises(ConfigError, match=r"train.liger_kernels=True is invalid: liger-kernel's kernels are Triton "
+                                          r"and need a GPU"):
+        resolve_kernel_options(cfg, on_gpu=False, use_te=False)
+    with pytest.raises(ConfigError, match=r"with TransformerEngine set model.attention_backend=local"):
+        resolve_kernel_options(cfg, on_gpu=True, use_te=True)
+    if importlib.util.find_spec("liger_kernel") is None:
+        with pytest.raises(ConfigError, match=r"pip install liger-kernel==0.8.5"):
+            resolve_kernel_options(cfg, on_gpu=True, use_te=False)
+    assert resolve_kernel_options(load_config(TINY, []), on_gpu=False, use_te=False).train.liger_kernels is False

@@ -1,0 +1,38 @@
+"""liger-kernel's Triton RMSNorm, SwiGLU and cross-entropy (train.liger_kernels) train like megatron-core's own
+kernels. Triton needs a GPU: on CPU these are skipped (the refusal there is tested in test_config.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from tests.launch import run_pretrain
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+    reason="liger-kernel's kernels are Triton: needs a GPU and `pip install liger-kernel==0.8.5`")
+
+# A small bf16 Llama on random tokens, one GPU, compiled local layers (the GPU default without TE).
+SHAPE = ["model.num_layers=2", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
+         "model.ffn_hidden_size=1536", "model.seq_length=512", "model.vocab_size=32000",
+         "model.attention_backend=local", "parallel.tensor_model_parallel_size=1",
+         "parallel.pipeline_model_parallel_size=1", "parallel.sequence_parallel=false", "train.precision=bf16",
+         "train.micro_batch_size=2", "train.global_batch_size=4", "train.train_iters=8", "train.eval_iters=0",
+         "optimizer.lr_warmup_iters=0", "data.mock=true", "data.blend=null", "data.tokenizer_model=null"]
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| loss (\d+\.\d+) \|", stdout)]
+
+
+def test_liger_kernels_run_and_train_like_megatron_cores_own():
+    ours = run_pretrain(1, [*SHAPE, "train.liger_kernels=true"])
+    assert "liger-kernel RMSNorm, SwiGLU, cross-entropy" in ours.stdout, ours.stdout[-3000:]
+    reference = run_pretrain(1, SHAPE)
+    a, b = _losses(ours.stdout), _losses(reference.stdout)
+    assert len(a) == len(b) == 8
+    # bf16, different reduction orders: the same training within bf16 noise, not bit for bit
+    assert all(abs(x - y) / y < 2e-2 for x, y in zip(a, b)), (a, b)
