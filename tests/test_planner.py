@@ -212,16 +212,13 @@ def test_planner_matches_megatron_core_memory(name, tmp_path):
             assert abs(estimate - got) <= 0.10 * got, (name, got, estimate)
 
 
-def test_recipe_auto_layout_is_the_planners_best_and_valid(monkeypatch):
+def test_recipe_auto_layout_is_the_planners_best_and_valid():
     """parallel.auto=true in the recipe: the planner's best layout for the started world size."""
-    import argparse
-
     from recipes.pretrain import _with_planned_layout
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     config = "configs/llama3_8b_8gpu_bf16.yaml"
-    args = argparse.Namespace(config=config, overrides=["parallel.auto=true", "parallel.auto_gpu=h100-80gb"])
-    cfg = _with_planned_layout(args, load_config(config, args.overrides), world_size=8)
+    overrides = ["parallel.auto=true", "parallel.auto_gpu=h100-80gb"]
+    cfg = _with_planned_layout(config, overrides, load_config(config, overrides), world_size=8, gpus_per_node=8)
     expected = best_layout(load_config(config), 8, 8, "h100-80gb")
     p, t = cfg.parallel, cfg.train
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,

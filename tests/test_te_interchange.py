@@ -84,23 +84,23 @@ def test_a_dp_reshardable_checkpoint_is_refused_by_the_other_spec(tmp_path):
 @pytest.mark.parametrize("layout", [DP2, ONE_NON_DISTRIBUTED], ids=["dp2_distributed_optimizer",
                                                                    "1proc_plain_optimizer"])
 def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout, tmp_path):
-    """local 1..6 is the reference; {local, te} 1..3 saved, then resumed under {te, local} 4..6."""
+    """local 1..6 is the reference; local 1..3 saved and resumed under TE 4..6, and TE 1..3 saved and resumed under
+    local 4..6 (a TE → TE resume is a plain resume, covered by the resume tests; dropped for the suite's time)."""
     def overrides(name: str, *extra: str) -> list[str]:
         return [*parity_overrides(initial_weights, tmp_path / name / "tb", STEPS), "checkpoint.save=null", *extra]
 
     _run("recipes.pretrain", layout, overrides("local_full"))
-    for saved_under, resumed_under in [("local", "te"), ("te", "local"), ("te", "te")]:
+    for saved_under, resumed_under in [("local", "te"), ("te", "local")]:
         save_dir = tmp_path / f"ckpt_{saved_under}"
-        if not save_dir.exists():
-            # from the local-spec initial weights: under TE that is the weights-only path of defect 3
-            log = _run("tests.te_standin" if saved_under == "te" else "recipes.pretrain", layout,
-                       overrides(f"{saved_under}_first", *(TE if saved_under == "te" else []),
-                                 f"train.exit_interval={STOP}", f"checkpoint.save={save_dir}",
-                                 "checkpoint.optimizer_format=fully_reshardable"))
-            expected = "layer spec: TransformerEngine" if saved_under == "te" else "layer spec: megatron-core local"
-            assert expected in log, log[-3000:]
-            _assert_continues(tmp_path / f"{saved_under}_first" / "tb", tmp_path / "local_full" / "tb",
-                              range(1, STOP + 1))
+        # from the local-spec initial weights: under TE that is the weights-only path of defect 3
+        log = _run("tests.te_standin" if saved_under == "te" else "recipes.pretrain", layout,
+                   overrides(f"{saved_under}_first", *(TE if saved_under == "te" else []),
+                             f"train.exit_interval={STOP}", f"checkpoint.save={save_dir}",
+                             "checkpoint.optimizer_format=fully_reshardable"))
+        expected = "layer spec: TransformerEngine" if saved_under == "te" else "layer spec: megatron-core local"
+        assert expected in log, log[-3000:]
+        _assert_continues(tmp_path / f"{saved_under}_first" / "tb", tmp_path / "local_full" / "tb",
+                          range(1, STOP + 1))
         name = f"{saved_under}_to_{resumed_under}"
         log = _run("tests.te_standin" if resumed_under == "te" else "recipes.pretrain", layout,
                    overrides(name, *(TE if resumed_under == "te" else []), f"checkpoint.load={save_dir}"))
