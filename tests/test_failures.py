@@ -228,3 +228,18 @@ def test_straggler_detector_names_a_rank_slow_for_several_intervals_in_a_row():
     assert detector.update(slow) == [] and detector.update(slow) == [] and detector.update(slow) == [2]
     assert detector.update(fast) == [] and detector.update(slow) == []  # a fast interval resets the streak
     assert StragglerDetector(factor=1.2, intervals=1).update([1.0, 1.3]) == [1]
+
+
+def test_run_logger_writes_loss_spikes_and_the_rank_spread_to_tensorboard(tmp_path, caplog):
+    from megatron_ext.metrics import RunLogger
+
+    cfg = load_config(TINY, ["data.mock=true", "model.vocab_size=1000", f"logging.tensorboard_dir={tmp_path}"])
+    logger = RunLogger(cfg, 1000, world_size=4, enabled=True)
+    logger.step(3, 2.5, 1e-3, 1.0, 0.5, console=True, rank_times=[0.2, 0.3, 0.25, 0.2])
+    with caplog.at_level("WARNING", logger="megatron_ext"):
+        logger.loss_spike(4, 6.0, 2.4, 2.5, (48, 63))
+    logger.close()
+    assert read_scalars(tmp_path, "train/loss_spike") == {4: pytest.approx(2.4)}
+    assert read_scalars(tmp_path, "perf/slowest_rank") == {3: 1.0}
+    assert read_scalars(tmp_path, "perf/step_time_max_s") == {3: pytest.approx(0.3)}
+    assert "loss spike at iteration 4: 6.0000 is 2.40× the median 2.5000" in caplog.text and "48..63" in caplog.text
