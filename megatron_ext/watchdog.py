@@ -30,7 +30,7 @@ class HangWatchdog:
 
     def __init__(self, timeout_s: Optional[float], log_dir: str | Path, rank: int, world_size: int):
         self.timeout_s, self.log_dir, self.rank, self.world_size = timeout_s, log_dir, rank, world_size
-        self.interval = min(max((timeout_s or 0) / 10, 0.5), 10.0)
+        self.interval = min(max((timeout_s or 0) / 10, 1.0), 10.0)  # >= 1 s: a loaded host still beats in time
         self.iteration = 0
         self._last_progress: Optional[float] = None  # None until the first step: not armed
         self._suspended = 0
@@ -96,7 +96,7 @@ class HangWatchdog:
                                                        "Python stacks of every thread follow")
         with contextlib.suppress(OSError), open(rank_log(self.log_dir, self.rank), "a") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
-        stopped, behind = [], {}
+        stopped, behind, procs = [], {}, {}
         if self._store is not None:
             before = self._heartbeats()
             for _ in range(3):  # every live rank, firing too or not, bumps its counter at least twice meanwhile
@@ -107,31 +107,39 @@ class HangWatchdog:
                        if r != self.rank and (r not in after or before.get(r) == after[r])]
             behind = {r: int(v.split()[1]) for r, v in after.items()
                       if r not in stopped and int(v.split()[1]) < self.iteration}
-            self._kill_local(stopped)
+            procs = self._processes(stopped)
+            self._kill_local(procs)
         live = [r for r in range(self.world_size) if r not in stopped]
         if self.rank == min(live):
-            print(self._message(where, stopped, behind), file=sys.stderr, flush=True)
+            print(self._message(where, stopped, behind, procs), file=sys.stderr, flush=True)
         self._beat()  # a last bump: a peer still sampling must not take this exit for a stopped rank
         os._exit(EXIT_HUNG)
 
-    def _kill_local(self, stopped: list[int]) -> None:
-        """End stopped ranks on this host: a SIGSTOPped process ignores the launcher's SIGTERM, and the job must go."""
-        for rank in stopped:
+    def _processes(self, ranks: list[int]) -> dict[int, tuple[str, int]]:
+        """(host, pid) of each of `ranks` that registered one at start."""
+        procs = {}
+        for rank in ranks:
             with contextlib.suppress(RuntimeError, OSError, ValueError):
                 host, pid = self._store.get(f"proc/{rank}").decode().split()
-                if host == socket.gethostname():
-                    os.kill(int(pid), signal.SIGKILL)
+                procs[rank] = (host, int(pid))
+        return procs
 
-    def _message(self, where: str, stopped: list[int], behind: dict[int, int]) -> str:
+    @staticmethod
+    def _kill_local(procs: dict[int, tuple[str, int]]) -> None:
+        """End stopped ranks on this host: a SIGSTOPped process ignores the launcher's SIGTERM, and the job must go."""
+        for host, pid in procs.values():
+            if host == socket.gethostname():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def _message(self, where: str, stopped: list[int], behind: dict[int, int],
+                 procs: dict[int, tuple[str, int]]) -> str:
         lines = [f"[rank {self.rank}, {where}] hang: no training step finished for {self.timeout_s:g} s "
                  f"(train.hang_timeout_s) after iteration {self.iteration}"]
         if stopped:
-            procs = []
-            for rank in stopped:
-                with contextlib.suppress(RuntimeError, OSError, ValueError):
-                    host, pid = self._store.get(f"proc/{rank}").decode().split()
-                    procs.append(f"rank {rank} (host {host}, pid {pid})")
-            lines.append(f"  heartbeat stopped on {', '.join(procs)}: that process is stopped, dead or stuck "
+            named = [f"rank {r} (host {procs[r][0]}, pid {procs[r][1]})" if r in procs else f"rank {r}"
+                     for r in stopped]
+            lines.append(f"  heartbeat stopped on {', '.join(named)}: that process is stopped, dead or stuck "
                          "outside Python; the other ranks wait for it")
         else:
             lines.append("  every rank's heartbeat is alive: they all wait in a collective that never completes "
