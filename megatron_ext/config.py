@@ -9,6 +9,7 @@ value and what would be valid, instead of a traceback (or a hang) deep inside me
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ class TrainConfig:
     # liger-kernel's Triton RMSNorm, SwiGLU and vocab-parallel cross-entropy through its megatron-core adapter
     # (local layer spec on a GPU; `pip install liger-kernel==0.8.5`). Refused on CPU and with TE. Unmeasured.
     liger_kernels: bool = False
+    # The output layer and cross-entropy as one chunked liger-kernel kernel (megatron_ext/fused_output.py): the
+    # [seq, batch, vocab] logits never exist, freeing memory for a larger micro batch. GPU, TP=1. Unmeasured.
+    fused_linear_cross_entropy: bool = False
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
     # No finished step for this long (after the first): stacks to the rank logs, stopped ranks named, job ends
@@ -451,6 +455,12 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
         _require(getattr(t, key) in (True, False, AUTO), f"train.{key}", getattr(t, key), "one of true, false, auto")
     _require(t.fused_cross_entropy is not True or t.precision == "bf16", "train.fused_cross_entropy", True,
              "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
+    if t.fused_linear_cross_entropy:
+        _require(cfg.parallel.tensor_model_parallel_size == 1, "train.fused_linear_cross_entropy", True,
+                 "needs the whole vocabulary on each rank (liger-kernel's kernel has no vocab-parallel form): set "
+                 "parallel.tensor_model_parallel_size=1, or use train.fused_cross_entropy with tensor parallelism")
+        _require(t.fused_cross_entropy is not True, "train.fused_cross_entropy", True,
+                 "replaced by train.fused_linear_cross_entropy=true, which computes the loss itself: set one")
     _require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,
              "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
              "kernels — set model.attention_backend=local to compile, or train.compile=false")
@@ -462,17 +472,25 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
     ConfigError for kernels this machine or spec cannot run."""
     t = cfg.train
     if t.liger_kernels:
-        _require(on_gpu, "train.liger_kernels", True, "liger-kernel's kernels are Triton and need a GPU; a CPU "
-                 "rehearsal runs megatron-core's own (the numerics differ slightly, so nothing is swapped silently)")
-        _require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers only; with "
-                 "TransformerEngine set model.attention_backend=local to use it")
-        try:
-            import liger_kernel.megatron  # noqa: F401
-        except ImportError as e:
-            raise ConfigError(f"train.liger_kernels=True needs liger-kernel: pip install liger-kernel==0.8.5 ({e})")
+        _require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers "
+                 "only; with TransformerEngine set model.attention_backend=local to use it")
+        _require_liger("train.liger_kernels", on_gpu, "liger_kernel.megatron")
+    if t.fused_linear_cross_entropy:
+        _require_liger("train.fused_linear_cross_entropy", on_gpu, "liger_kernel.transformers.functional")
     compile_ = (on_gpu and not use_te) if t.compile == AUTO else t.compile
-    fused_ce = (t.precision == "bf16") if t.fused_cross_entropy == AUTO else t.fused_cross_entropy
+    fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
+                else t.fused_cross_entropy)
     return dataclasses.replace(cfg, train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))
+
+
+def _require_liger(key: str, on_gpu: bool, module: str) -> None:
+    """liger-kernel's Triton kernels run here: a GPU, and the package's `module` imports."""
+    _require(on_gpu, key, True, "liger-kernel's kernels are Triton and need a GPU; a CPU rehearsal runs "
+             "megatron-core's own (the numerics differ slightly, so nothing is swapped silently)")
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{key}=True needs liger-kernel: pip install liger-kernel==0.8.5 ({e})")
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_ext.attention import SDPAttention
 from megatron_ext.config import RecipeConfig, default_ffn_hidden_size, padded_vocab_size
 from megatron_ext.cp_attention import RingAttention
+from megatron_ext.fused_output import FusedOutputGPTModel
 
 
 def transformer_engine_available() -> bool:
@@ -181,10 +182,12 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
         f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE)" if config.fp8 else ", no FP8")
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
     liger = [] if use_te else _liger_kernels(chunks)
+    fused_output = chunks[0] if isinstance(chunks[0], FusedOutputGPTModel) else None  # every chunk has the class
     kernels = [name for name, on in [
         ("sequence parallel", config.sequence_parallel),
         ("fused SwiGLU", config.bias_activation_fusion and "SwiGLU" not in liger),
         (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", config.cross_entropy_loss_fusion),
+        (f"fused linear cross-entropy ({fused_output and fused_output.kernel_name()})", fused_output is not None),
         ("torch.compile per layer", bool(layers) and all(layer._compiled_call_impl is not None for layer in layers)),
         (f"liger-kernel {', '.join(liger)}", bool(liger)),
         ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
@@ -196,14 +199,16 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
 
 def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerConfig,
                        use_te: bool) -> list[GPTModel]:
-    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving); with
+    train.fused_linear_cross_entropy the last stage's output layer and loss are one kernel (`fused_output`)."""
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallel.tensor_model_parallel_size)
+    model_class = FusedOutputGPTModel if cfg.train.fused_linear_cross_entropy else GPTModel
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunks.append(GPTModel(
+        chunks.append(model_class(
             config=config,
             transformer_layer_spec=block_spec(config, use_te, stage, cfg.train.liger_kernels),
             vocab_size=padded,

@@ -370,9 +370,24 @@ def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: int, pre:
     if post:
         norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
         total += tokens // seq_shard * (norm + h * d_bytes)  # final norm, output layer input
-        total += tokens * shape.vocab // shape.tp * 4  # fp32 softmax kept by the vocab-parallel CE
+        total += _output_loss_bytes(cfg, shape, tokens)[0]
         total += tokens * (1 + 8 + 4)  # CE target mask and masked targets, the loss mask
     return total
+
+
+def _output_loss_bytes(cfg: RecipeConfig, shape: _Shape, tokens: int) -> tuple[int, int]:
+    """Bytes the output layer + loss of one micro batch keep for backward, and its transient working set.
+
+    megatron-core: the vocab-parallel CE keeps an fp32 softmax; the logits, then their gradient, are the
+    working set. liger-kernel's fused linear cross-entropy (train.fused_linear_cross_entropy) computes the
+    gradients in the forward pass and keeps them (input's in the activation dtype, the output weight's cast
+    back from its fp32 accumulator); its working set is one chunk of logits — ``next_pow2(tokens /
+    ceil(vocab / hidden))`` tokens wide, its chunking rule — and the fp32 weight-gradient accumulator."""
+    d_bytes, h, vocab = shape.bytes_per_value, shape.hidden, shape.vocab
+    if not cfg.train.fused_linear_cross_entropy:
+        return tokens * vocab // shape.tp * 4, tokens * vocab // shape.tp * d_bytes
+    chunk = min(2 ** math.ceil(math.log2(-(-tokens // -(-vocab // h)))), tokens)
+    return tokens * h * d_bytes + vocab * h * d_bytes, chunk * vocab * d_bytes + vocab * h * 4
 
 
 def microbatches_in_flight(pp: int, vpp: Optional[int], num_microbatches: int, pp_rank: int) -> int:
@@ -471,7 +486,7 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     if layout.sp:
         buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
     if _stage_chunks(shape, layout.pp, layout.vpp, pp_rank)[-1][2]:
-        buffers += tokens * shape.vocab // layout.tp * d_bytes  # logits, then their gradient
+        buffers += _output_loss_bytes(cfg, shape, tokens)[1]
     # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
     mem = {
         "params": params * d_bytes, "grads": grads * grad_bytes,

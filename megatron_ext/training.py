@@ -85,9 +85,10 @@ def _device() -> torch.device:
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Token-summed loss (megatron's 3-value form): exact token weighting across micro batches, DP and CP."""
+    """Token-summed loss (megatron's 3-value form): exact token weighting across micro batches, DP and CP.
+    `output_tensor` holds per-token losses, or (fused linear cross-entropy) their masked sum already."""
     mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(output_tensor.view(-1).float() * mask)
+    loss_sum = output_tensor.float() if output_tensor.dim() == 0 else torch.sum(output_tensor.view(-1).float() * mask)
     num_tokens = mask.sum().to(torch.int)
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
 
@@ -97,7 +98,8 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch
     # Under CP, tokens, labels, loss mask and positions are cut into the same zigzag chunks
     # (RoPE slices its global positions the same way inside GPTModel).
     batch = get_batch_on_this_cp_rank(batch)
-    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 

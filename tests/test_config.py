@@ -194,3 +194,24 @@ def test_liger_kernels_are_refused_where_they_cannot_run():
         with pytest.raises(ConfigError, match=r"pip install liger-kernel==0.8.5"):
             resolve_kernel_options(cfg, on_gpu=True, use_te=False)
     assert resolve_kernel_options(load_config(TINY, []), on_gpu=False, use_te=False).train.liger_kernels is False
+
+
+def test_fused_linear_cross_entropy_is_refused_where_it_cannot_run():
+    """liger's fused output layer needs a GPU and the whole vocabulary per rank, and replaces the fused CE."""
+    cfg = load_config(TINY, ["train.fused_linear_cross_entropy=true"])  # tiny is TP2
+    with pytest.raises(ConfigError, match=r"train.fused_linear_cross_entropy=True is invalid: needs the whole "
+                                          r"vocabulary on each rank"):
+        validate_layout(cfg, 4)
+    one_gpu = ["train.fused_linear_cross_entropy=true", "parallel.tensor_model_parallel_size=1",
+               "parallel.sequence_parallel=false"]
+    with pytest.raises(ConfigError, match=r"train.fused_cross_entropy=True is invalid: replaced by "
+                                          r"train.fused_linear_cross_entropy=true"):
+        validate_layout(load_config(TINY, [*one_gpu, "train.precision=bf16", "train.fused_cross_entropy=true"]), 2)
+    cfg = load_config(TINY, [*one_gpu, "train.precision=bf16"])
+    validate_layout(cfg, 2)
+    with pytest.raises(ConfigError, match=r"train.fused_linear_cross_entropy=True is invalid: liger-kernel's "
+                                          r"kernels are Triton and need a GPU"):
+        resolve_kernel_options(cfg, on_gpu=False, use_te=False)
+    if importlib.util.find_spec("liger_kernel") is None:
+        with pytest.raises(ConfigError, match=r"train.fused_linear_cross_entropy=True needs liger-kernel"):
+            resolve_kernel_options(cfg, on_gpu=True, use_te=False)

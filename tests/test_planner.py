@@ -155,6 +155,19 @@ def test_memory_shrinks_the_way_each_switch_promises():
     assert mem(mbs=2)["activations"] == pytest.approx(2 * mem()["activations"], rel=0.02)
 
 
+def test_fused_linear_cross_entropy_frees_the_logits_by_hand_count():
+    """1B recipe, mbs 4 × seq 4096 = 16384 tokens, vocab 128256, hidden 2048, bf16. Unfused: fp32 softmax kept
+    (16384·128256·4) + bf16 logits working set (·2) = 12,608,077,824 B. liger: its gradients kept, input
+    16384·2048·2 + weight 128256·2048·2, working set one chunk of next_pow2(ceil(16384 / ceil(128256/2048)=63))
+    = 512 tokens of logits (512·128256·2) + the fp32 weight-gradient accumulator (128256·2048·4):
+    1,774,452,736 B."""
+    recipe = ROOT / "configs" / "llama3_2_1b_1gpu_bf16.yaml"
+    unfused, fused = (planner.estimate(load_config(recipe, [f"train.fused_linear_cross_entropy={on}"]), 1, 8,
+                                       GPUS["h100-80gb"], 128256).memory for on in ("false", "true"))
+    assert unfused["total"] - fused["total"] == 12_608_077_824 - 1_774_452_736
+    assert unfused["buffers"] - fused["buffers"] == 16384 * 128256 * 2 - (512 * 128256 * 2 + 128256 * 2048 * 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Against megatron-core on CPU (multi-process)
 
