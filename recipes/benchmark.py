@@ -13,8 +13,9 @@ regime (fp32 runs: every variant is plain fp32):
 * ``megatron-compile``: local layers + torch.compile of every decoder layer (the default on a GPU without TE);
 * ``megatron-fp8``: TE layers + FP8 (delayed scaling) compute, fp32 master weights; only where TE imports
   on an FP8-capable GPU, otherwise reported as skipped;
-* ``megatron-liger``: ``megatron-compile`` with liger-kernel's Triton RMSNorm, SwiGLU and cross-entropy
-  (``train.liger_kernels``); only on a GPU with liger-kernel installed, otherwise reported as skipped;
+* ``megatron-liger``: ``megatron-compile`` with liger-kernel's Triton RMSNorm and SwiGLU (``train.liger_kernels``)
+  and its fused linear cross-entropy, which never materialises the logits (``train.fused_linear_cross_entropy``);
+  only on a GPU with liger-kernel installed, otherwise reported as skipped;
   (every megatron variant uses the recipe's default kernels: fused cross-entropy in bf16);
 * ``hf`` / ``hf-compile``: transformers, pure bf16 — bf16 weights and bf16 AdamW state, no fp32 master copy:
   cheaper per step and numerically weaker (updates below bf16's resolution are lost);
@@ -54,7 +55,8 @@ MEGATRON_VARIANTS = {
     "megatron-eager": ["train.compile=false"],
     "megatron-compile": ["model.attention_backend=local", "train.compile=true"],
     "megatron-fp8": ["model.attention_backend=te", "train.compile=false", "train.fp8=delayed"],
-    "megatron-liger": ["model.attention_backend=local", "train.compile=true", "train.liger_kernels=true"],
+    "megatron-liger": ["model.attention_backend=local", "train.compile=true", "train.liger_kernels=true",
+                       "train.fused_linear_cross_entropy=true"],
 }
 HF_VARIANTS = {  # name: (fp32 master weights + autocast, torch.compile)
     "hf": (False, False), "hf-compile": (False, True), "hf-amp": (True, False), "hf-amp-compile": (True, True),
