@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext import checkpoint_compat, checkpoint_format, checkpoint_integrity
+from megatron_ext.checkpoint_rng import rng_state, set_rng_state
 from megatron_ext.checkpoint_async import AsyncCheckpointSaver, signals_ignored
 from megatron_ext.checkpoint_retention import apply_retention, complete_iterations
 
@@ -70,33 +69,6 @@ def _write_tracker(root: Path, iteration: int) -> None:
     os.replace(tmp, root / TRACKER)
 
 
-def _rng_state() -> ShardedObject:
-    """Per-(PP, TP) rank RNG states; DP replicas hold the same streams, so only DP rank 0 saves."""
-    state = {
-        "random_rng_state": random.getstate(),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    ps = parallel_state
-    return ShardedObject(
-        "rng_state",
-        [state],
-        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-        replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
-    )
-
-
-def _set_rng_state(rng: list[dict[str, Any]]) -> None:
-    state = rng[0]
-    random.setstate(state["random_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if state["cuda_rng_state"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
 def _model_state(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
     # sharded_state_dict() of the DDP-wrapped module, not the wrapper: keys must not get "module.".
     if len(model_chunks) == 1:
@@ -116,7 +88,7 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
-        state["rng_state"] = _rng_state()
+        state["rng_state"] = rng_state()
     return state
 
 
@@ -269,7 +241,7 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
         checkpoint_compat.load_optimizer(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_layout:
-        _set_rng_state(loaded["rng_state"])
+        set_rng_state(loaded["rng_state"])
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 

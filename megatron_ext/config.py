@@ -95,6 +95,10 @@ class TrainConfig:
     # The output layer and cross-entropy as one chunked liger-kernel kernel (megatron_ext/fused_output.py): the
     # [seq, batch, vocab] logits never exist, freeing memory for a larger micro batch. GPU, TP=1. Unmeasured.
     fused_linear_cross_entropy: bool = False
+    # megatron-core's CUDA graphs of every decoder layer (cuda_graph_impl=local): captured during the first step,
+    # replayed after it, so the layers' kernel launches cost no CPU time. Local layers on a GPU, eager (compile
+    # auto turns off), pipeline size 1, no full recompute. Unmeasured.
+    cuda_graphs: bool = False
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
     # No finished step for this long (after the first): stacks to the rank logs, stopped ranks named, job ends
@@ -414,6 +418,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
             f"multiple of pipeline_model_parallel_size={pp}",
         )
     _validate_precision(cfg, te_available, fp8_capable)
+    _validate_kernels(cfg, te_available)
     _require(
         t.recompute_granularity in (None, "selective", "full"),
         "train.recompute_granularity",
@@ -434,7 +439,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
 
 
 def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool) -> None:
-    """train.precision / fp8 / fused kernels / compile against the layer spec this machine builds."""
+    """train.precision / fp8 against the layer spec this machine builds."""
     m, t = cfg.model, cfg.train
     _require(t.precision in ("fp32", "bf16"), "train.precision", t.precision, "one of fp32, bf16")
     if t.fp8 is not None:
@@ -449,14 +454,20 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
         _require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
                  "Ada, Hopper, Blackwell) — or set train.fp8=null")
         _require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
-    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
-    # unconditionally: in an fp32 run it would silently round every gradient through bf16.
+
+
+def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
+    """Fused kernels, compile and CUDA graphs against precision, layout and the layer spec (the machine-dependent
+    rules are in resolve_kernel_options)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     for key in ("fused_cross_entropy", "compile"):
         _require(getattr(t, key) in (True, False, AUTO), f"train.{key}", getattr(t, key), "one of true, false, auto")
+    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
+    # unconditionally: in an fp32 run it would silently round every gradient through bf16.
     _require(t.fused_cross_entropy is not True or t.precision == "bf16", "train.fused_cross_entropy", True,
              "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
     if t.fused_linear_cross_entropy:
-        _require(cfg.parallel.tensor_model_parallel_size == 1, "train.fused_linear_cross_entropy", True,
+        _require(p.tensor_model_parallel_size == 1, "train.fused_linear_cross_entropy", True,
                  "needs the whole vocabulary on each rank (liger-kernel's kernel has no vocab-parallel form): set "
                  "parallel.tensor_model_parallel_size=1, or use train.fused_cross_entropy with tensor parallelism")
         _require(t.fused_cross_entropy is not True, "train.fused_cross_entropy", True,
@@ -464,12 +475,25 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
     _require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,
              "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
              "kernels — set model.attention_backend=local to compile, or train.compile=false")
+    if t.cuda_graphs:
+        # Each a combination megatron-core refuses (full recompute) or that no GPU run here has verified yet.
+        for ok, key, value, why in [
+            (t.compile is not True, "train.compile", True, "train.cuda_graphs captures eager layers; compiled layers "
+             "under CUDA graphs are unverified — set train.compile=false (or auto) or train.cuda_graphs=false"),
+            (t.recompute_granularity != "full", "train.recompute_granularity", "full", "megatron-core captures "
+             "no layer graphs under full recompute — use selective or null with train.cuda_graphs"),
+            (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size",
+             p.pipeline_model_parallel_size, "train.cuda_graphs keeps one graph per micro batch in flight under "
+             "pipelining, which eval's different micro-batch count breaks; use it with pipeline size 1"),
+        ]:
+            _require(ok, key, value, why)
 
 
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
     """`cfg` with train.compile / train.fused_cross_entropy `auto` decided for this machine and layer spec:
-    compile on for local layers on a GPU, fused cross-entropy on in bf16 (docs/performance.md). Raises
-    ConfigError for kernels this machine or spec cannot run."""
+    compile on for local layers on a GPU (off under CUDA graphs), fused cross-entropy on in bf16 (off where the
+    fused linear cross-entropy computes the loss) (docs/performance.md). Raises ConfigError for kernels this
+    machine or spec cannot run."""
     t = cfg.train
     if t.liger_kernels:
         _require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers "
@@ -477,7 +501,12 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
         _require_liger("train.liger_kernels", on_gpu, "liger_kernel.megatron")
     if t.fused_linear_cross_entropy:
         _require_liger("train.fused_linear_cross_entropy", on_gpu, "liger_kernel.transformers.functional")
-    compile_ = (on_gpu and not use_te) if t.compile == AUTO else t.compile
+    if t.cuda_graphs:
+        _require(on_gpu, "train.cuda_graphs", True, "CUDA graphs need a GPU; a CPU rehearsal runs the same layers "
+                 "eagerly — set train.cuda_graphs=false there")
+        _require(not use_te, "train.cuda_graphs", True, "captures megatron-core's local layers; TransformerEngine's "
+                 "graphs (cuda_graph_impl=transformer_engine) are not wired here — set model.attention_backend=local")
+    compile_ = (on_gpu and not use_te and not t.cuda_graphs) if t.compile == AUTO else t.compile
     fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
                 else t.fused_cross_entropy)
     return dataclasses.replace(cfg, train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))

@@ -162,6 +162,8 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=te_gradient_accumulation_fusion(use_te),
+        cuda_graph_impl="local" if cfg.train.cuda_graphs else "none",
+        cuda_graph_scope=[],  # the whole layer (megatron-core's deprecated default "full" warns on every build)
         recompute_granularity=cfg.train.recompute_granularity,
         recompute_method="uniform" if cfg.train.recompute_granularity == "full" else None,
         recompute_num_layers=1 if cfg.train.recompute_granularity == "full" else None,
@@ -189,6 +191,8 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
         (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", config.cross_entropy_loss_fusion),
         (f"fused linear cross-entropy ({fused_output and fused_output.kernel_name()})", fused_output is not None),
         ("torch.compile per layer", bool(layers) and all(layer._compiled_call_impl is not None for layer in layers)),
+        ("CUDA graphs per layer (megatron-core, captured in the first step)",
+         bool(layers) and all(getattr(layer, "cudagraph_manager", None) is not None for layer in layers)),
         (f"liger-kernel {', '.join(liger)}", bool(liger)),
         ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
         (f"{config.recompute_granularity} recompute", config.recompute_granularity is not None),

@@ -44,7 +44,9 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
     # Same seed on every rank: megatron's tracker derives the TP-rank-specific streams from it,
     # and CPU-initialised weights come out identical across TP layouts.
     torch.manual_seed(cfg.train.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    # CUDA graphs replay RNG through graph-safe generators (megatron-core's layer graphs refuse any other tracker).
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed,
+                                                    use_cudagraphable_rng=on_gpu and cfg.train.cuda_graphs)
 
 
 def destroy_distributed() -> None:

@@ -25,15 +25,14 @@ from tqdm import tqdm
 from megatron_ext import checkpointing, cpu_backend
 from megatron_ext.checkpoint_async import AsyncCheckpointSaver
 from megatron_ext.checkpoint_compat import is_torch_adam, megatron_optimizers
-from megatron_ext.config import RecipeConfig, data_parallel_size, log_dir, resolve_kernel_options
+from megatron_ext.config import RecipeConfig, data_parallel_size, log_dir
 from megatron_ext.data import build_datasets, microbatch_iterator
 from megatron_ext.divergence import LossSpikeDetector, NonFiniteSteps, describe_nonfinite, local_nonfinite
 from megatron_ext.failures import out_of_memory_advice, report_failure
 from megatron_ext.metrics import RunLogger
-from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
-                                transformer_engine_available, use_liger_kernels)
+from megatron_ext.model_build import build_model
 from megatron_ext.resume import resume_training
-from megatron_ext.parallel import describe_layout, destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.parallel import destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.stragglers import ComputeTimers, StragglerDetector, gather_times
 from megatron_ext.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.watchdog import HangWatchdog
@@ -171,26 +170,8 @@ class Trainer:
         self.tokenizer = (VocabOnlyTokenizer(cfg.model.vocab_size) if cfg.data.mock
                           else load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type))
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
-        use_te = cfg.model.attention_backend == "te" or (
-            cfg.model.attention_backend == "auto" and self.on_gpu and transformer_engine_available()
-        )
-        cfg = self.cfg = resolve_kernel_options(cfg, self.on_gpu, use_te)
-        if cfg.train.liger_kernels:
-            use_liger_kernels()  # before the model is built: it rebinds megatron-core functions the layers call
-        self.config = transformer_config(cfg, self.on_gpu, use_te)
-        chunks = build_model_chunks(cfg, vocab, self.config, use_te)
-        if cfg.train.compile:
-            compile_layers(chunks)
-            self._info("compiling decoder layers with torch.compile: the first step includes the compilation")
-        if self.on_gpu:
-            chunks = [c.cuda() for c in chunks]
-        layout = describe_layout(chunks)
-        self._info(layout)
-        self._info(f"{describe_layers(chunks, self.config, use_te, cfg.train.fp8)}; "
-                   f"backend: {'NCCL/GPU' if self.on_gpu else 'gloo/CPU rehearsal'}")
-        if use_te and not self.config.gradient_accumulation_fusion:
-            self._info("TE gradient-accumulation fusion is off: megatron-core's output layer needs apex's "
-                       "fused_weight_gradient_mlp_cuda for it, which is not installed here")
+        cfg, self.config, chunks = build_model(cfg, vocab, self.on_gpu)
+        self.cfg = cfg  # with its `auto` kernel options decided
         self.model = wrap_with_ddp(chunks, self.config, cfg)
         self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
         o, t = cfg.optimizer, cfg.train
@@ -374,8 +355,9 @@ class Trainer:
             start = time.perf_counter()
             stepped = self.train_step(data)
             step_time = time.perf_counter() - start
-            if cfg.train.compile and not result.step_times:
-                self._info(f"first step {step_time:.1f} s, including compiling the decoder layers")
+            if (cfg.train.compile or cfg.train.cuda_graphs) and not result.step_times:
+                work = "compiling the decoder layers" if cfg.train.compile else "capturing their CUDA graphs"
+                self._info(f"first step {step_time:.1f} s, including {work}")
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if stepped is not None:

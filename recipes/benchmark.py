@@ -13,6 +13,8 @@ regime (fp32 runs: every variant is plain fp32):
 * ``megatron-compile``: local layers + torch.compile of every decoder layer (the default on a GPU without TE);
 * ``megatron-fp8``: TE layers + FP8 (delayed scaling) compute, fp32 master weights; only where TE imports
   on an FP8-capable GPU, otherwise reported as skipped;
+* ``megatron-cudagraph``: local layers, eager, each captured as a megatron-core CUDA graph
+  (``train.cuda_graphs``); only on a GPU, otherwise reported as skipped;
 * ``megatron-liger``: ``megatron-compile`` with liger-kernel's Triton RMSNorm and SwiGLU (``train.liger_kernels``)
   and its fused linear cross-entropy, which never materialises the logits (``train.fused_linear_cross_entropy``);
   only on a GPU with liger-kernel installed, otherwise reported as skipped;
@@ -55,6 +57,7 @@ MEGATRON_VARIANTS = {
     "megatron-eager": ["train.compile=false"],
     "megatron-compile": ["model.attention_backend=local", "train.compile=true"],
     "megatron-fp8": ["model.attention_backend=te", "train.compile=false", "train.fp8=delayed"],
+    "megatron-cudagraph": ["model.attention_backend=local", "train.compile=false", "train.cuda_graphs=true"],
     "megatron-liger": ["model.attention_backend=local", "train.compile=true", "train.liger_kernels=true",
                        "train.fused_linear_cross_entropy=true"],
 }
@@ -76,10 +79,12 @@ def regime(variant: str, precision: str) -> tuple[str, str]:
 
 
 def unavailable(variant: str, precision: str, te_available: bool, fp8_capable: bool,
-                liger_capable: bool = False) -> Optional[str]:
+                liger_capable: bool = False, on_gpu: bool = False) -> Optional[str]:
     """Why `variant` cannot run here, or None. `liger_capable`: a GPU, and liger-kernel imports."""
     if variant == "megatron-fp8" and not (te_available and fp8_capable and precision == "bf16"):
         return "needs TransformerEngine, an FP8-capable GPU (sm89+) and bf16"
+    if variant == "megatron-cudagraph" and not on_gpu:
+        return "CUDA graphs need a GPU"
     if variant == "megatron-liger" and not liger_capable:
         return "needs a GPU and liger-kernel (pip install liger-kernel==0.8.5)"
     if variant in HF_VARIANTS and HF_VARIANTS[variant][0] and precision != "bf16":
@@ -326,7 +331,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     results, skipped = [], {}
     for variant in args.variants:
         reason = unavailable(variant, args.precision, transformer_engine_available(), fp8_capable,
-                             liger_capable=on_gpu and importlib.util.find_spec("liger_kernel") is not None)
+                             liger_capable=on_gpu and importlib.util.find_spec("liger_kernel") is not None,
+                             on_gpu=on_gpu)
         if reason:
             skipped[variant] = reason
             print(f"skipping {variant}: {reason}", flush=True)

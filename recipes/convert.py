@@ -389,7 +389,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     # megatron-core/torch deprecation notices about their own internals: noise for a converter's user.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*cuda_graph_scope")
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write its own copy
             raise ConversionError("run `python -m recipes.convert` as one process, not under torchrun")

@@ -57,7 +57,8 @@ def test_peers_are_compared_within_their_master_weight_regime():
 @pytest.mark.parametrize("variant", list(benchmark.MEGATRON_VARIANTS))
 def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available):
     """GPU runs are rare: a variant the config rules reject must fail here, not on the GPU."""
-    if benchmark.unavailable(variant, "bf16", te_available, fp8_capable=True, liger_capable=True):
+    if benchmark.unavailable(variant, "bf16", te_available, fp8_capable=True, liger_capable=True,
+                             on_gpu=True):
         assert variant == "megatron-fp8" and not te_available  # skipped by the benchmark with its reason
         return
     shape = {**benchmark.PRESETS["1b"], "micro_batch_size": 4}

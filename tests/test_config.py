@@ -215,3 +215,27 @@ def test_fused_linear_cross_entropy_is_refused_where_it_cannot_run():
     if importlib.util.find_spec("liger_kernel") is None:
         with pytest.raises(ConfigError, match=r"train.fused_linear_cross_entropy=True needs liger-kernel"):
             resolve_kernel_options(cfg, on_gpu=True, use_te=False)
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run_and_turn_compile_auto_off():
+    """megatron-core's layer graphs: a GPU, its local layers, eager, pipeline size 1, no full recompute."""
+    one_gpu = ["train.cuda_graphs=true", "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+               "parallel.pipeline_model_parallel_size=1"]
+    for extra, world, message in [
+        ("train.compile=true", 1, r"train.compile=True is invalid: train.cuda_graphs captures eager layers"),
+        ("train.recompute_granularity=full", 1, r"train.recompute_granularity='full' is invalid: megatron-core "
+                                                r"captures no layer graphs under full recompute"),
+        ("parallel.pipeline_model_parallel_size=2", 2, r"parallel.pipeline_model_parallel_size=2 is invalid: "
+                                                       r"train.cuda_graphs keeps one graph per micro batch"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_layout(load_config(TINY, [*one_gpu, extra]), world)
+    cfg = load_config(TINY, one_gpu)
+    validate_layout(cfg, 1)
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs=True is invalid: CUDA graphs need a GPU"):
+        resolve_kernel_options(cfg, on_gpu=False, use_te=False)
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs=True is invalid: captures megatron-core's local layers"):
+        resolve_kernel_options(cfg, on_gpu=True, use_te=True)
+    resolved = resolve_kernel_options(cfg, on_gpu=True, use_te=False).train
+    assert resolved.cuda_graphs is True and resolved.compile is False  # auto: graphs of eager layers
+    assert resolve_kernel_options(load_config(TINY, one_gpu[1:]), on_gpu=True, use_te=False).train.compile is True

@@ -1,0 +1,49 @@
+"""Builds this rank's model: the layer spec and kernels the recipe asks for and this machine runs, the chunks on
+their device, and the start-up lines (rank 0) that say what was built, read from the built model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.config import RecipeConfig, resolve_kernel_options
+from megatron_ext.model import (build_model_chunks, compile_layers, describe_layers, transformer_config,
+                                transformer_engine_available, use_liger_kernels)
+from megatron_ext.parallel import describe_layout
+
+log = logging.getLogger("megatron_ext")
+
+
+def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
+                ) -> tuple[RecipeConfig, TransformerConfig, list[GPTModel]]:
+    """`cfg` with its `auto` kernel options decided for this machine, megatron-core's TransformerConfig, and this
+    rank's model chunks (on the GPU when there is one), not yet wrapped in DDP."""
+    use_te = cfg.model.attention_backend == "te" or (
+        cfg.model.attention_backend == "auto" and on_gpu and transformer_engine_available())
+    cfg = resolve_kernel_options(cfg, on_gpu, use_te)
+    if cfg.train.liger_kernels:
+        use_liger_kernels()  # before the model is built: it rebinds megatron-core functions the layers call
+    config = transformer_config(cfg, on_gpu, use_te)
+    chunks = build_model_chunks(cfg, vocab_size, config, use_te)
+    notes = []
+    if cfg.train.compile:
+        compile_layers(chunks)
+        notes.append("compiling decoder layers with torch.compile: the first step includes the compilation")
+    if cfg.train.cuda_graphs:
+        notes.append("CUDA graphs: megatron-core captures every decoder layer at the end of the first step "
+                     "(a few warm-up passes each) and replays the graphs from the second step on")
+    if on_gpu:
+        chunks = [c.cuda() for c in chunks]
+    notes.append(describe_layout(chunks))
+    notes.append(f"{describe_layers(chunks, config, use_te, cfg.train.fp8)}; "
+                 f"backend: {'NCCL/GPU' if on_gpu else 'gloo/CPU rehearsal'}")
+    if use_te and not config.gradient_accumulation_fusion:
+        notes.append("TE gradient-accumulation fusion is off: megatron-core's output layer needs apex's "
+                     "fused_weight_gradient_mlp_cuda for it, which is not installed here")
+    if dist.get_rank() == 0:
+        for note in notes:
+            log.info(note)
+    return cfg, config, chunks
