@@ -41,7 +41,8 @@ assert Version("2.9.0a0") <= v < Version("2.12.0"), f"TransformerEngine {te.__ve
 assert megatron.core.__version__ == "0.16.1", megatron.core.__version__; \
 print(f"torch {torch.__version__}, TransformerEngine {te.__version__}, megatron-core {megatron.core.__version__}")'
 
-# liger-kernel for train.liger_kernels (Triton kernels; the image's Triton and torch stay: --no-deps).
+# liger-kernel for train.liger_kernels and train.fused_linear_cross_entropy (Triton kernels; the image's Triton
+# and torch stay: --no-deps).
 RUN pip install --no-cache-dir --no-deps liger-kernel==0.8.5
 
 # A non-root user (trainer, 10001) for the default command; numeric below so that runtimes
