@@ -505,8 +505,10 @@ def stage_peak_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_ran
 
 def compiled_layers(cfg: RecipeConfig) -> bool:
     """Whether the recipe runs `cfg` with compiled layers on a GPU: train.compile, where auto means the local
-    layer spec (a TransformerEngine spec, model.attention_backend=te, is never compiled)."""
-    return cfg.train.compile is True or (cfg.train.compile == "auto" and cfg.model.attention_backend != "te")
+    layer spec (a TransformerEngine spec, model.attention_backend=te, is never compiled) without CUDA graphs
+    (config.resolve_kernel_options; graphed eager layers are planned at the eager efficiency, uncalibrated)."""
+    return cfg.train.compile is True or (cfg.train.compile == "auto" and cfg.model.attention_backend != "te"
+                                         and not cfg.train.cuda_graphs)
 
 
 def kernel_efficiency(cfg: RecipeConfig) -> float:

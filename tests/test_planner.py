@@ -155,6 +155,14 @@ def test_memory_shrinks_the_way_each_switch_promises():
     assert mem(mbs=2)["activations"] == pytest.approx(2 * mem()["activations"], rel=0.02)
 
 
+def test_compile_auto_is_planned_as_the_recipe_resolves_it():
+    """auto compiles local layers on a GPU, but not TE layers and not under CUDA graphs (resolve_kernel_options)."""
+    recipe = ROOT / "configs" / "llama3_2_1b_1gpu_bf16.yaml"
+    efficiency = {tuple(o): planner.kernel_efficiency(load_config(recipe, list(o))) for o in
+                  [(), ("model.attention_backend=te",), ("train.cuda_graphs=true",), ("train.compile=false",)]}
+    assert list(efficiency.values()) == [planner.KERNEL_EFFICIENCY[k] for k in ("compiled", "eager", "eager", "eager")]
+
+
 def test_fused_linear_cross_entropy_frees_the_logits_by_hand_count():
     """1B recipe, mbs 4 × seq 4096 = 16384 tokens, vocab 128256, hidden 2048, bf16. Unfused: fp32 softmax kept
     (16384·128256·4) + bf16 logits working set (·2) = 12,608,077,824 B. liger: its gradients kept, input
