@@ -93,13 +93,14 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
     )
 
 
-def use_liger_kernels() -> None:
+def use_liger_kernels(cross_entropy: bool = True) -> None:
     """liger-kernel's SwiGLU and vocab-parallel cross-entropy, through its own megatron-core adapter (it rebinds
     megatron-core's SwiGLUFunction and both cross-entropy call sites; the RMSNorm goes in by `block_spec`).
-    Its SwiGLU replaces the fused path: the config turns bias_activation_fusion on with it."""
+    Its SwiGLU replaces the fused path: the config turns bias_activation_fusion on with it. `cross_entropy`
+    off where the fused linear cross-entropy computes the loss (the start-up log then names no liger CE)."""
     from liger_kernel.megatron import apply_liger_kernel_to_megatron
 
-    apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True, swiglu=True)
+    apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=cross_entropy, swiglu=True)
 
 
 def _liger_kernels(chunks: list[GPTModel]) -> list[str]:

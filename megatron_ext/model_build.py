@@ -25,7 +25,8 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
         cfg.model.attention_backend == "auto" and on_gpu and transformer_engine_available())
     cfg = resolve_kernel_options(cfg, on_gpu, use_te)
     if cfg.train.liger_kernels:
-        use_liger_kernels()  # before the model is built: it rebinds megatron-core functions the layers call
+        # before the model is built: it rebinds megatron-core functions the layers call
+        use_liger_kernels(cross_entropy=not cfg.train.fused_linear_cross_entropy)
     config = transformer_config(cfg, on_gpu, use_te)
     chunks = build_model_chunks(cfg, vocab_size, config, use_te)
     notes = []
