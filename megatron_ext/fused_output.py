@@ -39,9 +39,7 @@ def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 class FusedOutputGPTModel(GPTModel):
     """GPTModel whose last stage returns the summed, masked loss from one fused linear cross-entropy kernel."""
 
-    def __init__(self, *args, linear_cross_entropy: LinearCrossEntropy = liger_linear_cross_entropy, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.linear_cross_entropy = linear_cross_entropy
+    linear_cross_entropy: LinearCrossEntropy = staticmethod(liger_linear_cross_entropy)
 
     def _postprocess(self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor] = None,
                      loss_mask: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
