@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.data import max_token_id
+from megatron_ext.data.datasets import max_token_id
 
 HISTOGRAM_WIDTH = 40
 
@@ -130,7 +130,7 @@ def report(prefix: str, samples: int = 3, tokenizer_model: str | None = None, sa
         lines += ["document length histogram (tokens, log2 buckets):", *log2_histogram(lengths)]
     tokenizer = None
     if tokenizer_model is not None:
-        from megatron_ext.tokenizer import TokenizerError, load_tokenizer
+        from megatron_ext.data.tokenizer import TokenizerError, load_tokenizer
 
         try:
             tokenizer = load_tokenizer(tokenizer_model)

@@ -125,7 +125,7 @@ def _shape_overrides(shape: dict, precision: str, steps: int) -> list[str]:
 
 def recipe_config(shape: dict, precision: str, steps: int, variant: str = "megatron-eager"):
     """The recipe config a megatron variant trains (`shape` with one micro_batch_size)."""
-    from megatron_ext.config import load_config
+    from megatron_ext.config.schema import load_config
 
     return load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
                        [*_shape_overrides(shape, precision, steps), *MEGATRON_VARIANTS[variant]])
@@ -134,7 +134,7 @@ def recipe_config(shape: dict, precision: str, steps: int, variant: str = "megat
 def _measure(variant: str, step_times: list[float], shape: dict, precision: str) -> Result:
     import torch
 
-    from megatron_ext.metrics import flops_per_token, peak_tflops
+    from megatron_ext.metrics.run_logger import flops_per_token, peak_tflops
 
     cfg = recipe_config(shape, precision, len(step_times))
     step = statistics.median(step_times)
@@ -155,7 +155,7 @@ def _measure(variant: str, step_times: list[float], shape: dict, precision: str)
 
 
 def run_megatron(variant: str, shape: dict, precision: str, warmup: int, steps: int) -> Result:
-    from megatron_ext.training import pretrain
+    from megatron_ext.training.trainer import pretrain
 
     result = pretrain(recipe_config(shape, precision, warmup + steps, variant))
     return _measure(variant, result.step_times[warmup:], shape, precision)
@@ -323,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.result_file).write_text(json.dumps(asdict(result)))
         return 0
 
-    from megatron_ext.model import transformer_engine_available
+    from megatron_ext.model.llama import transformer_engine_available
 
     fp8_capable = on_gpu and torch.cuda.get_device_capability() >= (8, 9)
     out_dir = Path(args.out_dir)

@@ -104,9 +104,9 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_ext import checkpointing
-    from megatron_ext.config import load_config
-    from megatron_ext.training import Trainer
+    from megatron_ext.checkpoint import save_load
+    from megatron_ext.config.schema import load_config
+    from megatron_ext.training.trainer import Trainer
     from megatron.core import dist_checkpointing
 
     dp = int(os.environ["WORLD_SIZE"])
@@ -116,7 +116,7 @@ def _worker(args: argparse.Namespace) -> None:
     reference = _optimizer_fingerprint(trainer.optimizer)
     # Untimed: the first save starts dist_checkpointing's helper processes and caches, whatever the format.
     warmup = Path(args.out_dir) / f"ckpt-dp{dp}-warmup"
-    checkpointing.save_checkpoint(warmup, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp, cfg.to_dict(),
+    save_load.save_checkpoint(warmup, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp, cfg.to_dict(),
                                   optimizer_format=args.formats[0])
     if dist.get_rank() == 0:
         shutil.rmtree(warmup)
@@ -126,10 +126,10 @@ def _worker(args: argparse.Namespace) -> None:
         dist.barrier()
         start = time.perf_counter()
         with _PeakRss() as save_mem:
-            checkpointing.save_checkpoint(root, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp,
+            save_load.save_checkpoint(root, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp,
                                           cfg.to_dict(), optimizer_format=fmt)
         save_s = time.perf_counter() - start
-        ckpt_dir = checkpointing.iteration_dir(root, 1)
+        ckpt_dir = save_load.iteration_dir(root, 1)
         with torch.no_grad():
             for tensor in _adam_state_tensors(trainer.optimizer):  # a load that skips one must fail the check
                 tensor.zero_()
@@ -137,7 +137,7 @@ def _worker(args: argparse.Namespace) -> None:
         dist.barrier()
         start = time.perf_counter()
         with _PeakRss() as load_mem:
-            checkpointing.load_training_state(ckpt_dir, common, trainer.model, trainer.optimizer, trainer.scheduler,
+            save_load.load_training_state(ckpt_dir, common, trainer.model, trainer.optimizer, trainer.scheduler,
                                               cfg.to_dict())
         load_s = time.perf_counter() - start
         matches = abs(_optimizer_fingerprint(trainer.optimizer) - reference) <= 1e-9 * max(reference, 1.0)
@@ -171,7 +171,7 @@ def _table(results: list[FormatResult]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megatron_ext.config import OPTIMIZER_FORMATS
+    from megatron_ext.config.schema import OPTIMIZER_FORMATS
 
     parser = argparse.ArgumentParser(prog="python -m recipes.benchmark_checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,7 +2,7 @@
 
 One line per ``iter_XXXXXXX``: complete (manifest present; with ``--verify``, every file's size and CRC32
 checked), partial or set aside as corrupt, its size, the layout, precision and distributed-optimizer format
-(:mod:`megatron_ext.checkpoint_format`) it was saved with, and which one
+(:mod:`megatron_ext.checkpoint.optimizer_format`) it was saved with, and which one
 the tracker names. With ``--config`` (and ``section.key=value`` overrides), the differences between the config
 saved in the newest checkpoint and that config, as a resume would list them, and whether the resume would be
 refused for changed parameter shapes.
@@ -15,10 +15,9 @@ import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
-
-from megatron_ext import checkpoint_integrity
-from megatron_ext.checkpointing import TRACKER, CheckpointError, latest_iteration
-from megatron_ext.config import ConfigError, load_config
+from megatron_ext.checkpoint import manifest
+from megatron_ext.checkpoint.save_load import TRACKER, CheckpointError, latest_iteration
+from megatron_ext.config.schema import ConfigError, load_config
 
 _ITERATION = re.compile(r"iter_(\d{7})(\.corrupt)?")
 
@@ -56,11 +55,11 @@ def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
             continue
         if match.group(2):
             state = "corrupt (set aside)"
-        elif not checkpoint_integrity.has_manifest(path):
+        elif not manifest.has_manifest(path):
             state = "no manifest (partial, or saved before manifests)" if (path / "metadata.json").is_file() \
                 else "partial"
         else:
-            problem = checkpoint_integrity.verify(path) if verify else None
+            problem = manifest.verify(path) if verify else None
             state = f"CORRUPT: {problem}" if problem else ("complete, verified" if verify else "complete")
             if not problem:
                 newest = path
@@ -85,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{args.directory} (tracker {args.directory / TRACKER}: {latest_iteration(args.directory)})")
         print("\n".join(lines) if lines else "  no iter_XXXXXXX directories")
         if args.config and newest is not None:
-            from megatron_ext.resume import config_differences, shape_changes
+            from megatron_ext.checkpoint.resume import config_differences, shape_changes
 
             saved, current = _common(newest).get("config", {}), load_config(args.config, args.overrides).to_dict()
             differences = config_differences(saved, current)

@@ -29,9 +29,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_ext import hf_llama
-from megatron_ext.config import ConfigError, RecipeConfig, padded_vocab_size, validate_layout
-from megatron_ext.hf_llama import ConversionError
+from megatron_ext.convert import hf_llama
+from megatron_ext.config.schema import ConfigError, RecipeConfig, padded_vocab_size, validate_layout
+from megatron_ext.convert.hf_llama import ConversionError
 
 _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -45,8 +45,8 @@ def model_parallel_world(cfg: RecipeConfig) -> Iterator[None]:
     """megatron-core's groups for `cfg`'s layout: under torchrun its world, else a gloo world of one."""
     from megatron.core import parallel_state
 
-    from megatron_ext import cpu_backend
-    from megatron_ext.parallel import destroy_distributed, init_distributed
+    from megatron_ext.distributed import cpu_backend
+    from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
 
     own_world = "RANK" not in os.environ
     saved_env = dict(os.environ)  # init_distributed sets RANK/WORLD_SIZE/MASTER_* for a world of one
@@ -65,7 +65,7 @@ def model_parallel_world(cfg: RecipeConfig) -> Iterator[None]:
 
 def build_model(cfg: RecipeConfig, vocab_size: int, initialize: bool = True):
     """This rank's GPTModel (one chunk, local layer spec, CPU) for `cfg`; inside model_parallel_world."""
-    from megatron_ext.model import build_model_chunks, transformer_config
+    from megatron_ext.model.llama import build_model_chunks, transformer_config
 
     config = transformer_config(cfg, on_gpu=False, use_te=False)
     config.perform_initialization = initialize  # random init is wasted time when weights are copied in
@@ -94,18 +94,18 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from megatron_ext import checkpointing
+    from megatron_ext.checkpoint import save_load
 
     try:
-        iteration = checkpointing.latest_iteration(root)
+        iteration = save_load.latest_iteration(root)
     except ValueError as e:
         raise ConversionError(str(e)) from None
     if iteration is None:
-        raise ConversionError(f"{root / checkpointing.TRACKER} not found: {root} is not a checkpoint "
+        raise ConversionError(f"{root / save_load.TRACKER} not found: {root} is not a checkpoint "
                               "directory of this recipe")
-    directory = checkpointing.iteration_dir(root, iteration)
+    directory = save_load.iteration_dir(root, iteration)
     if not directory.is_dir():
-        raise ConversionError(f"{directory} not found (named by {root / checkpointing.TRACKER})")
+        raise ConversionError(f"{directory} not found (named by {root / save_load.TRACKER})")
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if not isinstance(common.get("config"), dict):
         raise ConversionError(f"{directory}: the checkpoint holds no run config (common state key 'config')")
@@ -124,11 +124,11 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
             raise ConversionError(f"{directory}: model.vocab_size is not in the saved config and its "
                                   f"data.tokenizer_model={path!r} does not exist: the unpadded vocabulary "
                                   "is unknown")
-        from megatron_ext.tokenizer import load_tokenizer
+        from megatron_ext.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(path, cfg.data.tokenizer_type).vocab_size
     return SavedCheckpoint(directory, cfg, vocab, int(embedding.global_shape[0]),
-                           common.get("content", checkpointing.TRAINING_STATE))
+                           common.get("content", save_load.TRAINING_STATE))
 
 
 def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -229,7 +229,7 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
             raise ConversionError(f"{tokenizer} has more pieces than {hf_dir / 'config.json'} vocab_size="
                                   f"{shape.vocab_size}")
     elif tokenizer == hf_dir:
-        from megatron_ext.tokenizer import HUGGING_FACE, HuggingFaceTokenizer, TokenizerError
+        from megatron_ext.data.tokenizer import HUGGING_FACE, HuggingFaceTokenizer, TokenizerError
 
         try:
             hf_vocab = HuggingFaceTokenizer(str(hf_dir)).vocab_size
@@ -247,7 +247,7 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     from megatron.core import dist_checkpointing  # after the checks: bad inputs fail in a second
     from omegaconf import OmegaConf
 
-    from megatron_ext import checkpointing
+    from megatron_ext.checkpoint import save_load
 
     # Built at TP1/PP1 with the padded rows the recipe will build at `tensor_parallel`.
     build_cfg = copy.deepcopy(cfg)
@@ -268,11 +268,11 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
                 pending.discard(name)
         if pending:
             raise RuntimeError(f"weight mapping bug: model weights left unset: {sorted(pending)}")
-        target = checkpointing.iteration_dir(staging, 0)
+        target = save_load.iteration_dir(staging, 0)
         target.mkdir()
         dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 0, "consumed_samples": 0,
-                                 "content": checkpointing.WEIGHTS_ONLY, "config": cfg.to_dict()}, str(target))
-        (staging / checkpointing.TRACKER).write_text("0\n")
+                                 "content": save_load.WEIGHTS_ONLY, "config": cfg.to_dict()}, str(target))
+        (staging / save_load.TRACKER).write_text("0\n")
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.model")
         elif tokenizer == hf_dir:
@@ -322,7 +322,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 
 def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optional[int]]:
     """A Hugging Face tokenizer directory's files into `output` (created); returns its (bos, eos) ids."""
-    from megatron_ext.tokenizer import HuggingFaceTokenizer
+    from megatron_ext.data.tokenizer import HuggingFaceTokenizer
 
     output.mkdir(parents=True, exist_ok=True)
     for name in HF_TOKENIZER_FILES:

@@ -123,7 +123,7 @@ class Runs:
                 *(["train.fp8=delayed"] if fp8 else []), *overrides]
         # one process needs no launcher: the recipe starts a world of one itself (~5 s less per check)
         self._run(name, ["-m", "recipes.pretrain", "--config", str(ROOT / "configs" / "tiny.yaml"), *args])
-        from megatron_ext.metrics import read_scalars
+        from megatron_ext.metrics.run_logger import read_scalars
 
         return read_scalars(tb, "train/lm_loss")
 
@@ -233,7 +233,7 @@ def run_training_checks(runs: Runs, machine: Machine) -> list[Check]:
 def detect() -> Machine:
     import torch
 
-    from megatron_ext.model import gpu_has_fp8, transformer_engine_available
+    from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
 
     gpu = torch.cuda.is_available()
     return Machine(gpu=gpu, te=transformer_engine_available(), fp8=gpu and gpu_has_fp8())

@@ -1,7 +1,7 @@
 """Layout planner: ``python -m recipes.plan --config X.yaml --gpus N --gpus-per-node G --gpu h100-80gb``.
 
 Estimates per-GPU memory and step time for every TP/PP/VPP/CP/DP layout the recipe accepts
-(see megatron_ext/planner.py and docs/planner.md), ranks those that fit and explains the best.
+(see megatron_ext/planner/layouts.py and docs/planner.md), ranks those that fit and explains the best.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Optional
 
-from megatron_ext.config import ConfigError, load_config, validate_layout
-from megatron_ext.planner import (FRAGMENTATION, GIB, GPUS, Estimate, Layout, compiled_layers, estimate, explain,
+from megatron_ext.config.schema import ConfigError, load_config, validate_layout
+from megatron_ext.planner.layouts import (FRAGMENTATION, GIB, GPUS, Estimate, Layout, compiled_layers, estimate, explain,
                                   kernel_efficiency, model_vocab_size, plan)
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "dist", "recomp", "mbs", "m", "params", "grads", "optim",

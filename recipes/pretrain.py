@@ -8,9 +8,9 @@ import os
 import statistics
 import sys
 
-from megatron_ext.config import ConfigError, load_config, validate
-from megatron_ext.failures import EXIT_USER_ERROR
-from megatron_ext.process_guard import guard_training_rank
+from megatron_ext.config.schema import ConfigError, load_config, validate
+from megatron_ext.resilience.failures import EXIT_USER_ERROR
+from megatron_ext.resilience.process_guard import guard_training_rank
 
 
 def _setup_logging() -> None:
@@ -51,7 +51,7 @@ def _summary(cfg, result) -> str:
 
 def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int, gpus_per_node: int):
     """parallel.auto=true: the planner's best layout for this world size, applied as overrides."""
-    from megatron_ext.planner import best_layout, detect_gpu
+    from megatron_ext.planner.layouts import best_layout, detect_gpu
 
     gpu = cfg.parallel.auto_gpu or detect_gpu()
     chosen = best_layout(cfg, world_size, gpus_per_node, gpu)
@@ -65,7 +65,7 @@ def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int
 def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_per_node: int):
     """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes.
     Raises ConfigError; ImportError when megatron-core cannot be imported here."""
-    from megatron_ext.model import gpu_has_fp8, transformer_engine_available
+    from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
 
     cfg = load_config(config, overrides)
     if cfg.parallel.auto:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 
-    from megatron_ext.training import RunFailed, pretrain
+    from megatron_ext.training.trainer import RunFailed, pretrain
 
     try:
         result = pretrain(cfg)

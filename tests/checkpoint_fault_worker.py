@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 
 def install() -> None:
-    from megatron_ext import checkpointing
+    from megatron_ext.checkpoint import save_load
 
-    real_save = checkpointing.dist_checkpointing.save
+    real_save = save_load.dist_checkpointing.save
     target_name = f"iter_{int(os.environ['FAIL_ITERATION']):07d}"
 
     def save(state, checkpoint_dir, *args, **kwargs):
@@ -34,7 +34,7 @@ def install() -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(partial))
         return result
 
-    checkpointing.dist_checkpointing.save = save
+    save_load.dist_checkpointing.save = save
 
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns processes

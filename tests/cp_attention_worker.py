@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_ext.cp_attention import ring_attention
+from megatron_ext.model.ring_attention import ring_attention
 
 
 def zigzag(x: torch.Tensor, dim: int, rank: int, cp: int) -> torch.Tensor:

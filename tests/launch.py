@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.metrics import read_scalars  # noqa: F401 -- re-exported for the tests
+from megatron_ext.metrics.run_logger import read_scalars  # noqa: F401 -- re-exported for the tests
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

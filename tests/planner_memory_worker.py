@@ -28,9 +28,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config import load_config, validate_layout
-from megatron_ext.parallel import destroy_distributed
-from megatron_ext.training import Trainer, _forward_step
+from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.distributed.parallel import destroy_distributed
+from megatron_ext.training.trainer import Trainer, _forward_step
 from tests.launch import SMALL_MODEL, TINY
 
 VOCAB = 1000  # not a multiple of 128: exercises the vocabulary padding

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_ext.attention import SDPAttention
-from megatron_ext.model import RMSNorm
+from megatron_ext.model.attention import SDPAttention
+from megatron_ext.model.llama import RMSNorm
 
 
 class _TEExtraState:
@@ -152,8 +152,8 @@ def install() -> None:
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.optimizer import distrib_optimizer
 
-    import megatron_ext.model
-    import megatron_ext.training
+    import megatron_ext.model.llama
+    import megatron_ext.training.trainer
 
     gpt_layer_specs.TESpecProvider = TEShapedSpecProvider
     gpt_layer_specs.TENorm = TENorm
@@ -162,7 +162,7 @@ def install() -> None:
     distrib_optimizer.Adam = FusedAdamStandIn
     distrib_optimizer.HAVE_APEX_OR_TE = True
     distrib_optimizer.USING_TE_OPTIMIZER = True
-    for module in (megatron_ext.model, megatron_ext.training):
+    for module in (megatron_ext.model.llama, megatron_ext.training.trainer):
         module.transformer_engine_available = lambda: True
 
 
@@ -170,10 +170,10 @@ def sharded_keys(use_te: bool) -> list[str]:
     """`key kind` of every entry of a 2-layer TP1 model's sharded_state_dict (one process)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    from megatron_ext import cpu_backend
-    from megatron_ext.config import load_config
-    from megatron_ext.model import build_model_chunks, transformer_config
-    from megatron_ext.parallel import destroy_distributed, init_distributed
+    from megatron_ext.distributed import cpu_backend
+    from megatron_ext.config.schema import load_config
+    from megatron_ext.model.llama import build_model_chunks, transformer_config
+    from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
 
     on_gpu = not cpu_backend.install()
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",

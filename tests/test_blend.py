@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from data_prep.train_tokenizer import train_tokenizer
-from megatron_ext.config import ConfigError, load_config, validate
-from megatron_ext.tokenizer import SentencePieceTokenizer
+from megatron_ext.config.schema import ConfigError, load_config, validate
+from megatron_ext.data.tokenizer import SentencePieceTokenizer
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
     from data_prep.preprocess import preprocess
-    from megatron_ext.data import build_datasets
+    from megatron_ext.data.datasets import build_datasets
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 # Two corpora told apart by their characters: A is lowercase letters only, B uppercase and digits

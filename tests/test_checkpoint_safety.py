@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpointing import TRACKER, latest_iteration
+from megatron_ext.checkpoint.save_load import TRACKER, latest_iteration
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
 
 pytestmark = pytest.mark.slow

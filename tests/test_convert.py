@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from megatron_ext.config import load_config, padded_vocab_size, validate_layout
+from megatron_ext.config.schema import load_config, padded_vocab_size, validate_layout
 from recipes import convert
 from tests.convert_logits_worker import checkpoint_logits
 from tests.launch import ROOT, read_scalars
@@ -96,7 +96,7 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
 def megatron() -> Iterator[Callable[..., Any]]:
     """Runs a function in one spawned process that builds every megatron model of this module.
 
-    Conversions build models in a world of one, and on CPU that installs megatron_ext.cpu_backend,
+    Conversions build models in a world of one, and on CPU that installs megatron_ext.distributed.cpu_backend,
     which patches torch for the life of the process; the pytest process must stay unpatched for
     the other test files (test_cpu_backend checks that CUDA placement fails without it).
     """
@@ -126,7 +126,7 @@ def tokens() -> torch.Tensor:
 
 
 def test_padded_vocab_is_the_same_for_tp_1_2_4_8():
-    from megatron_ext.hf_llama import vocab_padding
+    from megatron_ext.convert.hf_llama import vocab_padding
 
     for vocab in (1000, 1003, 4100, 32000, 128256, 151936):
         divisor, padded = vocab_padding(vocab, 1)
@@ -251,7 +251,7 @@ def test_bad_hf_inputs_fail_with_one_clear_error(imported, tmp_path):
 
 
 def test_this_process_stays_unpatched_by_the_cpu_backend(imported):
-    from megatron_ext import cpu_backend
+    from megatron_ext.distributed import cpu_backend
 
     assert cpu_backend._installed_mode is None
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_ext import cpu_backend
+from megatron_ext.distributed import cpu_backend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is inactive on GPU machines")
 
@@ -31,7 +31,7 @@ def test_without_install_cuda_placement_fails():
 def test_cuda_literals_and_indices_land_on_cpu():
     out = _run("""
         import torch
-        from megatron_ext import cpu_backend
+        from megatron_ext.distributed import cpu_backend
         assert cpu_backend.install() is True and cpu_backend.install() is True  # idempotent
         a = torch.zeros(2, device="cuda")
         b = torch.empty(3, device=torch.cuda.current_device())
@@ -46,7 +46,7 @@ def test_cuda_literals_and_indices_land_on_cpu():
 def test_tensor_type_reports_cuda_name_but_conversions_still_work():
     out = _run("""
         import torch
-        from megatron_ext import cpu_backend
+        from megatron_ext.distributed import cpu_backend
         cpu_backend.install()
         t = torch.ones(2)
         print(t.type(), t.type(torch.float64).dtype)
@@ -58,7 +58,7 @@ def test_backward_inside_megatron_autograd_functions_allocates_on_cpu():
     """The whole backward runs inside torch.autograd.backward, where the mode is not active."""
     out = _run("""
         import torch
-        from megatron_ext import cpu_backend
+        from megatron_ext.distributed import cpu_backend
         cpu_backend.install()
         class UsesCurrentDevice(torch.autograd.Function):
             @staticmethod
@@ -77,7 +77,7 @@ def test_backward_inside_megatron_autograd_functions_allocates_on_cpu():
 def test_megatron_rng_tracker_forks_the_cpu_generator_reproducibly():
     out = _run("""
         import torch
-        from megatron_ext import cpu_backend
+        from megatron_ext.distributed import cpu_backend
         cpu_backend.install()
         from megatron.core.tensor_parallel import random as r
         r.get_cuda_rng_tracker().add("stream", 7)

@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from megatron_ext.checkpoint_rng import tracker_states_as_tensors
-from megatron_ext.config import load_config
-from megatron_ext.model import transformer_config
+from megatron_ext.checkpoint.rng import tracker_states_as_tensors
+from megatron_ext.config.schema import load_config
+from megatron_ext.model.llama import transformer_config
 from tests.launch import run_pretrain
 
 

@@ -21,7 +21,7 @@ import sentencepiece as spm
 from data_prep import train_tokenizer as train_mod
 from data_prep.records import BadRecordError, SkippedRecords, iter_documents
 from data_prep.train_tokenizer import chunk_text
-from megatron_ext.tokenizer import SentencePieceTokenizer
+from megatron_ext.data.tokenizer import SentencePieceTokenizer
 from tests.megatron_reference import write_reference
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
@@ -476,7 +476,7 @@ def test_dataset_from_data_prep_trains(model, tmp_path):
     from tests.launch import SINGLE_PROCESS, SMALL_MODEL, run_pretrain
 
     prefix = _prepare(model, _docs(400), tmp_path / "mine")
-    from megatron_ext.metrics import read_scalars
+    from megatron_ext.metrics.run_logger import read_scalars
 
     run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6", f"data.blend=[{prefix}]",
                      f"data.tokenizer_model={model}", f"logging.tensorboard_dir={tmp_path / 'tb'}"])

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config import load_config
-from megatron_ext.divergence import LossSpikeDetector
-from megatron_ext.failures import EXIT_PEER_FAILED, out_of_memory_advice, report_failure
-from megatron_ext.stragglers import StragglerDetector
+from megatron_ext.config.schema import load_config
+from megatron_ext.resilience.divergence import LossSpikeDetector
+from megatron_ext.resilience.failures import EXIT_PEER_FAILED, out_of_memory_advice, report_failure
+from megatron_ext.resilience.stragglers import StragglerDetector
 from tests.launch import ROOT, SMALL_MODEL, TINY, pretrain_command, read_scalars, run_env, run_pretrain
 
 NO_SAVE = ["checkpoint.save=null"]
@@ -152,7 +152,7 @@ def test_die_with_parent_ends_a_busy_child_when_its_parent_is_killed(tmp_path):
     marker = tmp_path / "pid"
     script = textwrap.dedent(f"""
         import os, subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "from megatron_ext.process_guard import die_with_parent; "
+        child = subprocess.Popen([sys.executable, "-c", "from megatron_ext.resilience.process_guard import die_with_parent; "
                                   "import os; die_with_parent(); open({str(marker)!r}, 'w').write(str(os.getpid())); "
                                   "exec('while True: pass')"])
         time.sleep(600)
@@ -231,7 +231,7 @@ def test_straggler_detector_names_a_rank_slow_for_several_intervals_in_a_row():
 
 
 def test_run_logger_writes_loss_spikes_and_the_rank_spread_to_tensorboard(tmp_path, caplog):
-    from megatron_ext.metrics import RunLogger
+    from megatron_ext.metrics.run_logger import RunLogger
 
     cfg = load_config(TINY, ["data.mock=true", "model.vocab_size=1000", f"logging.tensorboard_dir={tmp_path}"])
     logger = RunLogger(cfg, 1000, world_size=4, enabled=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_ext.config import load_config
-from megatron_ext.metrics import PEAK_BF16_TFLOPS, flops_per_token
+from megatron_ext.config.schema import load_config
+from megatron_ext.metrics.run_logger import PEAK_BF16_TFLOPS, flops_per_token
 from tests.launch import TINY
 
 

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ext import planner
-from megatron_ext.config import load_config, validate_layout
-from megatron_ext.planner import GIB, GPUS, Layout, best_layout, plan
+from megatron_ext.planner import layouts as planner
+from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, plan
 from tests.launch import ROOT
 
 LLAMA3_8B = ROOT / "configs" / "llama3_8b_8gpu_bf16.yaml"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config import data_parallel_size, load_config, padded_vocab_size, validate_layout
-from megatron_ext.model import num_parameters
+from megatron_ext.config.schema import data_parallel_size, load_config, padded_vocab_size, validate_layout
+from megatron_ext.model.llama import num_parameters
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 REAL = [p for p in CONFIGS if p.name != "tiny.yaml"]

@@ -139,7 +139,7 @@ def test_te_detection_is_megatron_cores_own():
     """The layer spec follows megatron-core's TE decision (its TE wrappers need ``transformer_engine.pytorch``),
     not whether a module named ``transformer_engine`` imports: here one does, megatron-core's spec module says
     yes (its own check is that import), its wrappers say no — and so must we, or the TE spec is built from mocks."""
-    probe = ("import sys, types; from megatron_ext.model import transformer_engine_available; "
+    probe = ("import sys, types; from megatron_ext.model.llama import transformer_engine_available; "
              "from megatron.core.models.gpt import gpt_layer_specs; "
              "sys.modules['transformer_engine'] = types.ModuleType('transformer_engine'); import transformer_engine; "
              "gpt_layer_specs.HAVE_TE = True; print(transformer_engine_available())")

@@ -34,7 +34,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONUNBUFFERED=1
 
 # Signals. SLURM delivers a step signal (scancel --signal, preemption's SIGTERM) to every process
-# of the step: this torchrun, all its ranks and their helpers (megatron_ext/checkpointing.py
+# of the step: this torchrun, all its ranks and their helpers (megatron_ext/checkpoint/save_load.py
 # starts megatron-core's checkpoint-writer helpers with both signals ignored). The ranks
 # checkpoint on SIGUSR1/SIGTERM at the next step boundary and exit 0. torchrun must stay out of
 # the way:
@@ -44,7 +44,7 @@ export PYTHONUNBUFFERED=1
 #   torchrun's options read the environment; honoured by torch >= 2.9, older torchruns keep
 #   their 30 s limit) and ignore it. SLURM's own SIGKILL after KillWait/GraceTime still applies.
 # Ignored dispositions are inherited through exec; the ranks install their own handlers when
-# training starts (megatron_ext/training.py), so a signal that arrives while they are still
+# training starts (megatron_ext/training/trainer.py), so a signal that arrives while they are still
 # starting up is dropped rather than fatal.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
 trap '' USR1 TERM

@@ -1,14 +1,14 @@
 """Save/resume through megatron-core dist_checkpointing (torch_dist): reshardable across TP/PP/VPP/DP.
 
 Layout: ``<save>/iter_XXXXXXX/`` holds model chunks, optimizer, LR scheduler, RNG states,
-consumed samples, the run config and a manifest of its files (:mod:`checkpoint_integrity`);
+consumed samples, the run config and a manifest of its files (:mod:`megatron_ext.checkpoint.manifest`);
 ``<save>/latest_checkpointed_iteration.txt`` is replaced atomically only after every rank finished
 writing and the manifest exists, so a crash mid-save never points at a half-written checkpoint. A save
 that fails on any rank removes its directory and leaves the tracker and older checkpoints as they were;
 a tracker never moves back to an older iteration, except past a checkpoint found corrupt on load.
 
 Checkpoints load under either layer spec and Adam implementation (local + torch AdamW, or
-TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint_compat`.
+TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint.compat`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-from megatron_ext import checkpoint_compat, checkpoint_format, checkpoint_integrity
-from megatron_ext.checkpoint_rng import rng_state, set_rng_state
-from megatron_ext.checkpoint_async import AsyncCheckpointSaver, signals_ignored
-from megatron_ext.checkpoint_retention import apply_retention, complete_iterations
+from megatron_ext.checkpoint import compat
+from megatron_ext.checkpoint.optimizer_format import DP_RESHARDABLE, buffer_layouts, load_problem, optimizer_metadata
+from megatron_ext.checkpoint import manifest
+from megatron_ext.checkpoint.rng import rng_state, set_rng_state
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, signals_ignored
+from megatron_ext.checkpoint.retention import apply_retention, complete_iterations
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,10 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
                    with_rng: bool, optimizer_format: str) -> dict[str, Any]:
     state = _model_state(model_chunks)
     if optimizer is not None:
-        checkpoint_compat.fill_empty_adam_state(optimizer)
+        compat.fill_empty_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
-            metadata=checkpoint_format.optimizer_metadata(optimizer_format),
+            metadata=optimizer_metadata(optimizer_format),
         )
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -160,11 +161,11 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                            optimizer_format=optimizer_format)
     state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config,
                  content=TRAINING_STATE, optimizer_format=optimizer_format)
-    if optimizer_format == checkpoint_format.DP_RESHARDABLE:
-        state["buffer_layouts"] = checkpoint_format.buffer_layouts(model_chunks)
+    if optimizer_format == DP_RESHARDABLE:
+        state["buffer_layouts"] = buffer_layouts(model_chunks)
 
     def finish() -> None:
-        _on_every_rank(lambda: checkpoint_integrity.write_manifest(target), target, "writing the manifest")
+        _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")
         _on_every_rank(lambda: _write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
                        "moving the tracker")
         if dist.get_rank() == 0:
@@ -197,7 +198,7 @@ def intact_iteration(root: str | Path) -> int:
         raise CheckpointError(f"{root / TRACKER} not found: {root} holds no complete checkpoint")
     while True:
         ckpt = iteration_dir(root, iteration)
-        problem = checkpoint_integrity.verify(ckpt) if ckpt.is_dir() else f"{ckpt} is missing"
+        problem = manifest.verify(ckpt) if ckpt.is_dir() else f"{ckpt} is missing"
         if problem is None:
             return iteration
         older = [i for i in complete_iterations(root) if i < iteration]
@@ -223,7 +224,7 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
     # RNG states are saved per (PP, TP) rank; under another TP/PP layout they have no counterpart
     # and stay freshly seeded (they only drive dropout, which the Llama recipes do not use).
     saved = common.get("config", {}).get("parallel", {})
-    problem = checkpoint_format.load_problem(ckpt_dir, common, model_chunks, current_config)
+    problem = load_problem(ckpt_dir, common, model_chunks, current_config)
     if problem:
         raise CheckpointError(problem)
     same_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
@@ -233,12 +234,12 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
                  f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout,
                            optimizer_format=common.get("optimizer_format", _FORMAT_OF_OLDER_CHECKPOINTS))
-    loaded = checkpoint_compat.load_sharded(state, ckpt_dir)
-    checkpoint_compat.load_model_chunks(model_chunks, loaded)
+    loaded = compat.load_sharded(state, ckpt_dir)
+    compat.load_model_chunks(model_chunks, loaded)
     # no_grad: in fp32 the distributed optimizer's main params are views of the model's leaf params, which
     # dp_reshardable's load copies into in place (an autograd error otherwise).
     with torch.no_grad():
-        checkpoint_compat.load_optimizer(optimizer, loaded["optimizer"])
+        compat.load_optimizer(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_layout:
         set_rng_state(loaded["rng_state"])
@@ -251,8 +252,8 @@ def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronO
     verified it (any layout); training starts at iteration 0. Returns the iteration the weights were saved at."""
     if iteration is None:
         iteration = intact_iteration(root)
-    loaded = checkpoint_compat.load_sharded(_model_state(model_chunks), iteration_dir(root, iteration))
-    checkpoint_compat.load_model_chunks(model_chunks, loaded)
+    loaded = compat.load_sharded(_model_state(model_chunks), iteration_dir(root, iteration))
+    compat.load_model_chunks(model_chunks, loaded)
     optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
     return iteration
 

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.checkpoint_integrity import has_manifest
+from megatron_ext.checkpoint.manifest import has_manifest
 
 log = logging.getLogger(__name__)
 _ITERATION_DIR = re.compile(r"iter_(\d{7})")

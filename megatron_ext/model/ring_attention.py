@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.attention import CausalCoreAttention
+from megatron_ext.model.attention import CausalCoreAttention
 
 
 def _exchange(send: torch.Tensor, to_rank: int, from_rank: int, group: dist.ProcessGroup) -> torch.Tensor:

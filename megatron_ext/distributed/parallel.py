@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.config import RecipeConfig
+from megatron_ext.config.schema import RecipeConfig
 
 
 def _free_port() -> int:
@@ -65,7 +65,7 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        # off: megatron_ext/divergence.py checks the same buffers and names the iteration and rank
+        # off: megatron_ext/resilience/divergence.py checks the same buffers and names the iteration and rank
         check_for_nan_in_grad=False,
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
     )

@@ -1,7 +1,7 @@
 """Hugging Face Llama ↔ our megatron-core GPTModel: config mapping, input checks and weight layouts.
 
 The weight mapping works on the *unsharded* (TP1/PP1) local state dict of the model that
-:mod:`megatron_ext.model` builds with the local layer spec; dist_checkpointing reshards it to any
+:mod:`megatron_ext.model.llama` builds with the local layer spec; dist_checkpointing reshards it to any
 TP/PP layout. Layout differences handled here:
 
 * ``linear_qkv`` holds Q, K and V grouped per query group — for each of the ``num_query_groups``
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron_ext.config import RecipeConfig, default_ffn_hidden_size
+from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size
 
 ARCHITECTURE = "LlamaForCausalLM"
 # megatron-core 0.16.1 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
@@ -95,7 +95,7 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[float]]:
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ConversionError(f"{source}: rope_theta={theta!r} must be a positive number")
-    if float(theta) != int(theta):  # megatron_ext.model passes rotary_base as an int
+    if float(theta) != int(theta):  # megatron_ext.model.llama passes rotary_base as an int
         raise ConversionError(f"{source}: rope_theta={theta!r} is not an integer; only integer RoPE bases "
                               "are supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -249,7 +249,7 @@ def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[st
 
 
 def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
-    """The Llama shape a recipe config builds (defaults resolved as megatron_ext.model resolves them)."""
+    """The Llama shape a recipe config builds (defaults resolved as megatron_ext.model.llama resolves them)."""
     m = cfg.model
     return LlamaShape(
         num_layers=m.num_layers,

@@ -21,21 +21,22 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
+from megatron_ext.checkpoint import save_load
 
-from megatron_ext import checkpointing, cpu_backend
-from megatron_ext.checkpoint_async import AsyncCheckpointSaver
-from megatron_ext.checkpoint_compat import is_torch_adam, megatron_optimizers
-from megatron_ext.config import RecipeConfig, data_parallel_size, log_dir
-from megatron_ext.data import build_datasets, microbatch_iterator
-from megatron_ext.divergence import LossSpikeDetector, NonFiniteSteps, describe_nonfinite, local_nonfinite
-from megatron_ext.failures import out_of_memory_advice, report_failure
-from megatron_ext.metrics import RunLogger
-from megatron_ext.model_build import build_model
-from megatron_ext.resume import resume_training
-from megatron_ext.parallel import destroy_distributed, init_distributed, wrap_with_ddp
-from megatron_ext.stragglers import ComputeTimers, StragglerDetector, gather_times
-from megatron_ext.tokenizer import VocabOnlyTokenizer, load_tokenizer
-from megatron_ext.watchdog import HangWatchdog
+from megatron_ext.distributed import cpu_backend
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
+from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
+from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
+from megatron_ext.data.datasets import build_datasets, microbatch_iterator
+from megatron_ext.resilience.divergence import LossSpikeDetector, NonFiniteSteps, describe_nonfinite, local_nonfinite
+from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
+from megatron_ext.metrics.run_logger import RunLogger
+from megatron_ext.model.build import build_model
+from megatron_ext.checkpoint.resume import resume_training
+from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.resilience.stragglers import ComputeTimers, StragglerDetector, gather_times
+from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
+from megatron_ext.resilience.watchdog import HangWatchdog
 
 log = logging.getLogger("megatron_ext")
 
@@ -185,7 +186,7 @@ class Trainer:
         )
         self._wire_schedule_hooks()
         if cfg.checkpoint.save:
-            checkpointing.start_save_helpers()
+            save_load.start_save_helpers()
         self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
         use_async = cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else self.on_gpu
         self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and use_async else None
@@ -300,7 +301,7 @@ class Trainer:
         with self.watchdog.suspended():
             if self.saver:
                 self.saver.finalize(blocking=True)
-            path = checkpointing.save_checkpoint(
+            path = save_load.save_checkpoint(
                 ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
                 self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
                 optimizer_format=self._optimizer_format())

@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.config import RecipeConfig, padded_vocab_size
-from megatron_ext.model import num_parameters
-from megatron_ext.stragglers import spread_scalars, warn_stragglers
+from megatron_ext.config.schema import RecipeConfig, padded_vocab_size
+from megatron_ext.model.llama import num_parameters
+from megatron_ext.resilience.stragglers import spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")
 

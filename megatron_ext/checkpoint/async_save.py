@@ -73,7 +73,7 @@ class AsyncCheckpointSaver:
         """Collective: finish the saves whose writes are done (all of them if `blocking`); returns their paths."""
         if not self.in_flight:
             return []
-        from megatron_ext.checkpointing import CheckpointError  # here: checkpointing imports this module
+        from megatron_ext.checkpoint.save_load import CheckpointError  # here: checkpointing imports this module
 
         try:
             done = self.queue.maybe_finalize_async_calls(blocking=blocking)

@@ -92,7 +92,7 @@ class TrainConfig:
     # liger-kernel's Triton RMSNorm, SwiGLU and vocab-parallel cross-entropy through its megatron-core adapter
     # (local layer spec on a GPU; `pip install liger-kernel==0.8.5`). Refused on CPU and with TE. Unmeasured.
     liger_kernels: bool = False
-    # The output layer and cross-entropy as one chunked liger-kernel kernel (megatron_ext/fused_output.py): the
+    # The output layer and cross-entropy as one chunked liger-kernel kernel (megatron_ext/model/fused_output.py): the
     # [seq, batch, vocab] logits never exist, freeing memory for a larger micro batch. GPU, TP=1. Unmeasured.
     fused_linear_cross_entropy: bool = False
     # megatron-core's CUDA graphs of every decoder layer (cuda_graph_impl=local): captured during the first step,
@@ -602,7 +602,7 @@ def _validate_data(cfg: RecipeConfig) -> None:
         parts = []
     _require(len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0, "data.split", d.split,
              "three non-negative numbers like 98,2,0 (train,valid,test)")
-    from megatron_ext.tokenizer import TokenizerError, load_tokenizer
+    from megatron_ext.data.tokenizer import TokenizerError, load_tokenizer
 
     _require(d.tokenizer_model is not None, "data.tokenizer_model", d.tokenizer_model,
              "a sentencepiece .model file or a Hugging Face tokenizer directory")
@@ -632,7 +632,7 @@ def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
         return
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.data import max_token_id
+    from megatron_ext.data.datasets import max_token_id
 
     d = cfg.data
     for key, prefix in _blend_prefixes(cfg):

@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from megatron_ext.config import (
+from megatron_ext.config.schema import (
     ConfigError,
     RecipeConfig,
     data_parallel_size,
@@ -195,7 +195,7 @@ def model_vocab_size(cfg: RecipeConfig) -> int:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     if cfg.data.tokenizer_model:
-        from megatron_ext.tokenizer import load_tokenizer
+        from megatron_ext.data.tokenizer import load_tokenizer
 
         return load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type).vocab_size
     raise ConfigError("model.vocab_size=None is invalid for planning: set it or data.tokenizer_model")

@@ -43,9 +43,9 @@ def _classify(exc: BaseException) -> tuple[str, int, str]:
     """(kind, exit code, what to do) for the console line."""
     import torch
 
-    from megatron_ext.checkpointing import CheckpointError
-    from megatron_ext.config import ConfigError
-    from megatron_ext.tokenizer import TokenizerError
+    from megatron_ext.checkpoint.save_load import CheckpointError
+    from megatron_ext.config.schema import ConfigError
+    from megatron_ext.data.tokenizer import TokenizerError
 
     if isinstance(exc, ConfigError):
         return "config error", EXIT_USER_ERROR, ""
@@ -92,7 +92,7 @@ def write_rank_log(log_dir: str | Path, rank: int, where: str, body: str) -> Opt
 
 def _first_to_say(text: str) -> bool:
     """True on exactly one rank per distinct message (the store counts who got there first); True without one."""
-    from megatron_ext.job_store import job_store
+    from megatron_ext.resilience.job_store import job_store
 
     store = job_store(timeout_s=5.0)
     if store is None:
@@ -109,7 +109,7 @@ def report_failure(exc: BaseException, rank: int, where: str, log_dir: str | Pat
 
     `where`: "start-up", "iteration 12", "checkpoint save at iteration 12", ...; `advice`: what to do, from a
     caller that knows more than the exception (the OOM hint, say)."""
-    from megatron_ext.process_guard import LauncherGone
+    from megatron_ext.resilience.process_guard import LauncherGone
 
     trace = "".join(traceback.format_exception(exc))
     if isinstance(exc, LauncherGone):  # nobody is left to read a console line
@@ -135,7 +135,7 @@ def report_failure(exc: BaseException, rank: int, where: str, log_dir: str | Pat
 def out_of_memory_advice(cfg, stage: int, world_size: int, device_bytes: int) -> str:
     """For an out-of-memory error: the rank's stage and micro batch beside the planner's estimate for this layout,
     and the ways out."""
-    from megatron_ext.planner import GIB, model_vocab_size, stage_peak_bytes
+    from megatron_ext.planner.layouts import GIB, model_vocab_size, stage_peak_bytes
 
     t = cfg.train
     estimate = stage_peak_bytes(cfg, model_vocab_size(cfg), world_size, stage) / GIB

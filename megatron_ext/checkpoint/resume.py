@@ -15,10 +15,9 @@ from typing import Any
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-
-from megatron_ext import checkpointing
-from megatron_ext.checkpointing import CheckpointError
-from megatron_ext.config import RecipeConfig, default_ffn_hidden_size
+from megatron_ext.checkpoint import save_load
+from megatron_ext.checkpoint.save_load import CheckpointError
+from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size
 
 log = logging.getLogger("megatron_ext")
 
@@ -96,30 +95,30 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
     """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from."""
     ck = cfg.checkpoint
     start = None
-    if ck.load and checkpointing.latest_iteration(ck.load) is None:
+    if ck.load and save_load.latest_iteration(ck.load) is None:
         own = ck.save and Path(ck.load).resolve() == Path(ck.save).resolve()
         if not own:
-            raise CheckpointError(f"checkpoint.load={ck.load} holds no checkpoint ({Path(ck.load) / checkpointing.TRACKER} "
+            raise CheckpointError(f"checkpoint.load={ck.load} holds no checkpoint ({Path(ck.load) / save_load.TRACKER} "
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
         _info(f"no checkpoint in {ck.load} yet: starting at iteration 0")
     elif ck.load:
-        iteration = checkpointing.intact_iteration(ck.load)
-        ckpt_dir = checkpointing.iteration_dir(ck.load, iteration)
+        iteration = save_load.intact_iteration(ck.load)
+        ckpt_dir = save_load.iteration_dir(ck.load, iteration)
         common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
-        if common.get("content", checkpointing.TRAINING_STATE) == checkpointing.WEIGHTS_ONLY:
-            checkpointing.load_pretrained_weights(ck.load, model_chunks, optimizer, iteration)
+        if common.get("content", save_load.TRAINING_STATE) == save_load.WEIGHTS_ONLY:
+            save_load.load_pretrained_weights(ck.load, model_chunks, optimizer, iteration)
             _info(f"loaded weights of {ck.load} (iteration {iteration}); training starts at iteration 0")
             start = (0, 0)
         else:
             _check_config(ckpt_dir, common.get("config", {}), cfg)
-            start = checkpointing.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
+            start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
                                                       cfg.to_dict())
             _info(f"resumed from {ck.load} at iteration {start[0]} ({start[1]} samples consumed)")
     if start is None and ck.pretrained_checkpoint:
-        source = checkpointing.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
+        source = save_load.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
         _info(f"loaded weights of {ck.pretrained_checkpoint} (iteration {source})")
     start = start or (0, 0)
-    ahead = checkpointing.latest_iteration(ck.save) if ck.save else None
+    ahead = save_load.latest_iteration(ck.save) if ck.save else None
     if ahead is not None and ahead > start[0]:
         raise CheckpointError(
             f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {start[0]}: "

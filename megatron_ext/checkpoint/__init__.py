@@ -1,0 +1,1 @@
+"""Checkpoints through megatron-core dist_checkpointing: the directory layout, save and load, asynchronous writes, manifests, retention, the optimizer format, RNG state, checkpoint compatibility across layer specs, and where a run resumes."""

@@ -1,0 +1,1 @@
+"""The recipe config: its typed schema (sections, keys, defaults, help), loading YAML and `section.key=value` overrides, validation for a world size, and resolving `auto` kernel options for a machine."""

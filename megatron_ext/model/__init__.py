@@ -1,0 +1,1 @@
+"""The Llama-style decoder on megatron-core's GPTModel: layer specs (TransformerEngine or local), core attention (SDPA, ring attention under context parallelism), the fused output layer, and building this rank's chunks."""
