@@ -8,12 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_ext.data.datasets import max_token_id
+from megatron_ext.errors import DatasetError
 
 HISTOGRAM_WIDTH = 40
-
-
-class DatasetError(ValueError):
-    """An unusable dataset prefix; the message names the file and what to do."""
 
 
 @dataclass
@@ -130,7 +127,8 @@ def report(prefix: str, samples: int = 3, tokenizer_model: str | None = None, sa
         lines += ["document length histogram (tokens, log2 buckets):", *log2_histogram(lengths)]
     tokenizer = None
     if tokenizer_model is not None:
-        from megatron_ext.data.tokenizer import TokenizerError, load_tokenizer
+        from megatron_ext.data.tokenizer import load_tokenizer
+        from megatron_ext.errors import TokenizerError
 
         try:
             tokenizer = load_tokenizer(tokenizer_model)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.inspect import DatasetError, check_prefix, normalize_prefix, open_dataset
+from data_prep.inspect import check_prefix, normalize_prefix, open_dataset
+from megatron_ext.errors import DatasetError
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ def merge(inputs: list[str], output_prefix: str) -> MergeResult:
 
     with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
         warnings.simplefilter("ignore")
-        from data_prep.preprocess import _publish  # same publish order as preprocess: .idx last
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        from data_prep.preprocess import _publish  # same publish order as preprocess: .idx last
 
     start = time.perf_counter()
     dtype = _common_dtype(prefixes)

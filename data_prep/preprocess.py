@@ -17,9 +17,10 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from data_prep.records import BadRecordError, SkippedRecords, iter_documents
+from data_prep.records import SkippedRecords, iter_documents
+from megatron_ext.data.tokenizer import TOKENIZER_TYPES, Tokenizer, load_tokenizer
+from megatron_ext.errors import BadRecordError, TokenizerError
 from megatron_ext.resilience.process_guard import die_with_parent
-from megatron_ext.data.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, NamedTuple
 
+from megatron_ext.errors import BadRecordError
+
 MAX_REPORTED_LOCATIONS = 5
-
-
-class BadRecordError(ValueError):
-    """Unusable input; the message starts with `file:line:` (or `file:` for whole-file problems)."""
 
 
 class Document(NamedTuple):

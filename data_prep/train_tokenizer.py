@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import sentencepiece as spm
 
-from data_prep.records import BadRecordError, Document, SkippedRecords, iter_documents
+from data_prep.records import Document, SkippedRecords, iter_documents
+from megatron_ext.errors import BadRecordError
 
 logger = logging.getLogger(__name__)
 

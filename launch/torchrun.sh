@@ -28,5 +28,5 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 
 # torchrun's agent, run by recipes.launch: the config is checked once before any rank starts, and a failed run
-# ends in one line naming the rank and its log (megatron_ext/resilience/failures.py lists the exit codes).
+# ends in one line naming the rank and its log (megatron_ext/errors.py lists the exit codes).
 exec "$python" -m recipes.launch --standalone --nproc-per-node "$NPROC" --config "$config" "$@"

@@ -103,11 +103,11 @@ def _optimizer_fingerprint(optimizer) -> float:
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
+    from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint import save_load
     from megatron_ext.config.schema import load_config
     from megatron_ext.training.trainer import Trainer
-    from megatron.core import dist_checkpointing
 
     dp = int(os.environ["WORLD_SIZE"])
     cfg = load_config(ROOT / "configs" / "tiny.yaml", _overrides(SHAPES[args.shape], dp))

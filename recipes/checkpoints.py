@@ -15,9 +15,11 @@ import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
 from megatron_ext.checkpoint import manifest
-from megatron_ext.checkpoint.save_load import TRACKER, CheckpointError, latest_iteration
-from megatron_ext.config.schema import ConfigError, load_config
+from megatron_ext.checkpoint.save_load import TRACKER, latest_iteration
+from megatron_ext.config.schema import load_config
+from megatron_ext.errors import CheckpointError, ConfigError
 
 _ITERATION = re.compile(r"iter_(\d{7})(\.corrupt)?")
 

@@ -29,9 +29,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_ext.config.schema import RecipeConfig, padded_vocab_size, validate_layout
 from megatron_ext.convert import hf_llama
-from megatron_ext.config.schema import ConfigError, RecipeConfig, padded_vocab_size, validate_layout
-from megatron_ext.convert.hf_llama import ConversionError
+from megatron_ext.errors import ConfigError, ConversionError, RecipeError
 
 _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -96,10 +96,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
 
     from megatron_ext.checkpoint import save_load
 
-    try:
-        iteration = save_load.latest_iteration(root)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
+    iteration = save_load.latest_iteration(root)
     if iteration is None:
         raise ConversionError(f"{root / save_load.TRACKER} not found: {root} is not a checkpoint "
                               "directory of this recipe")
@@ -139,7 +136,7 @@ def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_par
                               f"over tensor_model_parallel_size={tensor_parallel}")
     cfg = copy.deepcopy(saved.cfg)
     cfg.model.make_vocab_size_divisible_by = saved.padded_vocab // tensor_parallel
-    cfg.model.attention_backend = "sdpa"
+    cfg.model.attention_backend = "local"
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
     p.sequence_parallel = sequence_parallel
@@ -229,7 +226,8 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
             raise ConversionError(f"{tokenizer} has more pieces than {hf_dir / 'config.json'} vocab_size="
                                   f"{shape.vocab_size}")
     elif tokenizer == hf_dir:
-        from megatron_ext.data.tokenizer import HUGGING_FACE, HuggingFaceTokenizer, TokenizerError
+        from megatron_ext.data.tokenizer import HUGGING_FACE, HuggingFaceTokenizer
+        from megatron_ext.errors import TokenizerError
 
         try:
             hf_vocab = HuggingFaceTokenizer(str(hf_dir)).vocab_size
@@ -403,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             out = export_hf(args.checkpoint, args.output)
             print(f"exported {args.checkpoint} → {out}")
-    except ConversionError as e:
+    except RecipeError as e:  # a conversion, checkpoint, config or tokenizer error: one line, no traceback
         sys.exit(f"error: {e}")
     return 0
 

@@ -3,18 +3,19 @@
 Checks the recipe once for the world size about to start (a config error is one line, before any rank exists),
 then runs torchrun's elastic agent in this process with ``-m recipes.pretrain``. A failed run ends with one line
 naming the rank that failed first and its log instead of torchrun's traceback; the exit code is that rank's
-(2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/resilience/failures.py), so SLURM scripts can act on it.
+(2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
+can act on it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 
-from megatron_ext.config.schema import ConfigError, log_dir
-from megatron_ext.resilience.failures import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, rank_log
+from megatron_ext.config.schema import log_dir
+from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
+from megatron_ext.resilience.failures import rank_log
 from recipes.pretrain import import_problem, load_and_validate
 
 

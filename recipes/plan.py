@@ -11,9 +11,21 @@ import json
 import sys
 from typing import Optional
 
-from megatron_ext.config.schema import ConfigError, load_config, validate_layout
-from megatron_ext.planner.layouts import (FRAGMENTATION, GIB, GPUS, Estimate, Layout, compiled_layers, estimate, explain,
-                                  kernel_efficiency, model_vocab_size, plan)
+from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.errors import ConfigError
+from megatron_ext.planner.layouts import (
+    FRAGMENTATION,
+    GIB,
+    GPUS,
+    Estimate,
+    Layout,
+    compiled_layers,
+    estimate,
+    explain,
+    kernel_efficiency,
+    model_vocab_size,
+    plan,
+)
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "dist", "recomp", "mbs", "m", "params", "grads", "optim",
            "activ", "buffers", "total GiB", "step s", "bubble", "MFU", "tok/s/GPU"]

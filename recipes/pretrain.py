@@ -8,8 +8,8 @@ import os
 import statistics
 import sys
 
-from megatron_ext.config.schema import ConfigError, load_config, validate
-from megatron_ext.resilience.failures import EXIT_USER_ERROR
+from megatron_ext.config.schema import load_config, validate
+from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.process_guard import guard_training_rank
 
 

@@ -15,10 +15,10 @@ import warnings
 import torch
 from torch._dynamo.utils import counters
 
-from megatron_ext.distributed import cpu_backend
 from megatron_ext.config.schema import load_config
-from megatron_ext.model.llama import build_model_chunks, compile_layers, transformer_config
+from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
+from megatron_ext.model.llama import build_model_chunks, compile_layers, transformer_config
 
 if __name__ == "__main__":
     on_gpu = not cpu_backend.install()

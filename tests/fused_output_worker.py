@@ -13,11 +13,11 @@ import json
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.distributed import cpu_backend
 from megatron_ext.config.schema import load_config
+from megatron_ext.distributed import cpu_backend
+from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
 from megatron_ext.model.fused_output import IGNORE_INDEX
 from megatron_ext.model.llama import build_model_chunks, describe_layers, transformer_config
-from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
 from megatron_ext.training.trainer import _forward_step
 
 VOCAB, SEQ, BATCH = 96, 16, 3

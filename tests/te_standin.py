@@ -170,10 +170,10 @@ def sharded_keys(use_te: bool) -> list[str]:
     """`key kind` of every entry of a 2-layer TP1 model's sharded_state_dict (one process)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    from megatron_ext.distributed import cpu_backend
     from megatron_ext.config.schema import load_config
-    from megatron_ext.model.llama import build_model_chunks, transformer_config
+    from megatron_ext.distributed import cpu_backend
     from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
+    from megatron_ext.model.llama import build_model_chunks, transformer_config
 
     on_gpu = not cpu_backend.install()
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",

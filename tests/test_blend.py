@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from data_prep.train_tokenizer import train_tokenizer
-from megatron_ext.config.schema import ConfigError, load_config, validate
+from megatron_ext.config.schema import load_config, validate
 from megatron_ext.data.tokenizer import SentencePieceTokenizer
+from megatron_ext.errors import ConfigError
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")

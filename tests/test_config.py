@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config.schema import (ConfigError, load_config, parse_blend, resolve_kernel_options, validate,
-                                 validate_layout)
+from megatron_ext.config.schema import (
+    ConfigError,
+    load_config,
+    parse_blend,
+    resolve_kernel_options,
+    validate,
+    validate_layout,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -23,7 +23,7 @@ import torch
 from megatron_ext.config.schema import load_config, padded_vocab_size, validate_layout
 from recipes import convert
 from tests.convert_logits_worker import checkpoint_logits
-from tests.launch import ROOT, read_scalars
+from tests.launch import ROOT, TINY, read_scalars
 
 TOLERANCE = 1e-4  # fp32; measured differences are 2e-6..2e-5 (summation order, SDPA vs eager attention)
 DATA = ROOT / "data" / "tiny"
@@ -265,10 +265,23 @@ def test_bad_layouts_and_outputs_fail_with_one_clear_error(imported, tmp_path):
         (["export-hf", "--checkpoint", str(paths["hf"]), "--output", str(tmp_path / "x")],
          "latest_checkpointed_iteration.txt not found"),
     ]
+    bad_tracker = tmp_path / "bad_tracker"
+    bad_tracker.mkdir()
+    (bad_tracker / "latest_checkpointed_iteration.txt").write_text("iter_0000004\n")
+    cases.append((["export-hf", "--checkpoint", str(bad_tracker), "--output", str(tmp_path / "y")],
+                  "expected an iteration number, found 'iter_0000004'"))
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:
             convert.main(argv)
         assert str(exc.value.code).startswith("error: ") and message in str(exc.value.code), argv
+
+
+def test_the_layout_a_checkpoint_is_loaded_under_is_a_valid_recipe():
+    """export-hf and the logit checks rebuild the saved run under another layout: that config passes validation."""
+    saved = convert.SavedCheckpoint(Path("ckpt/iter_0000001"), load_config(TINY, ["data.mock=true",
+                                    "model.vocab_size=1000"]), 1000, 1024, "training_state")
+    for tp, pp in [(1, 1), (2, 2)]:
+        validate_layout(convert.layout_config(saved, tp, pp), world_size=tp * pp)
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path):

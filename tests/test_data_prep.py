@@ -19,17 +19,19 @@ import pytest
 import sentencepiece as spm
 
 from data_prep import train_tokenizer as train_mod
-from data_prep.records import BadRecordError, SkippedRecords, iter_documents
+from data_prep.records import SkippedRecords, iter_documents
 from data_prep.train_tokenizer import chunk_text
 from megatron_ext.data.tokenizer import SentencePieceTokenizer
+from megatron_ext.errors import BadRecordError
 from tests.megatron_reference import write_reference
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
     from data_prep import inspect as inspect_mod
     from data_prep import merge as merge_mod
     from data_prep import preprocess as preprocess_mod
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["def", "return", "self", "value", "data", "for", "in", "if", "else", "import", "class", "print"]

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config.schema import load_config
+from megatron_ext.errors import (EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, CheckpointError,
+                                   ConfigError, DivergenceError, IncompatibleCheckpointError, TokenizerError)
 from megatron_ext.resilience.divergence import LossSpikeDetector
-from megatron_ext.resilience.failures import EXIT_PEER_FAILED, out_of_memory_advice, report_failure
+from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.stragglers import StragglerDetector
 from tests.launch import ROOT, SMALL_MODEL, TINY, pretrain_command, read_scalars, run_env, run_pretrain
 
@@ -205,6 +207,29 @@ def test_report_failure_logs_the_traceback_and_says_it_once(tmp_path, capsys, mo
     except RuntimeError as exc:  # a survivor of another rank's failure: logged, not said
         assert report_failure(exc, 2, "iteration 5", tmp_path) == EXIT_PEER_FAILED
     assert capsys.readouterr().err == "" and "Connection closed" in (tmp_path / "rank-2.log").read_text()
+
+
+@pytest.mark.parametrize("exc, kind, code", [
+    (ConfigError("model.hidden_size=7 is invalid"), "config error", EXIT_USER_ERROR),
+    (TokenizerError("tok.model is not a sentencepiece model"), "tokenizer error", EXIT_USER_ERROR),
+    (CheckpointError("ckpt/iter_0000004 is corrupt"), "checkpoint error", EXIT_USER_ERROR),
+    # another model's checkpoint is a user error too (it once exited 1, as an unknown crash)
+    (IncompatibleCheckpointError("the checkpoint lacks decoder.layers.3"), "checkpoint error", EXIT_USER_ERROR),
+    (DivergenceError("non-finite loss at iteration 7"), "divergence", EXIT_DIVERGED),
+    (ValueError("a bug"), "ValueError", EXIT_FAILED),
+])
+def test_each_error_says_its_kind_and_exits_with_its_code(exc, kind, code, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert report_failure(exc, 0, "start-up", tmp_path) == code
+    assert capsys.readouterr().err.startswith(f"[rank 0, start-up] {kind}: {exc}")
+
+
+def test_advice_carried_by_an_error_is_printed_on_its_own_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    report_failure(CheckpointError("ckpt/iter_0000004 is corrupt", advice="resume from iter_0000002"), 0,
+                   "start-up", tmp_path)
+    assert capsys.readouterr().err.splitlines()[:2] == ["[rank 0, start-up] checkpoint error: ckpt/iter_0000004 "
+                                                        "is corrupt", "  → resume from iter_0000002"]
 
 
 def test_out_of_memory_advice_names_stage_micro_batch_and_the_planner_estimate():

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from data_prep import train_tokenizer as train_mod
-from megatron_ext.config.schema import ConfigError, load_config, validate
-from megatron_ext.data.tokenizer import HuggingFaceTokenizer, TokenizerError, load_tokenizer
+from megatron_ext.config.schema import load_config, validate
+from megatron_ext.data.tokenizer import HuggingFaceTokenizer, load_tokenizer
+from megatron_ext.errors import ConfigError, TokenizerError
 from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
 from tests.megatron_reference import write_reference
 

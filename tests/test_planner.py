@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ext.planner import layouts as planner
 from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.planner import layouts as planner
 from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, plan
 from tests.launch import ROOT
 

@@ -39,7 +39,7 @@
 # after iteration N (exit signal)", printed by megatron_ext/training/trainer.py): a clean stop exits 0, as
 # a finished run does. A hang is read from the exit code (EXIT_HUNG), which recipes.launch passes on.
 
-# megatron_ext/resilience/failures.py: the exit code of a job whose hang watchdog fired (srun passes on the launcher's).
+# megatron_ext/errors.py: the exit code of a job whose hang watchdog fired (srun passes on the launcher's).
 EXIT_HUNG=4
 
 _log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
+from megatron_ext.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +75,6 @@ class AsyncCheckpointSaver:
         """Collective: finish the saves whose writes are done (all of them if `blocking`); returns their paths."""
         if not self.in_flight:
             return []
-        from megatron_ext.checkpoint.save_load import CheckpointError  # here: checkpointing imports this module
 
         try:
             done = self.queue.maybe_finalize_async_calls(blocking=blocking)

@@ -33,13 +33,11 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer import MegatronOptimizer
 
+from megatron_ext.errors import IncompatibleCheckpointError
+
 log = logging.getLogger(__name__)
 
 EXTRA_STATE_SUFFIX = "_extra_state"
-
-
-class IncompatibleCheckpointError(RuntimeError):
-    """The checkpoint lacks tensors this model needs (another model shape or architecture)."""
 
 
 def is_torch_adam(inner: torch.optim.Optimizer) -> bool:

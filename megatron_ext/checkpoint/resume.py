@@ -15,9 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+
 from megatron_ext.checkpoint import save_load
-from megatron_ext.checkpoint.save_load import CheckpointError
 from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size
+from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger("megatron_ext")
 

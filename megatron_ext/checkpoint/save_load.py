@@ -26,12 +26,18 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron_ext.checkpoint import compat
-from megatron_ext.checkpoint.optimizer_format import DP_RESHARDABLE, buffer_layouts, load_problem, optimizer_metadata
-from megatron_ext.checkpoint import manifest
-from megatron_ext.checkpoint.rng import rng_state, set_rng_state
+
+from megatron_ext.checkpoint import compat, manifest
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, signals_ignored
+from megatron_ext.checkpoint.optimizer_format import (
+    DP_RESHARDABLE,
+    buffer_layouts,
+    load_problem,
+    optimizer_metadata,
+)
 from megatron_ext.checkpoint.retention import apply_retention, complete_iterations
+from megatron_ext.checkpoint.rng import rng_state, set_rng_state
+from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +52,6 @@ _FORMAT_OF_OLDER_CHECKPOINTS = "fully_reshardable"  # written before the format 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or used as asked; the message names the path and what to do."""
 
 
 def latest_iteration(root: str | Path) -> Optional[int]:

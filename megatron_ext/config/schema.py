@@ -20,9 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the key, the value and what is valid."""
+from megatron_ext.errors import ConfigError
 
 
 @dataclass
@@ -602,7 +600,8 @@ def _validate_data(cfg: RecipeConfig) -> None:
         parts = []
     _require(len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0, "data.split", d.split,
              "three non-negative numbers like 98,2,0 (train,valid,test)")
-    from megatron_ext.data.tokenizer import TokenizerError, load_tokenizer
+    from megatron_ext.data.tokenizer import load_tokenizer
+    from megatron_ext.errors import TokenizerError
 
     _require(d.tokenizer_model is not None, "data.tokenizer_model", d.tokenizer_model,
              "a sentencepiece .model file or a Hugging Face tokenizer directory")

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size
+from megatron_ext.errors import ConversionError
 
 ARCHITECTURE = "LlamaForCausalLM"
 # megatron-core 0.16.1 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
@@ -37,10 +38,6 @@ PORTABLE_TP = 8
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports contain; recomputed by both sides
-
-
-class ConversionError(ValueError):
-    """A bad conversion input; the message names the file or field and what is expected."""
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,11 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.config.schema import RecipeConfig, parse_blend
-
 
 SCAN_CHUNK_TOKENS = 64 * 1024 * 1024  # the max-id scan reads the memmap in pieces, never all at once
 

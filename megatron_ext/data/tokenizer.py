@@ -11,12 +11,10 @@ from typing import Optional, Union
 
 import sentencepiece as spm
 
+from megatron_ext.errors import TokenizerError
+
 SENTENCEPIECE, HUGGING_FACE = "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"  # Megatron-LM's type names
 TOKENIZER_TYPES = (SENTENCEPIECE, HUGGING_FACE)
-
-
-class TokenizerError(ValueError):
-    """A tokenizer path or file that cannot be used; the message names it and what is expected."""
 
 
 class _LoadedFromPath:

@@ -10,9 +10,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.config.schema import RecipeConfig, resolve_kernel_options
-from megatron_ext.model.llama import (build_model_chunks, compile_layers, describe_layers, transformer_config,
-                                transformer_engine_available, use_liger_kernels)
 from megatron_ext.distributed.parallel import describe_layout
+from megatron_ext.model.llama import (
+    build_model_chunks,
+    compile_layers,
+    describe_layers,
+    transformer_config,
+    transformer_engine_available,
+    use_liger_kernels,
+)
 
 log = logging.getLogger("megatron_ext")
 

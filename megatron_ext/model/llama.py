@@ -22,10 +22,10 @@ from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_ext.model.attention import SDPAttention
 from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size, padded_vocab_size
-from megatron_ext.model.ring_attention import RingAttention
+from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.fused_output import FusedOutputGPTModel
+from megatron_ext.model.ring_attention import RingAttention
 
 
 def transformer_engine_available() -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ext.resilience.failures import DivergenceError
+from megatron_ext.errors import DivergenceError
 
 log = logging.getLogger("megatron_ext")
 

@@ -13,19 +13,11 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-EXIT_FAILED = 1  # anything else: the traceback in the rank's log says more
-EXIT_USER_ERROR = 2  # config, data, tokenizer or checkpoint: fix what the message names and run again
-EXIT_DIVERGED = 3  # non-finite loss or gradients
-EXIT_HUNG = 4  # the hang watchdog ended the job: requeue it, it resumes from the last checkpoint
-EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's message says why)
+from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, RecipeError
 
 # What torch.distributed raises on the survivors when a peer process dies: a consequence, not the cause.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
               "ProcessGroupNCCL is aborted", "Broken pipe", "Socket closed")
-
-
-class DivergenceError(RuntimeError):
-    """The loss or the gradients became non-finite; raised identically on every rank."""
 
 
 def rank_log(log_dir: str | Path, rank: int) -> Path:
@@ -43,18 +35,8 @@ def _classify(exc: BaseException) -> tuple[str, int, str]:
     """(kind, exit code, what to do) for the console line."""
     import torch
 
-    from megatron_ext.checkpoint.save_load import CheckpointError
-    from megatron_ext.config.schema import ConfigError
-    from megatron_ext.data.tokenizer import TokenizerError
-
-    if isinstance(exc, ConfigError):
-        return "config error", EXIT_USER_ERROR, ""
-    if isinstance(exc, CheckpointError):
-        return "checkpoint error", EXIT_USER_ERROR, ""
-    if isinstance(exc, TokenizerError):
-        return "tokenizer error", EXIT_USER_ERROR, ""
-    if isinstance(exc, DivergenceError):
-        return "divergence", EXIT_DIVERGED, ""
+    if isinstance(exc, RecipeError):
+        return exc.kind, exc.exit_code, exc.advice
     if isinstance(exc, torch.OutOfMemoryError):
         return "out of GPU memory", EXIT_FAILED, ""
     if isinstance(exc, KeyboardInterrupt):
@@ -70,7 +52,7 @@ def _classify(exc: BaseException) -> tuple[str, int, str]:
 def _summary(exc: BaseException) -> str:
     """The exception's own message: whole for this project's errors (written to be read), else its first line."""
     text = str(exc).strip() or type(exc).__name__
-    if type(exc).__module__.startswith("megatron_ext"):
+    if isinstance(exc, RecipeError):
         return text
     first = text.splitlines()[0]
     return first if len(first) <= 300 else first[:297] + "..."

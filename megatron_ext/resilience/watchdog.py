@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from megatron_ext.resilience.failures import EXIT_HUNG, rank_log, write_rank_log
+from megatron_ext.errors import EXIT_HUNG
+from megatron_ext.resilience.failures import rank_log, write_rank_log
 from megatron_ext.resilience.job_store import job_store
 
 

@@ -21,21 +21,26 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
-from megatron_ext.checkpoint import save_load
 
-from megatron_ext.distributed import cpu_backend
+from megatron_ext.checkpoint import save_load
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
+from megatron_ext.checkpoint.resume import resume_training
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
-from megatron_ext.resilience.divergence import LossSpikeDetector, NonFiniteSteps, describe_nonfinite, local_nonfinite
-from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
+from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
+from megatron_ext.distributed import cpu_backend
+from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.metrics.run_logger import RunLogger
 from megatron_ext.model.build import build_model
-from megatron_ext.checkpoint.resume import resume_training
-from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.resilience.divergence import (
+    LossSpikeDetector,
+    NonFiniteSteps,
+    describe_nonfinite,
+    local_nonfinite,
+)
+from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.stragglers import ComputeTimers, StragglerDetector, gather_times
-from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.resilience.watchdog import HangWatchdog
 
 log = logging.getLogger("megatron_ext")

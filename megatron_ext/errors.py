@@ -1,0 +1,75 @@
+"""The errors this project raises for a person to read, each with its kind, its process exit code and, where the
+raiser knows it, what to do. The lowest layer: every package may import it, it imports nothing of ours.
+
+``resilience.failures.report_failure`` prints ``kind: message`` and exits with ``exit_code`` for any
+:class:`RecipeError`; every other exception is a crash (``EXIT_FAILED``, its first line and the traceback in the
+rank's log).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+EXIT_FAILED = 1  # anything else: the traceback in the rank's log says more
+EXIT_USER_ERROR = 2  # config, data, tokenizer or checkpoint: fix what the message names and run again
+EXIT_DIVERGED = 3  # non-finite loss or gradients
+EXIT_HUNG = 4  # the hang watchdog ended the job: requeue it, it resumes from the last checkpoint
+EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's message says why)
+
+
+class RecipeError(Exception):
+    """An error whose message is written to be read whole: it names the key, file, rank or iteration at fault.
+
+    `advice`: what to do, printed on its own line after the message."""
+
+    kind: ClassVar[str] = "error"
+    exit_code: ClassVar[int] = EXIT_USER_ERROR
+
+    def __init__(self, message: str, advice: str = "") -> None:
+        super().__init__(message)
+        self.advice = advice
+
+
+class ConfigError(RecipeError, ValueError):
+    """A config value is invalid; the message names the key, the value and what is valid."""
+
+    kind = "config error"
+
+
+class TokenizerError(RecipeError, ValueError):
+    """A tokenizer path or type cannot be used."""
+
+    kind = "tokenizer error"
+
+
+class CheckpointError(RecipeError, RuntimeError):
+    """A checkpoint cannot be written or used as asked; the message names the path and what to do."""
+
+    kind = "checkpoint error"
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint lacks tensors this model needs (another model shape or architecture)."""
+
+
+class ConversionError(RecipeError, ValueError):
+    """A Hugging Face model or checkpoint cannot be converted; the message names the file and the field."""
+
+    kind = "conversion error"
+
+
+class DivergenceError(RecipeError, RuntimeError):
+    """The loss or the gradients became non-finite; raised identically on every rank."""
+
+    kind = "divergence"
+    exit_code = EXIT_DIVERGED
+
+
+class DatasetError(RecipeError, ValueError):
+    """An unusable dataset prefix or file; the message names the file and what to do."""
+
+    kind = "dataset error"
+
+
+class BadRecordError(DatasetError):
+    """Unusable input; the message starts with `file:line:` (or `file:` for whole-file problems)."""
