@@ -25,7 +25,7 @@ regime (fp32 runs: every variant is plain fp32):
   autocast, fused AdamW; the like-for-like peer of the recipe's regime.
 
 All use ``attn_implementation="sdpa"`` / the same attention kernels SDPA picks. Reported per run: tokens/s,
-model TFLOP/s per device and MFU (metrics.flops_per_token on the unpadded vocabulary for every variant:
+model TFLOP/s per device and MFU (ModelShape.flops_per_token on the unpadded vocabulary for every variant:
 causal attention counted as current Megatron-LM does; the JSON also has the PaLM-style figure without causal
 halving), peak memory. The closing lines give, per micro batch, the fastest recipe variant against the fastest
 peer with the same master-weight regime and against the fastest peer overall. Output: a table, JSON and a PNG
@@ -134,13 +134,15 @@ def recipe_config(shape: dict, precision: str, steps: int, variant: str = "megat
 def _measure(variant: str, step_times: list[float], shape: dict, precision: str) -> Result:
     import torch
 
-    from megatron_ext.metrics.run_logger import flops_per_token, peak_tflops
+    from megatron_ext.config.shape import ModelShape
+    from megatron_ext.metrics.run_logger import peak_tflops
 
     cfg = recipe_config(shape, precision, len(step_times))
     step = statistics.median(step_times)
     tokens = shape["micro_batch_size"] * shape["seq_length"]
-    tflops = flops_per_token(cfg, shape["vocab_size"]) * tokens / step / 1e12
-    full_tflops = flops_per_token(cfg, shape["vocab_size"], causal=False) * tokens / step / 1e12
+    model = ModelShape.of(cfg.model)
+    tflops = model.flops_per_token(shape["vocab_size"]) * tokens / step / 1e12
+    full_tflops = model.flops_per_token(shape["vocab_size"], causal=False) * tokens / step / 1e12
     peak = peak_tflops(cfg)
     on_gpu = torch.cuda.is_available()
     master, description = regime(variant, precision)

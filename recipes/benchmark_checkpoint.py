@@ -105,7 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.checkpoint import save_load
+    from megatron_ext.checkpoint import layout, save_load
     from megatron_ext.config.schema import load_config
     from megatron_ext.training.trainer import Trainer
 
@@ -129,7 +129,7 @@ def _worker(args: argparse.Namespace) -> None:
             save_load.save_checkpoint(root, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp,
                                           cfg.to_dict(), optimizer_format=fmt)
         save_s = time.perf_counter() - start
-        ckpt_dir = save_load.iteration_dir(root, 1)
+        ckpt_dir = layout.iteration_dir(root, 1)
         with torch.no_grad():
             for tensor in _adam_state_tensors(trainer.optimizer):  # a load that skips one must fail the check
                 tensor.zero_()

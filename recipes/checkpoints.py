@@ -11,23 +11,20 @@ refused for changed parameter shapes.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.checkpoint import manifest
-from megatron_ext.checkpoint.save_load import TRACKER, latest_iteration
+from megatron_ext.checkpoint.layout import COMMON_STATE, DIST_METADATA, TRACKER, iteration_dirs, latest_iteration
 from megatron_ext.config.schema import load_config
 from megatron_ext.errors import CheckpointError, ConfigError
-
-_ITERATION = re.compile(r"iter_(\d{7})(\.corrupt)?")
 
 
 def _common(ckpt_dir: Path) -> dict[str, Any]:
     import torch
 
-    return torch.load(ckpt_dir / "common.pt", map_location="cpu", weights_only=False)
+    return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=False)
 
 
 def _layout(common: dict[str, Any]) -> str:
@@ -51,22 +48,19 @@ def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
     """Lines describing `root`'s checkpoints, and the newest complete one."""
     tracked = latest_iteration(root)
     lines, newest = [], None
-    for path in sorted(root.glob("iter_*")):
-        match = _ITERATION.fullmatch(path.name)
-        if not match or not path.is_dir():
-            continue
-        if match.group(2):
+    for iteration, path, set_aside in iteration_dirs(root):
+        if set_aside:
             state = "corrupt (set aside)"
         elif not manifest.has_manifest(path):
-            state = "no manifest (partial, or saved before manifests)" if (path / "metadata.json").is_file() \
+            state = "no manifest (partial, or saved before manifests)" if (path / DIST_METADATA).is_file() \
                 else "partial"
         else:
             problem = manifest.verify(path) if verify else None
             state = f"CORRUPT: {problem}" if problem else ("complete, verified" if verify else "complete")
             if not problem:
                 newest = path
-        tracker = "  <- tracker" if not match.group(2) and int(match.group(1)) == tracked else ""
-        layout = _layout(_common(path)) if (path / "common.pt").is_file() else "-"
+        tracker = "  <- tracker" if not set_aside and iteration == tracked else ""
+        layout = _layout(_common(path)) if (path / COMMON_STATE).is_file() else "-"
         lines.append(f"{path.name:24} {state:40} {_size(path):>10}  {layout}{tracker}")
     return lines, newest
 

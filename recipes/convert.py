@@ -29,7 +29,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_ext.config.schema import RecipeConfig, padded_vocab_size, validate_layout
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.shape import padded_vocab_size
+from megatron_ext.config.validate import validate_layout
 from megatron_ext.convert import hf_llama
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
 
@@ -94,15 +96,15 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from megatron_ext.checkpoint import save_load
+    from megatron_ext.checkpoint import layout
 
-    iteration = save_load.latest_iteration(root)
+    iteration = layout.latest_iteration(root)
     if iteration is None:
-        raise ConversionError(f"{root / save_load.TRACKER} not found: {root} is not a checkpoint "
+        raise ConversionError(f"{root / layout.TRACKER} not found: {root} is not a checkpoint "
                               "directory of this recipe")
-    directory = save_load.iteration_dir(root, iteration)
+    directory = layout.iteration_dir(root, iteration)
     if not directory.is_dir():
-        raise ConversionError(f"{directory} not found (named by {root / save_load.TRACKER})")
+        raise ConversionError(f"{directory} not found (named by {root / layout.TRACKER})")
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if not isinstance(common.get("config"), dict):
         raise ConversionError(f"{directory}: the checkpoint holds no run config (common state key 'config')")
@@ -125,7 +127,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
 
         vocab = load_tokenizer(path, cfg.data.tokenizer_type).vocab_size
     return SavedCheckpoint(directory, cfg, vocab, int(embedding.global_shape[0]),
-                           common.get("content", save_load.TRAINING_STATE))
+                           common.get("content", layout.TRAINING_STATE))
 
 
 def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -245,7 +247,7 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     from megatron.core import dist_checkpointing  # after the checks: bad inputs fail in a second
     from omegaconf import OmegaConf
 
-    from megatron_ext.checkpoint import save_load
+    from megatron_ext.checkpoint import layout, manifest
 
     # Built at TP1/PP1 with the padded rows the recipe will build at `tensor_parallel`.
     build_cfg = copy.deepcopy(cfg)
@@ -266,11 +268,12 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
                 pending.discard(name)
         if pending:
             raise RuntimeError(f"weight mapping bug: model weights left unset: {sorted(pending)}")
-        target = save_load.iteration_dir(staging, 0)
+        target = layout.iteration_dir(staging, 0)
         target.mkdir()
         dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 0, "consumed_samples": 0,
-                                 "content": save_load.WEIGHTS_ONLY, "config": cfg.to_dict()}, str(target))
-        (staging / save_load.TRACKER).write_text("0\n")
+                                 "content": layout.WEIGHTS_ONLY, "config": cfg.to_dict()}, str(target))
+        manifest.write_manifest(target)  # complete, verifiable and kept by retention like a training checkpoint
+        layout.write_tracker(staging, 0)
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.model")
         elif tokenizer == hf_dir:

@@ -11,7 +11,8 @@ import json
 import sys
 from typing import Optional
 
-from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.config.schema import load_config
+from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.layouts import (
     FRAGMENTATION,

@@ -8,7 +8,8 @@ import os
 import statistics
 import sys
 
-from megatron_ext.config.schema import load_config, validate
+from megatron_ext.config.schema import keys_table, load_config
+from megatron_ext.config.validate import validate
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.process_guard import guard_training_rank
 
@@ -65,12 +66,14 @@ def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int
 def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_per_node: int):
     """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes.
     Raises ConfigError; ImportError when megatron-core cannot be imported here."""
+    from megatron_ext.data.checks import validate_data
     from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
 
     cfg = load_config(config, overrides)
     if cfg.parallel.auto:
         cfg = _with_planned_layout(config, overrides, cfg, world_size, gpus_per_node)
     validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
+    validate_data(cfg)
     return cfg
 
 
@@ -84,9 +87,16 @@ def import_problem(e: ImportError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.pretrain", description=__doc__)
-    parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/tiny.yaml")
+    parser.add_argument("--config", help="recipe YAML, e.g. configs/tiny.yaml")
+    parser.add_argument("--list-keys", action="store_true",
+                        help="print every config key with its type, default and help (Markdown), and exit")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.train_iters=20")
     args = parser.parse_args(argv)
+    if args.list_keys:
+        print(keys_table(), end="")
+        return 0
+    if args.config is None:
+        parser.error("--config is required")
     orphan_guard_missing = guard_training_rank()  # first: a launcher may die while this rank still imports
     _setup_logging()
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -51,8 +51,7 @@ def checkpoint_logits(checkpoint: Path, tokens: torch.Tensor, tp: int = 1, pp: i
     """Unpadded logits [b, s, V] of `checkpoint`'s latest checkpoint at this layout; None off the holder."""
     from megatron.core import parallel_state
 
-    from recipes.convert import (build_model, layout_config, load_weights, model_parallel_world,
-                                 read_checkpoint)
+    from recipes.convert import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
 
     saved = read_checkpoint(Path(checkpoint))
     cfg = layout_config(saved, tp, pp, sp)

@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.config.schema import load_config
+from megatron_ext.config.validate import validate_layout
 from megatron_ext.distributed.parallel import destroy_distributed
 from megatron_ext.training.trainer import Trainer, _forward_step
 from tests.launch import SMALL_MODEL, TINY

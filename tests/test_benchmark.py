@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_ext.config.schema import validate_layout
+from megatron_ext.config.validate import validate_layout
 from recipes import benchmark
 from tests.launch import ROOT
 

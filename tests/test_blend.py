@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from data_prep.train_tokenizer import train_tokenizer
-from megatron_ext.config.schema import load_config, validate
+from megatron_ext.config.schema import load_config
+from megatron_ext.data.checks import validate_data
 from megatron_ext.data.tokenizer import SentencePieceTokenizer
 from megatron_ext.errors import ConfigError
 
@@ -74,7 +75,7 @@ def _source(data: SimpleNamespace, sample: dict) -> str:
 
 def test_weighted_blend_samples_in_proportion(data):
     cfg = _config(data, f"data.blend=[0.3,{data.a},0.7,{data.b}]")
-    validate(cfg, world_size=4)
+    validate_data(cfg)
     train, valid = build_datasets(cfg, data.tokenizer)
 
     assert len(train) >= TRAIN_SAMPLES
@@ -104,7 +105,7 @@ def test_unweighted_blend_is_proportional_to_dataset_sizes(data):
 
 def test_per_split_blends(data):
     cfg = _config(data, f"data.train_blend=[{data.a}]", f"data.valid_blend=[{data.b}]", "data.blend=null")
-    validate(cfg, world_size=4)
+    validate_data(cfg)
     train, valid = build_datasets(cfg, data.tokenizer)
     # A single prefix per split is a GPTDataset over the whole file (no split fractions applied).
     assert train.dataset.path_prefix == data.a and valid.dataset.path_prefix == data.b
@@ -132,10 +133,10 @@ def test_per_split_blends(data):
 def test_bad_blend_is_a_config_error(data, blend, key, fragment):
     cfg = _config(data, f"{key}={blend.format(a=data.a, b=data.b)}")
     with pytest.raises(ConfigError) as err:
-        validate(cfg, world_size=4)
+        validate_data(cfg)
     assert fragment in str(err.value) and str(err.value).startswith(key), str(err.value)
 
 
 def test_no_blend_at_all_is_a_config_error(data):
     with pytest.raises(ConfigError, match=r"data.blend=None is invalid: give a dataset prefix list"):
-        validate(_config(data, "data.blend=null"), world_size=4)
+        validate_data(_config(data, "data.blend=null"))

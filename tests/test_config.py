@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -9,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config.schema import (
-    ConfigError,
-    load_config,
-    parse_blend,
-    resolve_kernel_options,
-    validate,
-    validate_layout,
-)
+from megatron_ext.config.kernels import resolve_kernel_options
+from megatron_ext.config.schema import RecipeConfig, config_keys, keys_table, load_config, parse_blend
+from megatron_ext.config.validate import validate, validate_layout
+from megatron_ext.data.checks import validate_data
+from megatron_ext.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -29,6 +27,7 @@ def tiny(*overrides: str):
 def test_tiny_config_is_valid_for_four_processes():
     cfg = tiny()
     validate(cfg, world_size=4)
+    validate_data(cfg)
     assert cfg.parallel.tensor_model_parallel_size == 2
     assert cfg.parallel.pipeline_model_parallel_size == 2
 
@@ -57,12 +56,12 @@ def test_overrides_are_typed():
           "parallel.pipeline_model_parallel_size=1"], 4, "seq_length/CP must be divisible by TP=4"),
         (["parallel.num_layers_in_first_pipeline_stage=1", "parallel.num_layers_in_last_pipeline_stage=1"], 4,
          "set only one of num_layers_in_first/last_pipeline_stage"),
-        (["train.precision=fp16"], 4, "train.precision='fp16' is invalid: one of fp32, bf16"),
+        (["train.precision=fp16"], 4, "train.precision: Invalid value 'fp16', expected one of ['fp32', 'bf16']"),
         (["optimizer.min_lr=1.0"], 4, "optimizer.min_lr=1.0"),
         (["model.attention_backend=te"], 4, "TransformerEngine is not importable"),
         (["train.micro_batch_size=0"], 4, "train.micro_batch_size=0 is invalid: must be a positive integer"),
         (["train.fp8=delayed", "train.precision=bf16"], 4, "FP8 runs through TransformerEngine"),
-        (["train.fp8=mxfp4"], 4, "train.fp8='mxfp4' is invalid: one of null, delayed, tensorwise"),
+        (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
     ],
 )
@@ -114,7 +113,7 @@ def test_auto_kernel_options_follow_the_machine(on_gpu, use_te, precision, compi
 
 
 def test_kernel_options_are_true_false_or_auto():
-    with pytest.raises(ConfigError, match="train.compile='always' is invalid: one of true, false, auto"):
+    with pytest.raises(ConfigError, match=r"train.compile: Invalid value 'always', expected one of \[True, False, 'auto'\]"):
         validate_layout(tiny("train.compile=always"), 4)
 
 
@@ -149,13 +148,13 @@ def test_yaml_errors_point_at_file_and_line(tmp_path):
 
 def test_missing_data_files_are_named():
     with pytest.raises(ConfigError, match=r"nowhere/x.bin does not exist"):
-        validate(tiny("data.blend=[nowhere/x]"), world_size=4)
+        validate_data(tiny("data.blend=[nowhere/x]"))
 
 
 def test_checkpoint_optimizer_format_is_one_of_megatron_cores():
-    with pytest.raises(ConfigError, match=r"checkpoint.optimizer_format='fully_sharded_model_space' is invalid: "
-                                          r"must be one of auto, dp_reshardable, fully_reshardable"):
-        validate(tiny("checkpoint.optimizer_format=fully_sharded_model_space"), world_size=4)
+    with pytest.raises(ConfigError, match=r"checkpoint.optimizer_format: Invalid value 'fully_sharded_model_space', "
+                                          r"expected one of \['auto', 'dp_reshardable', 'fully_reshardable'"):
+        tiny("checkpoint.optimizer_format=fully_sharded_model_space")
 
 
 def test_blend_forms():
@@ -245,3 +244,24 @@ def test_cuda_graphs_are_refused_where_they_cannot_run_and_turn_compile_auto_off
     resolved = resolve_kernel_options(cfg, on_gpu=True, use_te=False).train
     assert resolved.cuda_graphs is True and resolved.compile is False  # auto: graphs of eager layers
     assert resolve_kernel_options(load_config(TINY, one_gpu[1:]), on_gpu=True, use_te=False).train.compile is True
+
+
+def test_readme_key_table_is_the_schema_and_every_key_has_help():
+    """The README's key reference is `python -m recipes.pretrain --list-keys`, and that covers every key."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- config-keys:begin -->\n")[1].split("<!-- config-keys:end -->")[0]
+    assert table == keys_table(), "README key table is stale: python -m recipes.pretrain --list-keys"
+    keys = list(config_keys())
+    assert len(keys) == sum(len(dataclasses.fields(s.default_factory)) for s in dataclasses.fields(RecipeConfig))
+    assert not [k.key for k in keys if not k.help], "keys without a help comment in megatron_ext/config/schema.py"
+
+
+def test_an_enum_like_value_outside_its_literal_fails_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"model.attention_backend: Invalid value 'sdpa', expected one of "
+                                          r"\['auto', 'te', 'local'\]"):
+        tiny("model.attention_backend=sdpa")
+    cfg = tiny()
+    cfg.train.recompute_granularity = "partial"  # set in code, not loaded: validation still names the values
+    with pytest.raises(ConfigError, match=r"train.recompute_granularity='partial' is invalid: one of null, "
+                                          r"selective, full"):
+        validate(cfg, world_size=4)

@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from megatron_ext.config.schema import load_config, padded_vocab_size, validate_layout
+from megatron_ext.config.schema import load_config
+from megatron_ext.config.shape import padded_vocab_size
+from megatron_ext.config.validate import validate_layout
 from recipes import convert
 from tests.convert_logits_worker import checkpoint_logits
 from tests.launch import ROOT, TINY, read_scalars

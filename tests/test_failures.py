@@ -18,8 +18,17 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config.schema import load_config
-from megatron_ext.errors import (EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, CheckpointError,
-                                   ConfigError, DivergenceError, IncompatibleCheckpointError, TokenizerError)
+from megatron_ext.errors import (
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_PEER_FAILED,
+    EXIT_USER_ERROR,
+    CheckpointError,
+    ConfigError,
+    DivergenceError,
+    IncompatibleCheckpointError,
+    TokenizerError,
+)
 from megatron_ext.resilience.divergence import LossSpikeDetector
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.stragglers import StragglerDetector

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from data_prep import train_tokenizer as train_mod
-from megatron_ext.config.schema import load_config, validate
+from megatron_ext.config.schema import load_config
+from megatron_ext.data.checks import validate_data
 from megatron_ext.data.tokenizer import HuggingFaceTokenizer, load_tokenizer
 from megatron_ext.errors import ConfigError, TokenizerError
 from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
@@ -115,14 +116,14 @@ def test_recipe_refuses_a_smaller_vocabulary_and_data_from_another_tokenizer(cor
     hf_data = f"{tmp_path / 'hf'}_text_document"
     base = [f"data.blend=[{hf_data}]", f"data.tokenizer_model={tokenizer_dir}"]
     vocab = HuggingFaceTokenizer(str(tokenizer_dir)).vocab_size
-    validate(load_config(ROOT / "configs" / "tiny.yaml", base), world_size=4)
+    validate_data(load_config(ROOT / "configs" / "tiny.yaml", base))
     with pytest.raises(ConfigError, match=rf"model.vocab_size=300 is invalid: must be >= the vocabulary of .* \({vocab}\)"):
-        validate(load_config(ROOT / "configs" / "tiny.yaml", [*base, "model.vocab_size=300"]), world_size=4)
+        validate_data(load_config(ROOT / "configs" / "tiny.yaml", [*base, "model.vocab_size=300"]))
     # the default data was written with the 4096-piece sentencepiece tokenizer: ids beyond this one's vocabulary
     tiny = load_config(ROOT / "configs" / "tiny.yaml", [f"data.tokenizer_model={tokenizer_dir}"])
     with pytest.raises(ConfigError, match=rf"stdlib_text_document.bin holds token id \d+, but the model's "
                                           rf"vocabulary is {vocab} .* written with another tokenizer"):
-        validate(tiny, world_size=4)
+        validate_data(tiny)
 
 
 def _logits_and_export(checkpoint: Path, export: Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -53,3 +53,26 @@ def test_shell_scripts_pass_shellcheck():
     # -x: follow `source` (the sbatch templates source launch/slurm/common.sh; run from the root).
     _lint([_tool("shellcheck"), "--external-sources", "--severity=warning",
            *[str(p.relative_to(ROOT)) for p in scripts]])
+
+
+def test_architecture_contracts_hold():
+    """The layers and no-cycle contracts in pyproject.toml ([tool.importlinter]): recipes and data_prep above
+    megatron_ext; inside it training > checkpoint/resilience/metrics/planner > model/data/distributed/convert >
+    config > errors/hardware; no two modules of a package import each other."""
+    _lint([_tool("lint-imports"), "--no-cache"])
+
+
+def test_the_repository_stands_alone():
+    """No tracked file points outside the repository (a user's clone has nothing beside it)."""
+    outside = "../" + "shared"
+    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    offenders = []
+    for name in tracked:
+        path = ROOT / name
+        try:
+            if path.is_file() and outside in path.read_text():
+                offenders.append(name)
+        except UnicodeDecodeError:
+            continue
+    assert not offenders, f"files referring to {outside}: {offenders}"

@@ -1,10 +1,15 @@
-"""Throughput accounting: the FLOPs formula against a hand count, the MFU peak table."""
+"""Throughput accounting: the FLOPs formula (config.shape) against a hand count, the MFU peak table (hardware)."""
 
 from __future__ import annotations
 
 from megatron_ext.config.schema import load_config
-from megatron_ext.metrics.run_logger import PEAK_BF16_TFLOPS, flops_per_token
+from megatron_ext.config.shape import ModelShape
+from megatron_ext.hardware import GPUS, PEAK_BF16_TFLOPS, peak_bf16_tflops
 from tests.launch import TINY
+
+
+def flops_per_token(cfg, vocab_size: int, causal: bool = True) -> float:
+    return ModelShape.of(cfg.model).flops_per_token(vocab_size, causal)
 
 
 def small(*overrides: str):
@@ -36,3 +41,9 @@ def test_flops_scale_with_sequence_only_through_attention():
 def test_peak_table_has_the_gpus_the_docs_name():
     assert PEAK_BF16_TFLOPS["H100"] == 989.0 and PEAK_BF16_TFLOPS["H200"] == 989.0
     assert PEAK_BF16_TFLOPS["A100"] == 312.0
+
+
+def test_a_device_name_finds_its_own_family_and_the_planner_shares_the_peaks():
+    assert peak_bf16_tflops("NVIDIA GB200") == 2500.0 and peak_bf16_tflops("NVIDIA B200") == 2250.0
+    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_bf16_tflops("Tesla T4") is None
+    assert {spec.peak_bf16_tflops for spec in GPUS.values()} <= set(PEAK_BF16_TFLOPS.values())

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ext.config.schema import load_config, validate_layout
+from megatron_ext.config.schema import load_config
+from megatron_ext.config.validate import validate_layout
 from megatron_ext.planner import layouts as planner
 from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, plan
 from tests.launch import ROOT
@@ -249,7 +250,7 @@ def test_recipe_auto_layout_is_the_planners_best_and_valid():
     validate_layout(cfg, 8, te_available=True, fp8_capable=True)
 
 
-# Measured on one H100 80GB, torch 2.11, megatron-core 0.16.1, no TE (../shared/notes/gpu-h100-no-te-measured.md §3):
+# Measured on one H100 80GB, torch 2.11, megatron-core 0.16.1, no TE (docs/measurements/h100-2026-11-23.md §3):
 # configs/llama3_2_1b_1gpu_bf16.yaml with mock data, tokens/s by (micro batch, compiled layers).
 MEASURED_1B_RECIPE = {(2, False): 44_200, (4, False): 47_900, (2, True): 53_200, (4, True): 54_600}
 

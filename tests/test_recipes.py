@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config.schema import data_parallel_size, load_config, padded_vocab_size, validate_layout
-from megatron_ext.model.llama import num_parameters
+from megatron_ext.config.schema import data_parallel_size, load_config
+from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.config.validate import validate_layout
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 REAL = [p for p in CONFIGS if p.name != "tiny.yaml"]
@@ -21,7 +22,7 @@ def test_there_are_real_model_recipes():
 @pytest.mark.parametrize("path", REAL, ids=lambda p: p.stem)
 def test_parameter_count_matches_published(path):
     cfg = load_config(path)
-    assert num_parameters(cfg, cfg.model.vocab_size) == cfg.recipe.published_params
+    assert ModelShape.of(cfg.model).num_parameters(cfg.model.vocab_size) == cfg.recipe.published_params
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

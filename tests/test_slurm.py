@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint.save_load import latest_iteration
+from megatron_ext.checkpoint.layout import latest_iteration
 from tests.launch import ROOT, SMALL_MODEL, read_scalars
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint.save_load import latest_iteration
+from megatron_ext.checkpoint.layout import latest_iteration
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
 from tests.test_parallel_parity import TOLERANCE as PARITY_TOLERANCE  # the README's bound for every layout

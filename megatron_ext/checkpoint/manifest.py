@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-MANIFEST = "manifest.json"
+from megatron_ext.checkpoint.layout import MANIFEST
+
 _CHUNK = 8 << 20
 
 

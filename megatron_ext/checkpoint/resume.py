@@ -16,8 +16,9 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_ext.checkpoint import save_load
-from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size
+from megatron_ext.checkpoint import layout, save_load
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger("megatron_ext")
@@ -48,14 +49,14 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
 
 def _tensor_shapes(model: dict[str, Any]) -> dict[str, Any]:
     """The model settings that decide parameter shapes, with their defaults resolved."""
-    hidden, heads = model["hidden_size"], model["num_attention_heads"]
+    shape = ModelShape.of(model)
     return {
-        "model.num_layers": model["num_layers"],
-        "model.hidden_size": hidden,
-        "model.num_attention_heads": heads,
-        "model.num_query_groups": model.get("num_query_groups") or heads,
-        "model.kv_channels": model.get("kv_channels") or hidden // heads,
-        "model.ffn_hidden_size": model.get("ffn_hidden_size") or default_ffn_hidden_size(hidden),
+        "model.num_layers": shape.num_layers,
+        "model.hidden_size": shape.hidden_size,
+        "model.num_attention_heads": shape.num_attention_heads,
+        "model.num_query_groups": shape.num_query_groups,
+        "model.kv_channels": shape.kv_channels,
+        "model.ffn_hidden_size": shape.ffn_hidden_size,
         "model.untie_embeddings_and_output_weights": model.get("untie_embeddings_and_output_weights"),
     }
 
@@ -96,17 +97,17 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
     """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from."""
     ck = cfg.checkpoint
     start = None
-    if ck.load and save_load.latest_iteration(ck.load) is None:
+    if ck.load and layout.latest_iteration(ck.load) is None:
         own = ck.save and Path(ck.load).resolve() == Path(ck.save).resolve()
         if not own:
-            raise CheckpointError(f"checkpoint.load={ck.load} holds no checkpoint ({Path(ck.load) / save_load.TRACKER} "
+            raise CheckpointError(f"checkpoint.load={ck.load} holds no checkpoint ({Path(ck.load) / layout.TRACKER} "
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
         _info(f"no checkpoint in {ck.load} yet: starting at iteration 0")
     elif ck.load:
         iteration = save_load.intact_iteration(ck.load)
-        ckpt_dir = save_load.iteration_dir(ck.load, iteration)
+        ckpt_dir = layout.iteration_dir(ck.load, iteration)
         common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
-        if common.get("content", save_load.TRAINING_STATE) == save_load.WEIGHTS_ONLY:
+        if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
             save_load.load_pretrained_weights(ck.load, model_chunks, optimizer, iteration)
             _info(f"loaded weights of {ck.load} (iteration {iteration}); training starts at iteration 0")
             start = (0, 0)
@@ -119,7 +120,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
         source = save_load.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
         _info(f"loaded weights of {ck.pretrained_checkpoint} (iteration {source})")
     start = start or (0, 0)
-    ahead = save_load.latest_iteration(ck.save) if ck.save else None
+    ahead = layout.latest_iteration(ck.save) if ck.save else None
     if ahead is not None and ahead > start[0]:
         raise CheckpointError(
             f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {start[0]}: "

@@ -7,25 +7,13 @@ one being written or the latest one; directories without a manifest (older or pa
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.checkpoint.manifest import has_manifest
+from megatron_ext.checkpoint.layout import complete_iterations, iteration_dir
 
 log = logging.getLogger(__name__)
-_ITERATION_DIR = re.compile(r"iter_(\d{7})")
-
-
-def complete_iterations(root: Path) -> list[int]:
-    """Iterations of `root`'s ``iter_XXXXXXX`` directories that hold a manifest, oldest first."""
-    found = []
-    for path in Path(root).glob("iter_*"):
-        match = _ITERATION_DIR.fullmatch(path.name)
-        if match and path.is_dir() and has_manifest(path):
-            found.append(int(match.group(1)))
-    return sorted(found)
 
 
 def apply_retention(root: Path, latest: int, keep_last: Optional[int], keep_every: Optional[int]) -> list[int]:
@@ -37,7 +25,7 @@ def apply_retention(root: Path, latest: int, keep_last: Optional[int], keep_ever
     kept = set(iterations[-keep_last:]) | {latest}
     doomed = [i for i in iterations if i not in kept and not (keep_every and i % keep_every == 0)]
     for iteration in doomed:
-        path = Path(root) / f"iter_{iteration:07d}"
+        path = iteration_dir(root, iteration)
         shutil.rmtree(path)
         log.info(f"retention (checkpoint.keep_last={keep_last}"
                  + (f", keep_every={keep_every}" if keep_every else "") + f"): deleted {path}")

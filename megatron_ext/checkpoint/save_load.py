@@ -14,7 +14,6 @@ TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint.compat`.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -29,47 +28,29 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.checkpoint import compat, manifest
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, signals_ignored
+from megatron_ext.checkpoint.layout import (
+    TRACKER,
+    TRAINING_STATE,
+    complete_iterations,
+    iteration_dir,
+    latest_iteration,
+    set_aside,
+    write_tracker,
+)
 from megatron_ext.checkpoint.optimizer_format import (
     DP_RESHARDABLE,
     buffer_layouts,
     load_problem,
     optimizer_metadata,
 )
-from megatron_ext.checkpoint.retention import apply_retention, complete_iterations
+from megatron_ext.checkpoint.retention import apply_retention
 from megatron_ext.checkpoint.rng import rng_state, set_rng_state
 from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-# `content` in a checkpoint's common state: a training run's full state, or model weights only
-# (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
-TRAINING_STATE = "training_state"
-WEIGHTS_ONLY = "weights_only"
-# A checkpoint records the optimizer format it was written in (config.OPTIMIZER_FORMATS): loading asks for it.
+# A checkpoint records the optimizer format it was written in (config.schema.OptimizerFormat): loading asks for it.
 _FORMAT_OF_OLDER_CHECKPOINTS = "fully_reshardable"  # written before the format was recorded
-
-
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | Path) -> Optional[int]:
-    """The iteration recorded in `root`'s tracker file, or None when there is no complete checkpoint."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}; write the iteration of "
-                              f"an intact {root}/iter_XXXXXXX into it, or remove it to start over")
-    return int(text)
-
-
-def _write_tracker(root: Path, iteration: int) -> None:
-    tmp = root / f".{TRACKER}.tmp"
-    tmp.write_text(f"{iteration}\n")
-    os.replace(tmp, root / TRACKER)
 
 
 def _model_state(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
@@ -168,7 +149,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
 
     def finish() -> None:
         _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")
-        _on_every_rank(lambda: _write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
+        _on_every_rank(lambda: write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
                        "moving the tracker")
         if dist.get_rank() == 0:
             apply_retention(root, iteration, keep_last, keep_every)
@@ -205,15 +186,12 @@ def intact_iteration(root: str | Path) -> int:
             return iteration
         older = [i for i in complete_iterations(root) if i < iteration]
         if dist.get_rank() == 0:
-            aside = ckpt.with_name(ckpt.name + ".corrupt")
-            if ckpt.is_dir():
-                shutil.rmtree(aside, ignore_errors=True)
-                ckpt.rename(aside)
-            log.warning(f"CHECKPOINT NOT USABLE: {problem}. " + (f"Renamed it to {aside.name}; " if ckpt.is_dir()
-                        or aside.is_dir() else "") + (f"resuming from the previous complete checkpoint, iteration "
-                                                     f"{older[-1]}." if older else "no older complete checkpoint."))
+            renamed = f"Renamed it to {set_aside(ckpt).name}; " if ckpt.is_dir() else ""
+            log.warning(f"CHECKPOINT NOT USABLE: {problem}. {renamed}" + (
+                f"resuming from the previous complete checkpoint, iteration {older[-1]}." if older
+                else "no older complete checkpoint."))
             if older:
-                _write_tracker(root, older[-1])
+                write_tracker(root, older[-1])
         dist.barrier()
         if not older:
             raise CheckpointError(f"{root} holds no intact checkpoint: {problem}")

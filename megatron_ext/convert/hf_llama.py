@@ -20,11 +20,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional
 
 import torch
 
-from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConversionError
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -246,15 +247,15 @@ def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[st
 
 
 def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
-    """The Llama shape a recipe config builds (defaults resolved as megatron_ext.model.llama resolves them)."""
-    m = cfg.model
+    """The Llama shape a recipe config builds."""
+    m, model = cfg.model, ModelShape.of(cfg.model)
     return LlamaShape(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_heads=m.num_attention_heads,
-        num_kv_heads=m.num_query_groups or m.num_attention_heads,
-        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size),
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_heads=model.num_attention_heads,
+        num_kv_heads=model.num_query_groups,
+        head_dim=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size,
         vocab_size=vocab_size,
         rope_theta=float(int(m.rotary_base)),
         rope_scaling_factor=m.rope_scaling_factor,
@@ -319,29 +320,6 @@ class SafetensorsReader:
         return self._handles[self.files[name]].get_tensor(name)
 
 
-def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Hugging Face LlamaForCausalLM of this shape (lm_head only when untied)."""
-    h, ffn, q, kv = shape.hidden_size, shape.ffn_hidden_size, shape.num_heads * shape.head_dim, \
-        shape.num_kv_heads * shape.head_dim
-    shapes = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (ffn, h),
-            p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
-        })
-    if not shape.tied:
-        shapes["lm_head.weight"] = (shape.vocab_size, h)
-    return shapes
-
-
 def check_tensors(reader: SafetensorsReader, shape: LlamaShape, config_path: Path) -> torch.dtype:
     """Every expected tensor present with the shape config.json implies; returns the weights' dtype."""
     expected = hf_shapes(shape)
@@ -372,6 +350,63 @@ def check_tensors(reader: SafetensorsReader, shape: LlamaShape, config_path: Pat
 
 
 # ---------------------------------------------------------------------------------------------
+# The weight mapping: one table serves import, export and the input checks
+# (megatron names are those of the TP1/PP1 local-spec GPTModel's state_dict; "{i}" is the layer)
+
+WeightKind = Literal["direct", "vocab_rows", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """One megatron tensor and the Hugging Face tensors it is made of, and how."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: WeightKind  # direct: the same tensor; vocab_rows: padded rows; qkv / gate_up: fused along rows
+
+
+_GLOBAL_BEFORE = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab_rows")]
+_PER_LAYER = [
+    WeightMapping("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "direct"),
+    WeightMapping("decoder.layers.{i}.self_attention.linear_qkv.weight",
+                  ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+                   "model.layers.{i}.self_attn.v_proj.weight"), "qkv"),
+    WeightMapping("decoder.layers.{i}.self_attention.linear_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",),
+                  "direct"),
+    WeightMapping("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
+                  "direct"),
+    WeightMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
+                  ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up"),
+    WeightMapping("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "direct"),
+]
+_GLOBAL_AFTER = [WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "direct")]
+_UNTIED_OUTPUT = WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab_rows")
+
+
+def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
+    """Every tensor pair of a model of this shape, layer by layer (the output layer only when untied)."""
+    yield from _GLOBAL_BEFORE
+    for i in range(shape.num_layers):
+        for m in _PER_LAYER:
+            yield WeightMapping(m.megatron.format(i=i), tuple(n.format(i=i) for n in m.hf), m.kind)
+    yield from _GLOBAL_AFTER
+    if not shape.tied:
+        yield _UNTIED_OUTPUT
+
+
+def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face LlamaForCausalLM of this shape, with its shape."""
+    h, ffn = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    by_suffix = {"embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
+                 "layernorm.weight": (h,), "norm.weight": (h,), "q_proj.weight": (q, h), "k_proj.weight": (kv, h),
+                 "v_proj.weight": (kv, h), "o_proj.weight": (h, q), "gate_proj.weight": (ffn, h),
+                 "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn)}
+    return {name: next(dims for suffix, dims in by_suffix.items() if name.endswith(suffix))
+            for m in weight_mappings(shape) for name in m.hf}
+
+
+# ---------------------------------------------------------------------------------------------
 # Weight layouts (megatron names are those of the TP1/PP1 local-spec GPTModel's state_dict)
 
 
@@ -397,42 +432,28 @@ def _split_qkv(qkv: torch.Tensor, shape: LlamaShape) -> tuple[torch.Tensor, ...]
 def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: LlamaShape,
                    padded_vocab: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(megatron name, tensor) pairs, produced one layer at a time so memory stays near one model."""
-    yield "embedding.word_embeddings.weight", _pad_rows(get("model.embed_tokens.weight"), padded_vocab)
-    for i in range(shape.num_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        yield mc + "input_layernorm.weight", get(hf + "input_layernorm.weight")
-        yield mc + "self_attention.linear_qkv.weight", _fuse_qkv(
-            get(hf + "self_attn.q_proj.weight"), get(hf + "self_attn.k_proj.weight"),
-            get(hf + "self_attn.v_proj.weight"), shape)
-        yield mc + "self_attention.linear_proj.weight", get(hf + "self_attn.o_proj.weight")
-        yield mc + "pre_mlp_layernorm.weight", get(hf + "post_attention_layernorm.weight")
-        yield mc + "mlp.linear_fc1.weight", torch.cat([get(hf + "mlp.gate_proj.weight"),
-                                                      get(hf + "mlp.up_proj.weight")])
-        yield mc + "mlp.linear_fc2.weight", get(hf + "mlp.down_proj.weight")
-    yield "decoder.final_layernorm.weight", get("model.norm.weight")
-    if not shape.tied:
-        yield "output_layer.weight", _pad_rows(get("lm_head.weight"), padded_vocab)
+    for m in weight_mappings(shape):
+        parts = [get(name) for name in m.hf]
+        if m.kind == "vocab_rows":
+            yield m.megatron, _pad_rows(parts[0], padded_vocab)
+        elif m.kind == "qkv":
+            yield m.megatron, _fuse_qkv(*parts, shape)
+        else:  # direct, or gate_up: [gate; up]
+            yield m.megatron, torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def megatron_to_hf(state: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
     """Hugging Face tensors (padding rows dropped), each contiguous and owning its memory for safetensors."""
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][: shape.vocab_size]}
-    for i in range(shape.num_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = _split_qkv(state[mc + "self_attention.linear_qkv.weight"], shape)
-        gate, up = torch.chunk(state[mc + "mlp.linear_fc1.weight"], 2, dim=0)
-        out.update({
-            hf + "input_layernorm.weight": state[mc + "input_layernorm.weight"],
-            hf + "self_attn.q_proj.weight": q,
-            hf + "self_attn.k_proj.weight": k,
-            hf + "self_attn.v_proj.weight": v,
-            hf + "self_attn.o_proj.weight": state[mc + "self_attention.linear_proj.weight"],
-            hf + "post_attention_layernorm.weight": state[mc + "pre_mlp_layernorm.weight"],
-            hf + "mlp.gate_proj.weight": gate,
-            hf + "mlp.up_proj.weight": up,
-            hf + "mlp.down_proj.weight": state[mc + "mlp.linear_fc2.weight"],
-        })
-    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-    if not shape.tied:
-        out["lm_head.weight"] = state["output_layer.weight"][: shape.vocab_size]
+    out = {}
+    for m in weight_mappings(shape):
+        tensor = state[m.megatron]
+        if m.kind == "vocab_rows":
+            parts = (tensor[: shape.vocab_size],)
+        elif m.kind == "qkv":
+            parts = _split_qkv(tensor, shape)
+        elif m.kind == "gate_up":
+            parts = torch.chunk(tensor, 2, dim=0)
+        else:
+            parts = (tensor,)
+        out.update(zip(m.hf, parts))
     return {name: t.detach().contiguous().clone() for name, t in out.items()}

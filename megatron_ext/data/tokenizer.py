@@ -7,14 +7,15 @@ Megatron-LM's tools/preprocess_data.py writes.
 import json
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Union, get_args
 
 import sentencepiece as spm
 
+from megatron_ext.config.schema import TokenizerType
 from megatron_ext.errors import TokenizerError
 
-SENTENCEPIECE, HUGGING_FACE = "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"  # Megatron-LM's type names
-TOKENIZER_TYPES = (SENTENCEPIECE, HUGGING_FACE)
+TOKENIZER_TYPES: tuple[str, ...] = get_args(TokenizerType)
+SENTENCEPIECE, HUGGING_FACE = TOKENIZER_TYPES
 
 
 class _LoadedFromPath:

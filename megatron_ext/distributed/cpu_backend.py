@@ -13,7 +13,7 @@ land on the CPU:
   generator / no-ops, and so are megatron-core's private CUDA RNG helpers.
 
 It is applied only when no GPU is present; on a GPU machine :func:`install` does nothing.
-See ``../shared/notes/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch.
+See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch.
 """
 
 from __future__ import annotations

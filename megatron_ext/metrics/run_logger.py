@@ -18,33 +18,12 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.config.schema import RecipeConfig, padded_vocab_size
-from megatron_ext.model.llama import num_parameters
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.resilience.stragglers import spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")
-
-# Dense BF16 peak TFLOP/s per GPU (vendor datasheets, without sparsity).
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,  # SXM; the PCIe part is 756 — override with logging.gpu_peak_tflops
-    "A100": 312.0,
-    "L40S": 362.0,
-    "B200": 2250.0,
-    "GB200": 2500.0,
-}
-
-
-def flops_per_token(cfg: RecipeConfig, vocab_size: int, causal: bool = True) -> float:
-    """Forward+backward model FLOPs for one token (see module docstring for the formula)."""
-    m = cfg.model
-    norm_params = (2 * m.num_layers + 1) * m.hidden_size
-    matmul_params = num_parameters(cfg, vocab_size) - vocab_size * m.hidden_size - norm_params
-    if not m.untie_embeddings_and_output_weights:  # the tied output layer is still a matmul
-        matmul_params += vocab_size * m.hidden_size
-    query_width = (m.kv_channels or m.hidden_size // m.num_attention_heads) * m.num_attention_heads
-    attention = (6.0 if causal else 12.0) * m.num_layers * query_width * m.seq_length
-    return 6.0 * matmul_params + attention
 
 
 def peak_tflops(cfg: RecipeConfig) -> Optional[float]:
@@ -53,8 +32,7 @@ def peak_tflops(cfg: RecipeConfig) -> Optional[float]:
         return cfg.logging.gpu_peak_tflops
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return peak_bf16_tflops(torch.cuda.get_device_name())
 
 
 def gpu_scalars() -> dict[str, float]:
@@ -76,7 +54,7 @@ class RunLogger:
     def __init__(self, cfg: RecipeConfig, vocab_size: int, world_size: int, enabled: bool):
         self.enabled = enabled
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
-        self.flops_per_step = flops_per_token(cfg, padded_vocab_size(
+        self.flops_per_step = ModelShape.of(cfg.model).flops_per_token(padded_vocab_size(
             vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )) * self.tokens_per_step
         self.world_size = world_size

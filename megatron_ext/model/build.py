@@ -9,7 +9,8 @@ import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.config.schema import RecipeConfig, resolve_kernel_options
+from megatron_ext.config.kernels import resolve_kernel_options
+from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed.parallel import describe_layout
 from megatron_ext.model.llama import (
     build_model_chunks,

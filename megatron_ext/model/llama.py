@@ -22,7 +22,8 @@ from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_ext.config.schema import RecipeConfig, default_ffn_hidden_size, padded_vocab_size
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.fused_output import FusedOutputGPTModel
 from megatron_ext.model.ring_attention import RingAttention
@@ -125,7 +126,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
-        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size),
+        ffn_hidden_size=ModelShape.of(m).ffn_hidden_size,
         kv_channels=m.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=m.layernorm_epsilon,
@@ -253,17 +254,3 @@ def _with_tp_group(forward_impl, group, /, *args, **kwargs):
     if kwargs.get("tp_group") is None:
         kwargs["tp_group"] = group
     return forward_impl(*args, **kwargs)
-
-
-def num_parameters(cfg: RecipeConfig, vocab_size: int) -> int:
-    """Parameters of the unpadded model (as published model cards count them)."""
-    m = cfg.model
-    h, heads = m.hidden_size, m.num_attention_heads
-    groups = m.num_query_groups or heads
-    head_dim = m.kv_channels or h // heads
-    ffn = m.ffn_hidden_size or default_ffn_hidden_size(h)
-    attention = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
-    mlp = 3 * h * ffn
-    per_layer = attention + mlp + 2 * h
-    embeddings = vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1)
-    return m.num_layers * per_layer + embeddings + h

@@ -48,14 +48,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from megatron_ext.config.schema import (
-    ConfigError,
-    RecipeConfig,
-    data_parallel_size,
-    default_ffn_hidden_size,
-    padded_vocab_size,
-    validate_layout,
-)
+from megatron_ext.config.kernels import compiles_layers
+from megatron_ext.config.schema import RecipeConfig, data_parallel_size
+from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.config.validate import validate_layout
+from megatron_ext.errors import ConfigError
+from megatron_ext.hardware import GPUS, GPUSpec
 
 GIB = 2**30
 NON_TORCH_RESERVE_GIB = 2.0  # CUDA context + cuBLAS/NCCL workspaces: memory torch's allocator never sees
@@ -63,7 +61,7 @@ FRAGMENTATION = 0.05  # caching-allocator slack between allocated and reserved m
 LATENCY_INTRA_S = 8e-6  # per collective or p2p message inside a node
 LATENCY_INTER_S = 25e-6  # per collective or p2p message across nodes
 # Calibration of the single-GPU costs, fitted to the eight throughputs measured on one H100 80GB (torch 2.11,
-# megatron-core 0.16.1, no TE; ../shared/notes/gpu-h100-no-te-measured.md §2-3): the 1.2B benchmark shape
+# megatron-core 0.16.1, no TE; docs/measurements/h100-2026-11-23.md §2-3): the 1.2B benchmark shape
 # (one micro batch per step: eager mbs 1; compiled mbs 1, 2, 4) and configs/llama3_2_1b_1gpu_bf16.yaml (global
 # batch 64: eager and compiled, mbs 2 and 4). With these constants every one is predicted within 4.5 %.
 KERNEL_EFFICIENCY = {"eager": 0.435, "compiled": 0.545}  # of dense BF16 peak, by the full-attention FLOP count
@@ -73,27 +71,6 @@ GRAD_ACCUMULATE_BYTES = 10  # per parameter per micro batch: fp32 main_grad += b
 # updated weights (2.7 ms) and the grad-norm passes (3.4 ms) profiled for 1.24 B parameters: 17.9 ms.
 OPTIMIZER_BYTES_PER_ELEMENT = 48
 CP_STEP_LAUNCH_S = 10e-6  # per ring step of context-parallel attention: extra kernel launches and sync
-
-
-@dataclass(frozen=True)
-class GPUSpec:
-    """One accelerator type: memory, compute and the two link classes the time model uses."""
-
-    name: str
-    memory_gib: float
-    peak_bf16_tflops: float
-    hbm_tb_s: float
-    nvlink_gb_s: float  # NCCL bus bandwidth inside a node
-    internode_gb_s: float  # NCCL bus bandwidth per GPU across nodes
-    fp8: bool
-
-
-GPUS: dict[str, GPUSpec] = {
-    "h100-80gb": GPUSpec("H100 SXM 80GB", 79.6, 989.0, 3.35, 360.0, 40.0, True),
-    "h200-141gb": GPUSpec("H200 SXM 141GB", 139.8, 989.0, 4.8, 360.0, 40.0, True),
-    "a100-80gb": GPUSpec("A100 SXM 80GB", 79.2, 312.0, 2.04, 230.0, 20.0, False),
-    "a100-40gb": GPUSpec("A100 SXM 40GB", 39.4, 312.0, 1.555, 230.0, 20.0, False),
-}
 
 
 @dataclass(frozen=True)
@@ -172,11 +149,10 @@ class _Shape:
     @classmethod
     def of(cls, cfg: RecipeConfig, vocab_size: int) -> "_Shape":
         m, p = cfg.model, cfg.parallel
-        heads = m.num_attention_heads
+        model = ModelShape.of(m)
         return cls(
-            layers=m.num_layers, hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
-            head_dim=m.kv_channels or m.hidden_size // heads,
-            ffn=m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size),
+            layers=model.num_layers, hidden=model.hidden_size, heads=model.num_attention_heads,
+            groups=model.num_query_groups, head_dim=model.kv_channels, ffn=model.ffn_hidden_size,
             vocab=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size),
             seq=m.seq_length, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
             sp=p.sequence_parallel, tied=not m.untie_embeddings_and_output_weights,
@@ -431,7 +407,7 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
 
 def _flops_per_token(shape: _Shape, layers: int, output_layer: bool, recompute: Optional[str]) -> float:
     """Forward+backward FLOPs per token plus recompute, attention over the full score matrix
-    (metrics.flops_per_token(causal=False)): KERNEL_EFFICIENCY was fitted against that count."""
+    (ModelShape.flops_per_token(causal=False)): KERNEL_EFFICIENCY was fitted against that count."""
     h, d = shape.hidden, shape.head_dim
     layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + 3 * shape.ffn * h  # whole layer, no norms
     attention = 12.0 * shape.hidden * shape.seq
@@ -504,11 +480,10 @@ def stage_peak_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_ran
 
 
 def compiled_layers(cfg: RecipeConfig) -> bool:
-    """Whether the recipe runs `cfg` with compiled layers on a GPU: train.compile, where auto means the local
-    layer spec (a TransformerEngine spec, model.attention_backend=te, is never compiled) without CUDA graphs
-    (config.resolve_kernel_options; graphed eager layers are planned at the eager efficiency, uncalibrated)."""
-    return cfg.train.compile is True or (cfg.train.compile == "auto" and cfg.model.attention_backend != "te"
-                                         and not cfg.train.cuda_graphs)
+    """Whether the recipe runs `cfg` with compiled layers on a GPU, as its start-up resolves train.compile. The
+    layer spec is TransformerEngine's only for model.attention_backend=te: the efficiencies were calibrated without
+    TE, so `auto` is planned as local layers. Graphed eager layers are planned at the eager efficiency."""
+    return compiles_layers(cfg.train, on_gpu=True, use_te=cfg.model.attention_backend == "te")
 
 
 def kernel_efficiency(cfg: RecipeConfig) -> float:

@@ -1,0 +1,79 @@
+"""A checkpoint directory on disk, named in one place: ``<root>/iter_XXXXXXX/`` per saved iteration, the tracker
+file naming the newest complete one, ``iter_XXXXXXX.corrupt`` for one set aside, and the files inside
+(dist_checkpointing's ``common.pt`` and ``metadata.json``, our ``manifest.json``). Everything that reads or writes
+a checkpoint (training, retention, the converter, ``recipes.checkpoints``) goes through these names."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+from megatron_ext.errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name: the newest complete iteration, as text
+CORRUPT_SUFFIX = ".corrupt"
+MANIFEST = "manifest.json"  # every file's size and CRC32 (checkpoint.manifest); written last: its presence = complete
+COMMON_STATE = "common.pt"  # dist_checkpointing's non-sharded state: iteration, config, content, ...
+DIST_METADATA = "metadata.json"  # dist_checkpointing's own; present once its shards are written
+# `content` in a checkpoint's common state: a training run's full state, or model weights only
+# (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
+TRAINING_STATE = "training_state"
+WEIGHTS_ONLY = "weights_only"
+_ITERATION_DIR = re.compile(r"iter_(\d{7})(" + re.escape(CORRUPT_SUFFIX) + r")?")
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+class IterationDir(NamedTuple):
+    iteration: int
+    path: Path
+    set_aside: bool  # renamed to .corrupt when found unusable
+
+
+def iteration_dirs(root: str | Path) -> list[IterationDir]:
+    """Every ``iter_XXXXXXX`` (and ``.corrupt``) directory in `root`, by iteration."""
+    found = []
+    for path in Path(root).glob("iter_*"):
+        match = _ITERATION_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append(IterationDir(int(match.group(1)), path, match.group(2) is not None))
+    return sorted(found)
+
+
+def complete_iterations(root: str | Path) -> list[int]:
+    """Iterations whose directory holds a manifest (written last, so complete), oldest first."""
+    return [d.iteration for d in iteration_dirs(root) if not d.set_aside and (d.path / MANIFEST).is_file()]
+
+
+def set_aside(ckpt_dir: Path) -> Path:
+    """Rename an unusable checkpoint to ``iter_XXXXXXX.corrupt`` (replacing an older one set aside)."""
+    aside = ckpt_dir.with_name(ckpt_dir.name + CORRUPT_SUFFIX)
+    if aside.is_dir():
+        import shutil
+
+        shutil.rmtree(aside, ignore_errors=True)
+    ckpt_dir.rename(aside)
+    return aside
+
+
+def latest_iteration(root: str | Path) -> Optional[int]:
+    """The iteration recorded in `root`'s tracker file, or None when there is no complete checkpoint."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}; write the iteration of "
+                              f"an intact {root}/iter_XXXXXXX into it, or remove it to start over")
+    return int(text)
+
+
+def write_tracker(root: Path, iteration: int) -> None:
+    """Point the tracker at `iteration` atomically (temp file, then rename): a crash leaves the old one."""
+    tmp = root / f".{TRACKER}.tmp"
+    tmp.write_text(f"{iteration}\n")
+    os.replace(tmp, root / TRACKER)

@@ -1,0 +1,50 @@
+"""Kernel options against the machine: `auto` resolved for this GPU (or CPU) and layer spec, and the kernels this
+machine cannot run refused. The recipe's start-up and the planner both resolve through here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from megatron_ext.config.schema import AUTO, RecipeConfig, TrainConfig
+from megatron_ext.config.validate import require
+from megatron_ext.errors import ConfigError
+
+
+def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
+    """`cfg` with train.compile / train.fused_cross_entropy `auto` decided for this machine and layer spec:
+    compile on for local layers on a GPU (off under CUDA graphs), fused cross-entropy on in bf16 (off where the
+    fused linear cross-entropy computes the loss) (docs/performance.md). Raises ConfigError for kernels this
+    machine or spec cannot run."""
+    t = cfg.train
+    if t.liger_kernels:
+        require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers "
+                "only; with TransformerEngine set model.attention_backend=local to use it")
+        _require_liger("train.liger_kernels", on_gpu, "liger_kernel.megatron")
+    if t.fused_linear_cross_entropy:
+        _require_liger("train.fused_linear_cross_entropy", on_gpu, "liger_kernel.transformers.functional")
+    if t.cuda_graphs:
+        require(on_gpu, "train.cuda_graphs", True, "CUDA graphs need a GPU; a CPU rehearsal runs the same layers "
+                "eagerly — set train.cuda_graphs=false there")
+        require(not use_te, "train.cuda_graphs", True, "captures megatron-core's local layers; TransformerEngine's "
+                "graphs (cuda_graph_impl=transformer_engine) are not wired here — set model.attention_backend=local")
+    compile_ = compiles_layers(t, on_gpu, use_te)
+    fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
+                else t.fused_cross_entropy)
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))
+
+
+def _require_liger(key: str, on_gpu: bool, module: str) -> None:
+    """liger-kernel's Triton kernels run here: a GPU, and the package's `module` imports."""
+    require(on_gpu, key, True, "liger-kernel's kernels are Triton and need a GPU; a CPU rehearsal runs "
+            "megatron-core's own (the numerics differ slightly, so nothing is swapped silently)")
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"{key}=True needs liger-kernel: pip install liger-kernel==0.8.5 ({e})")
+
+
+def compiles_layers(train: TrainConfig, on_gpu: bool, use_te: bool) -> bool:
+    """train.compile for this machine: `auto` compiles megatron-core's local layers on a GPU, never
+    TransformerEngine's (they bring their own fused kernels) nor layers captured in CUDA graphs."""
+    return (on_gpu and not use_te and not train.cuda_graphs) if train.compile == AUTO else train.compile

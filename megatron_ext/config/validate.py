@@ -1,0 +1,291 @@
+"""Cross-field rules of the recipe config for a world size: the model shape, the 4D layout, precision, kernels,
+checkpointing and monitoring. Each failure is one :class:`ConfigError` naming the key, its value and what would
+be valid, raised before any process group exists instead of a traceback (or a hang) deep inside megatron-core.
+
+The data files and tokenizer are checked by :mod:`megatron_ext.data.checks`; what this machine can run (a GPU,
+TransformerEngine, liger-kernel) by :mod:`megatron_ext.config.kernels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.shape import ModelShape
+from megatron_ext.errors import ConfigError
+
+
+def require(ok: bool, key: str, value: Any, valid: str) -> None:
+    """Raise the ConfigError `key=value is invalid: valid` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+def _allowed_values(annotation: Any) -> tuple[Any, ...]:
+    """The values a Literal (or Optional Literal) annotation admits, None included; () for other types."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union:
+        args = typing.get_args(annotation)
+        values = tuple(v for arg in args for v in _allowed_values(arg))
+        return (None, *values) if values and type(None) in args else values
+    return ()
+
+
+def _check_enum_values(cfg: RecipeConfig) -> None:
+    """Every Literal-typed key holds one of its values, also in a config built in code rather than loaded."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for name, annotation in typing.get_type_hints(type(values)).items():
+            allowed = _allowed_values(annotation)
+            value = getattr(values, name)
+            if allowed and not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+                shown = ", ".join("null" if a is None else str(a).lower() if isinstance(a, bool) else str(a)
+                                  for a in allowed)
+                require(False, f"{section.name}.{name}", value, f"one of {shown}")
+
+
+def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8_capable: bool = False) -> None:
+    """Every config rule: the model shape and 4D layout for `world_size` processes, checkpointing, monitoring."""
+    validate_layout(cfg, world_size, te_available, fp8_capable)
+    _validate_checkpoint(cfg)
+    _validate_monitoring(cfg)
+
+
+def _validate_checkpoint(cfg: RecipeConfig) -> None:
+    c = cfg.checkpoint
+    for key in ("save_interval", "keep_last", "keep_every"):
+        value = getattr(c, key)
+        require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
+    require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
+            "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
+
+
+def _validate_monitoring(cfg: RecipeConfig) -> None:
+    t, g = cfg.train, cfg.logging
+    collective_timeout_s = cfg.parallel.distributed_timeout_minutes * 60
+    require(t.hang_timeout_s is None or 0 < t.hang_timeout_s < collective_timeout_s, "train.hang_timeout_s",
+            t.hang_timeout_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
+            f"{collective_timeout_s} s, so that the watchdog names the hung rank before the collectives time out")
+    require(t.skip_nonfinite_steps >= 0, "train.skip_nonfinite_steps", t.skip_nonfinite_steps, "must be >= 0")
+    for key in ("loss_spike_factor", "straggler_factor"):
+        value = getattr(g, key)
+        require(value is None or value > 1, f"logging.{key}", value, "must be above 1, or null (off)")
+    require(g.loss_spike_window >= 5, "logging.loss_spike_window", g.loss_spike_window, "must be >= 5")
+    require(g.straggler_intervals >= 1, "logging.straggler_intervals", g.straggler_intervals, "must be >= 1")
+
+
+def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,
+                    fp8_capable: bool = False) -> None:
+    """Cross-field checks of the model shape and the 4D layout for `world_size` processes.
+
+    `te_available`: TransformerEngine imports; `fp8_capable`: this GPU has FP8 tensor cores (sm89+).
+    """
+    _check_enum_values(cfg)
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    vpp = p.virtual_pipeline_model_parallel_size
+    for key, value in [
+        ("parallel.tensor_model_parallel_size", tp),
+        ("parallel.pipeline_model_parallel_size", pp),
+        ("parallel.context_parallel_size", cp),
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.seq_length", m.seq_length),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.eval_interval", t.eval_interval),
+        ("logging.log_interval", cfg.logging.log_interval),
+    ]:
+        require(value >= 1, key, value, "must be a positive integer")
+    require(t.train_iters >= 0, "train.train_iters", t.train_iters, "must be >= 0")
+    require(t.eval_iters >= 0, "train.eval_iters", t.eval_iters, "must be >= 0")
+
+    model_parallel = tp * pp * cp
+    require(
+        world_size % model_parallel == 0,
+        "world size (processes started)",
+        world_size,
+        f"must be a multiple of parallel.tensor_model_parallel_size × pipeline_model_parallel_size × "
+        f"context_parallel_size = {tp}×{pp}×{cp} = {model_parallel} (DP = world size / {model_parallel}); "
+        f"valid world sizes: {model_parallel}, {2 * model_parallel}, {4 * model_parallel}, ...",
+    )
+    dp = world_size // model_parallel
+
+    shape = ModelShape.of(m)
+    heads, groups = shape.num_attention_heads, shape.num_query_groups
+    require(
+        m.hidden_size % heads == 0 or m.kv_channels is not None,
+        "model.hidden_size",
+        m.hidden_size,
+        f"must be divisible by model.num_attention_heads={heads} (or set model.kv_channels)",
+    )
+    require(
+        heads % groups == 0,
+        "model.num_query_groups",
+        groups,
+        f"must divide model.num_attention_heads={heads}",
+    )
+    require(
+        heads % tp == 0,
+        "model.num_attention_heads",
+        heads,
+        f"must be divisible by parallel.tensor_model_parallel_size={tp}",
+    )
+    require(
+        groups % tp == 0,
+        "model.num_query_groups",
+        groups,
+        f"must be divisible by parallel.tensor_model_parallel_size={tp} "
+        f"(valid TP sizes: {[d for d in range(1, groups + 1) if groups % d == 0 and heads % d == 0]})",
+    )
+    ffn = shape.ffn_hidden_size
+    require(
+        ffn % tp == 0,
+        "model.ffn_hidden_size",
+        ffn,
+        f"must be divisible by parallel.tensor_model_parallel_size={tp}",
+    )
+    require(
+        m.attention_backend != "te" or te_available,
+        "model.attention_backend",
+        m.attention_backend,
+        "TransformerEngine is not importable here; use auto or local",
+    )
+
+    _validate_pipeline(cfg)
+
+    if p.sequence_parallel:
+        require(tp > 1, "parallel.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
+    if cp > 1:
+        require(
+            m.seq_length % (2 * cp) == 0,
+            "model.seq_length",
+            m.seq_length,
+            f"must be divisible by 2×context_parallel_size={2 * cp} "
+            "(the load-balanced causal split cuts the sequence into 2×CP chunks)",
+        )
+    if p.sequence_parallel:
+        require(
+            (m.seq_length // cp) % tp == 0,
+            "model.seq_length",
+            m.seq_length,
+            f"with sequence_parallel the per-CP-rank length seq_length/CP must be divisible by TP={tp}",
+        )
+
+    per_step = t.micro_batch_size * dp
+    require(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of micro_batch_size×DP = {t.micro_batch_size}×{dp} = {per_step}",
+    )
+    if vpp is not None and pp > 1:
+        microbatches = t.global_batch_size // per_step
+        require(
+            microbatches % pp == 0,
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"the interleaved schedule needs the number of microbatches ({microbatches}) to be a "
+            f"multiple of pipeline_model_parallel_size={pp}",
+        )
+    _validate_precision(cfg, te_available, fp8_capable)
+    _validate_kernels(cfg, te_available)
+    require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
+            o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
+    require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
+    require(p.overlap_param_gather is False or p.use_distributed_optimizer,
+            "parallel.overlap_param_gather", True, "needs parallel.use_distributed_optimizer=true")
+
+
+def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool) -> None:
+    """train.precision / fp8 against the layer spec this machine builds."""
+    m, t = cfg.model, cfg.train
+    if t.fp8 is not None:
+        require(te_available, "train.fp8", t.fp8, "FP8 runs through TransformerEngine, which is not importable "
+                "here (use the NGC container, see docs/docker.md) — or set train.fp8=null")
+        # Local layers ignore TE's fp8_autocast: the run would train in BF16 without a word.
+        require(m.attention_backend != "local", "train.fp8", t.fp8,
+                "FP8 runs only in TransformerEngine's layers, and model.attention_backend=local (also what "
+                "train.compile needs) builds megatron-core's local layers — set model.attention_backend=auto "
+                "and train.compile=false, or train.fp8=null")
+        require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
+                "Ada, Hopper, Blackwell) — or set train.fp8=null")
+        require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
+
+
+def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
+    """Fused kernels, compile and CUDA graphs against precision, layout and the layer spec (the machine-dependent
+    rules are in resolve_kernel_options)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
+    # unconditionally: in an fp32 run it would silently round every gradient through bf16.
+    require(t.fused_cross_entropy is not True or t.precision == "bf16", "train.fused_cross_entropy", True,
+            "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
+    if t.fused_linear_cross_entropy:
+        require(p.tensor_model_parallel_size == 1, "train.fused_linear_cross_entropy", True,
+                "needs the whole vocabulary on each rank (liger-kernel's kernel has no vocab-parallel form): set "
+                "parallel.tensor_model_parallel_size=1, or use train.fused_cross_entropy with tensor parallelism")
+        require(t.fused_cross_entropy is not True, "train.fused_cross_entropy", True,
+                "replaced by train.fused_linear_cross_entropy=true, which computes the loss itself: set one")
+    require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,
+            "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
+            "kernels — set model.attention_backend=local to compile, or train.compile=false")
+    if t.cuda_graphs:
+        # Each a combination megatron-core refuses (full recompute) or that no GPU run here has verified yet.
+        for ok, key, value, why in [
+            (t.compile is not True, "train.compile", True, "train.cuda_graphs captures eager layers; compiled layers "
+             "under CUDA graphs are unverified — set train.compile=false (or auto) or train.cuda_graphs=false"),
+            (t.recompute_granularity != "full", "train.recompute_granularity", "full", "megatron-core captures "
+             "no layer graphs under full recompute — use selective or null with train.cuda_graphs"),
+            (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size",
+             p.pipeline_model_parallel_size, "train.cuda_graphs keeps one graph per micro batch in flight under "
+             "pipelining, which eval's different micro-batch count breaks; use it with pipeline size 1"),
+        ]:
+            require(ok, key, value, why)
+
+
+def _validate_pipeline(cfg: RecipeConfig) -> None:
+    m, p = cfg.model, cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if vpp is not None:
+        require(vpp >= 1, "parallel.virtual_pipeline_model_parallel_size", vpp, "must be >= 1 or null")
+        require(
+            pp > 1,
+            "parallel.virtual_pipeline_model_parallel_size",
+            vpp,
+            "needs pipeline_model_parallel_size > 1",
+        )
+    if first is not None or last is not None:
+        # megatron-core 0.16.1 divides by zero (transformer_layer.py) if both are set at PP=2.
+        require(
+            pp > 2 or first is None or last is None,
+            "parallel.num_layers_in_last_pipeline_stage",
+            last,
+            "set only one of num_layers_in_first/last_pipeline_stage when pipeline_model_parallel_size=2",
+        )
+        require(vpp is None, "parallel.virtual_pipeline_model_parallel_size", vpp,
+                "uneven pipeline stages are not combined with virtual stages here")
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle_layers = m.num_layers - (first or 0) - (last or 0)
+        require(
+            middle_layers >= 0 and (middle_stages == 0 and middle_layers == 0
+                                    or middle_stages > 0 and middle_layers % middle_stages == 0),
+            "model.num_layers",
+            m.num_layers,
+            f"after the first/last stage overrides ({first}/{last}) the remaining {middle_layers} "
+            f"layers must divide evenly over the other {middle_stages} pipeline stages",
+        )
+        return
+    chunks = pp * (vpp or 1)
+    require(
+        m.num_layers % chunks == 0,
+        "model.num_layers",
+        m.num_layers,
+        f"must be divisible by pipeline_model_parallel_size×virtual_pipeline_model_parallel_size="
+        f"{chunks}, or set parallel.num_layers_in_first_pipeline_stage/last for an uneven split",
+    )

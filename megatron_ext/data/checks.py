@@ -1,0 +1,70 @@
+"""The data a recipe names, checked before any process starts: each blend prefix's files exist, the split is
+valid, the tokenizer loads, and every token id in the data fits the model's vocabulary."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_ext.config.schema import RecipeConfig, parse_blend
+from megatron_ext.config.validate import require
+from megatron_ext.data.datasets import max_token_id
+from megatron_ext.data.tokenizer import load_tokenizer
+from megatron_ext.errors import ConfigError, TokenizerError
+
+
+def validate_data(cfg: RecipeConfig) -> None:
+    """The data files, split and tokenizer of `cfg` (nothing to check for mock data beyond its vocabulary)."""
+    d = cfg.data
+    if d.mock:
+        require(cfg.model.vocab_size is not None, "model.vocab_size", None,
+                "data.mock=true needs an explicit vocabulary size")
+        return
+    has_split_blends = any(b for b in (d.train_blend, d.valid_blend, d.test_blend))
+    require(bool(d.blend) or has_split_blends, "data.blend", d.blend,
+            "give a dataset prefix list (or data.train_blend/valid_blend)")
+    for key, prefix in _blend_prefixes(cfg):
+        for suffix in (".bin", ".idx"):
+            require(Path(prefix + suffix).is_file(), key, prefix,
+                    f"{prefix}{suffix} does not exist (a prefix names PREFIX.bin + PREFIX.idx)")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    require(len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0, "data.split", d.split,
+            "three non-negative numbers like 98,2,0 (train,valid,test)")
+    require(d.tokenizer_model is not None, "data.tokenizer_model", d.tokenizer_model,
+            "a sentencepiece .model file or a Hugging Face tokenizer directory")
+    try:
+        vocab = load_tokenizer(d.tokenizer_model, d.tokenizer_type).vocab_size
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer_model={d.tokenizer_model!r} is invalid: {e}") from None
+    require(cfg.model.vocab_size is None or cfg.model.vocab_size >= vocab, "model.vocab_size",
+            cfg.model.vocab_size, f"must be >= the vocabulary of {d.tokenizer_model} ({vocab}) or null")
+    _check_token_ids(cfg, cfg.model.vocab_size or vocab)
+
+
+def _blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """(data.KEY, dataset prefix) for every prefix the blends name."""
+    pairs = []
+    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
+        parsed = parse_blend(getattr(cfg.data, key), f"data.{key}")
+        pairs += [(f"data.{key}", prefix) for prefix in (parsed[0] if parsed else [])]
+    return pairs
+
+
+def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
+    """Every token id in the data below the model's vocabulary: data written with another tokenizer is one error
+    here, not a device-side assert in the embedding or a silently wrong run. One pass over every .bin, by the
+    first process of each node only (the others would read the same pages again)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    d = cfg.data
+    for key, prefix in _blend_prefixes(cfg):
+        top = max_token_id(IndexedDataset(prefix))
+        require(top < vocab, key, prefix,
+                f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
+                f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "
+                "preprocess it with this one, or point data.tokenizer_model at the one that wrote it")
