@@ -35,7 +35,6 @@ chart grouped by micro batch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -78,17 +77,24 @@ def regime(variant: str, precision: str) -> tuple[str, str]:
     return "bf16", "pure bf16: bf16 weights and Adam state"
 
 
-def unavailable(variant: str, precision: str, te_available: bool, fp8_capable: bool,
-                liger_capable: bool = False, on_gpu: bool = False) -> Optional[str]:
-    """Why `variant` cannot run here, or None. `liger_capable`: a GPU, and liger-kernel imports."""
-    if variant == "megatron-fp8" and not (te_available and fp8_capable and precision == "bf16"):
-        return "needs TransformerEngine, an FP8-capable GPU (sm89+) and bf16"
-    if variant == "megatron-cudagraph" and not on_gpu:
-        return "CUDA graphs need a GPU"
-    if variant == "megatron-liger" and not liger_capable:
-        return "needs a GPU and liger-kernel (pip install liger-kernel==0.8.5)"
-    if variant in HF_VARIANTS and HF_VARIANTS[variant][0] and precision != "bf16":
-        return "autocast regime: bf16 only (in fp32 `hf` is the same regime as the recipe)"
+def unavailable(variant: str, shape: dict, precision: str, te_available: bool, fp8_capable: bool,
+                on_gpu: bool) -> Optional[str]:
+    """Why `variant` cannot run here, or None: for a recipe variant, the recipe's own config rules for this
+    machine (validation, then the kernel options it would resolve)."""
+    if variant in HF_VARIANTS:
+        if HF_VARIANTS[variant][0] and precision != "bf16":
+            return "autocast regime: bf16 only (in fp32 `hf` is the same regime as the recipe)"
+        return None
+    from megatron_ext.config.kernels import resolve_kernel_options, uses_transformer_engine
+    from megatron_ext.config.validate import validate_layout
+    from megatron_ext.errors import ConfigError
+
+    cfg = recipe_config({**shape, "micro_batch_size": 1}, precision, steps=1, variant=variant)
+    try:
+        validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=fp8_capable)
+        resolve_kernel_options(cfg, on_gpu, uses_transformer_engine(cfg, on_gpu, te_available))
+    except ConfigError as e:
+        return str(e)
     return None
 
 
@@ -332,9 +338,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results, skipped = [], {}
     for variant in args.variants:
-        reason = unavailable(variant, args.precision, transformer_engine_available(), fp8_capable,
-                             liger_capable=on_gpu and importlib.util.find_spec("liger_kernel") is not None,
-                             on_gpu=on_gpu)
+        reason = unavailable(variant, shape, args.precision, transformer_engine_available(), fp8_capable, on_gpu)
         if reason:
             skipped[variant] = reason
             print(f"skipping {variant}: {reason}", flush=True)

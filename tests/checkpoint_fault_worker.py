@@ -2,8 +2,8 @@
 
 ``FAIL_ITERATION``/``FAIL_RANK`` (environment): that rank's save of that iteration writes part of a file and then
 fails with ENOSPC after the other ranks finished theirs (the case where only one rank knows); with ``HANG_MARKER``
-set it instead touches that file once the shards are written and waits there (before the manifest and the
-tracker), for the test to kill the job mid-save.
+set it instead touches that file and waits there, for the test to kill the job mid-save: once the shards are
+written (before the manifest and the tracker), or with ``HANG_AT=tracker`` when the tracker is about to move.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def install() -> None:
 
     def save(state, checkpoint_dir, *args, **kwargs):
         result = real_save(state, checkpoint_dir, *args, **kwargs)
+        if os.environ.get("HANG_AT") == "tracker":
+            return result
         if Path(checkpoint_dir).name == target_name and dist.get_rank() == int(os.environ["FAIL_RANK"]):
             if os.environ.get("HANG_MARKER"):
                 Path(os.environ["HANG_MARKER"]).touch()
@@ -35,6 +37,16 @@ def install() -> None:
         return result
 
     save_load.dist_checkpointing.save = save
+    if os.environ.get("HANG_AT") == "tracker":
+        real_write_tracker = save_load.write_tracker
+
+        def write_tracker(root: Path, iteration: int) -> None:
+            if iteration == int(os.environ["FAIL_ITERATION"]):
+                Path(os.environ["HANG_MARKER"]).touch()
+                time.sleep(600)
+            real_write_tracker(root, iteration)
+
+        save_load.write_tracker = write_tracker
 
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns processes

@@ -57,10 +57,13 @@ def test_peers_are_compared_within_their_master_weight_regime():
 @pytest.mark.parametrize("variant", list(benchmark.MEGATRON_VARIANTS))
 def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available):
     """GPU runs are rare: a variant the config rules reject must fail here, not on the GPU."""
-    if benchmark.unavailable(variant, "bf16", te_available, fp8_capable=True, liger_capable=True,
-                             on_gpu=True):
-        assert variant == "megatron-fp8" and not te_available  # skipped by the benchmark with its reason
-        return
     shape = {**benchmark.PRESETS["1b"], "micro_batch_size": 4}
+    reason = benchmark.unavailable(variant, shape, "bf16", te_available, fp8_capable=True, on_gpu=True)
+    if reason:  # skipped by the benchmark with the recipe's own reason
+        expected = {"megatron-fp8": "TransformerEngine is not importable", "megatron-liger": "needs liger-kernel"}
+        assert expected.get(variant) and expected[variant] in reason, (variant, reason)
+        if variant == "megatron-fp8":
+            assert not te_available
+        return
     cfg = benchmark.recipe_config(shape, "bf16", steps=13, variant=variant)
     validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=True)

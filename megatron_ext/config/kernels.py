@@ -11,6 +11,13 @@ from megatron_ext.config.validate import require
 from megatron_ext.errors import ConfigError
 
 
+def uses_transformer_engine(cfg: RecipeConfig, on_gpu: bool, te_available: bool) -> bool:
+    """Whether the run builds TransformerEngine's layer spec: model.attention_backend=te, or auto on a GPU where
+    TransformerEngine imports; otherwise megatron-core's local layers."""
+    backend = cfg.model.attention_backend
+    return backend == "te" or (backend == AUTO and on_gpu and te_available)
+
+
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
     """`cfg` with train.compile / train.fused_cross_entropy `auto` decided for this machine and layer spec:
     compile on for local layers on a GPU (off under CUDA graphs), fused cross-entropy on in bf16 (off where the

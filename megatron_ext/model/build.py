@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.config.kernels import resolve_kernel_options
+from megatron_ext.config.kernels import resolve_kernel_options, uses_transformer_engine
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed.parallel import describe_layout
 from megatron_ext.model.llama import (
@@ -28,8 +28,7 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
                 ) -> tuple[RecipeConfig, TransformerConfig, list[GPTModel]]:
     """`cfg` with its `auto` kernel options decided for this machine, megatron-core's TransformerConfig, and this
     rank's model chunks (on the GPU when there is one), not yet wrapped in DDP."""
-    use_te = cfg.model.attention_backend == "te" or (
-        cfg.model.attention_backend == "auto" and on_gpu and transformer_engine_available())
+    use_te = uses_transformer_engine(cfg, on_gpu, transformer_engine_available())
     cfg = resolve_kernel_options(cfg, on_gpu, use_te)
     if cfg.train.liger_kernels:
         # before the model is built: it rebinds megatron-core functions the layers call

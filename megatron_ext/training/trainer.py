@@ -22,10 +22,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
-from megatron_ext.checkpoint import save_load
-from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
-from megatron_ext.checkpoint.resume import resume_training
+from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
 from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
@@ -190,11 +188,8 @@ class Trainer:
             override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         self._wire_schedule_hooks()
-        if cfg.checkpoint.save:
-            save_load.start_save_helpers()
-        self.iteration, self.consumed_samples = resume_training(cfg, self.model, self.optimizer, self.scheduler)
-        use_async = cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else self.on_gpu
-        self.saver = AsyncCheckpointSaver() if cfg.checkpoint.save and use_async else None
+        self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu)
+        self.iteration, self.consumed_samples = self.checkpointer.load()
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
@@ -298,31 +293,31 @@ class Trainer:
             losses.extend(self._run_schedule(it, forward_only=True))
         return _global_mean_loss(losses)[0]
 
-    def save(self) -> Path:
-        """Write a checkpoint (in the background with checkpoint.async_save, after the previous one is done)."""
-        ck = self.cfg.checkpoint
-        start = time.perf_counter()
+    def _evaluate_if_due(self, result: RunResult) -> None:
+        """Validation every train.eval_interval steps and after the last one."""
+        t = self.cfg.train
+        if self.iteration % t.eval_interval and self.iteration != t.train_iters:
+            return
+        self.where = f"evaluation after iteration {self.iteration}"
+        val = self.evaluate()
+        if val is not None:
+            result.val_losses[self.iteration] = val
+            self.run_logger.validation(self.iteration, val)
+        self.watchdog.step_done(self.iteration)
+
+    def _checkpoint(self, stopping: bool) -> Optional[Path]:
+        """The step's checkpoint work: background saves that finished are completed; a checkpoint is written
+        when one is due. Returns the path written (or started), else None."""
+        self.checkpointer.finish_completed_writes()
+        if not self.checkpointer.due(self.iteration, stopping):
+            return None
         self.where = f"checkpoint save at iteration {self.iteration}"
         with self.watchdog.suspended():
-            if self.saver:
-                self.saver.finalize(blocking=True)
-            path = save_load.save_checkpoint(
-                ck.save, self.iteration, self.model, self.optimizer, self.scheduler, self.consumed_samples,
-                self.cfg.to_dict(), keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
-                optimizer_format=self._optimizer_format())
-        stall = time.perf_counter() - start
-        self._info(f"{'started saving' if self.saver else 'saved'} checkpoint {path}; training stalled {stall:.1f} s")
+            path, stall = self.checkpointer.save(self.iteration, self.consumed_samples)
+        self._info(f"{'started saving' if self.checkpointer.asynchronous else 'saved'} checkpoint {path}; "
+                   f"training stalled {stall:.1f} s")
         self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
-
-    def _optimizer_format(self) -> str:
-        fmt = self.cfg.checkpoint.optimizer_format
-        if not self.cfg.parallel.use_distributed_optimizer:
-            return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
-        if fmt != "auto":
-            return fmt
-        # Saves along the way are the fast, lean format; the finished run's loads under any TP/PP layout.
-        return "fully_reshardable_mem_efficient" if self.iteration >= self.cfg.train.train_iters else "dp_reshardable"
 
     def _record_step(self, result: RunResult, loss: float, grad_norm: float, lr: float, step_time: float) -> None:
         """Results, console/TensorBoard, loss spikes, and each log interval the ranks' compute-time spread."""
@@ -348,7 +343,6 @@ class Trainer:
         result = RunResult(iteration=self.iteration)
         exit_signal = _ExitSignal(t.exit_signal_handler)
         data = self._iterators(self.train_ds, self.consumed_samples)
-        ckpt = cfg.checkpoint
         self._info(f"training iterations {self.iteration + 1}..{t.train_iters}: global batch {t.global_batch_size} "
                    f"= micro batch {t.micro_batch_size} × DP {self.dp_size} × {self.num_microbatches} micro batches, "
                    f"seq {cfg.model.seq_length}")
@@ -371,20 +365,10 @@ class Trainer:
                 bar.set_postfix(loss=f"{stepped[0]:.3f}")
             bar.update(1)
             self.watchdog.step_done(self.iteration)
-            if self.saver:
-                self.saver.finalize(blocking=False)
-            if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
-                self.where = f"evaluation after iteration {self.iteration}"
-                val = self.evaluate()
-                if val is not None:
-                    result.val_losses[self.iteration] = val
-                    self.run_logger.validation(self.iteration, val)
-                self.watchdog.step_done(self.iteration)
+            self._evaluate_if_due(result)
             signalled = exit_signal.any_rank_received()
             stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
-            due = ckpt.save_interval and self.iteration % ckpt.save_interval == 0
-            if ckpt.save and (due or stop or self.iteration == t.train_iters):
-                result.checkpoint = self.save()
+            result.checkpoint = self._checkpoint(stopping=stop) or result.checkpoint
             if stop:
                 self._info(f"stopped cleanly after iteration {self.iteration} "
                            f"({'exit signal' if signalled else 'train.exit_interval'})")
@@ -392,10 +376,9 @@ class Trainer:
                 break
         self.watchdog.close()
         bar.close()
-        if ckpt.save and t.train_iters == 0:  # a run of 0 steps saves the initial weights
-            result.checkpoint = self.save()
-        if self.saver:
-            self.saver.close()  # the last checkpoint is complete before the run reports it
+        if t.train_iters == 0:  # a run of 0 steps saves the initial weights
+            result.checkpoint = self._checkpoint(stopping=False)
+        self.checkpointer.close()  # the last checkpoint is complete before the run reports it
         result.iteration = self.iteration
         self.run_logger.close()
         return result
@@ -410,8 +393,7 @@ def pretrain(cfg: RecipeConfig) -> RunResult:
     except BaseException as exc:
         if trainer is not None:
             trainer.watchdog.close()  # a slow teardown is not a hang
-            if trainer.saver:
-                trainer.saver.abort()  # its writer process would otherwise keep the rank from exiting
+            trainer.checkpointer.abort()  # its writer process would otherwise keep the rank from exiting
         where = trainer.where if trainer is not None else "start-up"
         advice = _out_of_memory_advice(cfg) if isinstance(exc, torch.OutOfMemoryError) else ""
         raise RunFailed(report_failure(exc, int(os.environ.get("RANK", "0")), where, log_dir(cfg), advice)) from exc

@@ -1,0 +1,90 @@
+"""The run's checkpointing in one object: where it resumes from, when it saves (checkpoint.save_interval, a stop,
+the last iteration), how (in the background with checkpoint.async_save; the optimizer format policy), and
+finishing what is in flight. Retention and manifests happen inside each save (:mod:`save_load`).
+
+The training loop calls :meth:`CheckpointManager.load` once before its first step, :meth:`due` and
+:meth:`save` at the end of each step, and :meth:`close` (or :meth:`abort` when failing) at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_ext.checkpoint import save_load
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
+from megatron_ext.checkpoint.resume import resume_training
+from megatron_ext.config.schema import RecipeConfig
+
+
+class CheckpointManager:
+    """Checkpoints of one run on this rank (every method is collective over the job's ranks)."""
+
+    def __init__(self, cfg: RecipeConfig, model_chunks: list, optimizer: MegatronOptimizer,
+                 scheduler: OptimizerParamScheduler, on_gpu: bool):
+        self.cfg = cfg
+        self.model, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        ck = cfg.checkpoint
+        self.enabled = ck.save is not None
+        if self.enabled:
+            save_load.start_save_helpers()
+        use_async = ck.async_save if ck.async_save is not None else on_gpu
+        self.saver = AsyncCheckpointSaver() if self.enabled and use_async else None
+
+    def load(self) -> tuple[int, int]:
+        """Resume (checkpoint.load) or start from weights (checkpoint.pretrained_checkpoint); returns the
+        (iteration, consumed samples) the run continues from."""
+        return resume_training(self.cfg, self.model, self.optimizer, self.scheduler)
+
+    def due(self, iteration: int, stopping: bool) -> bool:
+        """A checkpoint is written after this iteration: every save_interval, when the run stops early, and at
+        train.train_iters (also a 0-step run, which saves its initial weights)."""
+        ck = self.cfg.checkpoint
+        interval = bool(ck.save_interval and iteration % ck.save_interval == 0)
+        return self.enabled and (interval or stopping or iteration == self.cfg.train.train_iters)
+
+    def finish_completed_writes(self) -> None:
+        """Finalise background saves whose writes every rank has finished (manifest, tracker, retention)."""
+        if self.saver:
+            self.saver.finalize(blocking=False)
+
+    def save(self, iteration: int, consumed_samples: int) -> tuple[Path, float]:
+        """Write the checkpoint of `iteration` (in the background with async_save, once the previous one is
+        complete); returns its path and how long training stalled for it."""
+        ck = self.cfg.checkpoint
+        start = time.perf_counter()
+        if self.saver:
+            self.saver.finalize(blocking=True)
+        path = save_load.save_checkpoint(
+            ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
+            keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
+            optimizer_format=self.optimizer_format(iteration))
+        return path, time.perf_counter() - start
+
+    def optimizer_format(self, iteration: int) -> str:
+        """checkpoint.optimizer_format for the save at `iteration`: `auto` writes the lean dp_reshardable format
+        along the way and the fully reshardable one for the finished run, the one handed on."""
+        fmt = self.cfg.checkpoint.optimizer_format
+        if not self.cfg.parallel.use_distributed_optimizer:
+            return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
+        if fmt != "auto":
+            return fmt
+        return "fully_reshardable_mem_efficient" if iteration >= self.cfg.train.train_iters else "dp_reshardable"
+
+    def close(self) -> None:
+        """Wait until every save in flight is complete: the last checkpoint exists before the run reports it."""
+        if self.saver:
+            self.saver.close()
+
+    def abort(self) -> None:
+        """The run is failing: stop the background writer without finishing anything (the tracker stays)."""
+        if self.saver:
+            self.saver.abort()
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.saver is not None
+
