@@ -34,7 +34,7 @@ test: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests $(ARGS)
 
 test-fast: data
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -m "not slow" tests $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests/unit $(ARGS)
 
 clean:
 	rm -rf runs

@@ -208,7 +208,7 @@ def run_training_checks(runs: Runs, machine: Machine) -> list[Check]:
     if spec != "te":
         reason = "needs TransformerEngine on a GPU" if machine.gpu or not machine.te else "needs a GPU"
         checks.append(Check("TE <-> local checkpoints", "SKIP", f"{reason}; CI proves it with TE-shaped stand-ins "
-                            "(tests/test_te_interchange.py)"))
+                            "(tests/integration/test_te_interchange.py)"))
         print(f"SKIP  {checks[-1].name}: {checks[-1].detail}", flush=True)
         return checks
 

@@ -14,7 +14,7 @@ from tests.launch import ROOT
 
 def test_compiled_layers_run_without_graph_breaks_or_stderr():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.compiled_layer_worker"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.compiled_layer_worker"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=True)
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["graph_breaks"] == 0, report

@@ -1,37 +1,13 @@
-"""train.cuda_graphs: megatron-core's layer graphs are asked for, their RNG streams checkpoint as plain state
-tensors, and (on a GPU) a graphed run trains and resumes like the eager one."""
+"""train.cuda_graphs on a GPU: a graphed run trains and resumes like the eager one."""
 
 from __future__ import annotations
 
 import re
-import warnings
 
 import pytest
 import torch
 
-from megatron_ext.checkpoint.rng import tracker_states_as_tensors
-from megatron_ext.config.schema import load_config
-from megatron_ext.model.llama import transformer_config
 from tests.launch import run_pretrain
-
-
-def test_transformer_config_asks_megatron_core_for_whole_layer_graphs_without_warnings():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # megatron-core's default scope "full" warns that it is deprecated
-        graphed = transformer_config(load_config(None, ["train.cuda_graphs=true"]), on_gpu=True, use_te=False)
-        eager = transformer_config(load_config(None, []), on_gpu=True, use_te=False)
-    assert (graphed.cuda_graph_impl, graphed.cuda_graph_scope) == ("local", [])  # [] = the whole layer
-    assert eager.cuda_graph_impl == "none"
-
-
-def test_graph_safe_rng_streams_are_saved_as_state_tensors():
-    """Under CUDA graphs megatron-core's tracker holds torch.Generators; a checkpoint keeps their state tensors,
-    which load into a run with or without graphs (set_rng_state converts them back for a graphed run)."""
-    stream = torch.Generator().manual_seed(7)
-    saved = tracker_states_as_tensors({"model-parallel-rng": stream, "data-parallel-rng": stream.get_state()})
-    expected = torch.Generator().manual_seed(7).get_state()
-    assert all(isinstance(s, torch.Tensor) and torch.equal(s, expected) for s in saved.values())
-
 
 SHAPE = ["model.num_layers=2", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
          "model.ffn_hidden_size=1536", "model.seq_length=512", "model.vocab_size=32000",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,13 +14,13 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.data.checks import validate_data
 from megatron_ext.data.tokenizer import SentencePieceTokenizer
 from megatron_ext.errors import ConfigError
+from tests.launch import TINY
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
     from data_prep.preprocess import preprocess
     from megatron_ext.data.datasets import build_datasets
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 # Two corpora told apart by their characters: A is lowercase letters only, B uppercase and digits
 # only, so every decoded sample shows which dataset it came from.
 LOWER = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]

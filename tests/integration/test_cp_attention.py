@@ -20,7 +20,7 @@ def test_ring_attention_matches_full_attention(cp, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-         str(ROOT / "tests" / "cp_attention_worker.py"), str(out)],
+         str(ROOT / "tests" / "workers" / "cp_attention_worker.py"), str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

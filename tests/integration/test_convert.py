@@ -24,8 +24,8 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from recipes import convert
-from tests.convert_logits_worker import checkpoint_logits
-from tests.launch import ROOT, TINY, read_scalars
+from tests.launch import ROOT, read_scalars
+from tests.workers.convert_logits_worker import checkpoint_logits
 
 TOLERANCE = 1e-4  # fp32; measured differences are 2e-6..2e-5 (summation order, SDPA vs eager attention)
 DATA = ROOT / "data" / "tiny"
@@ -278,14 +278,6 @@ def test_bad_layouts_and_outputs_fail_with_one_clear_error(imported, tmp_path):
         assert str(exc.value.code).startswith("error: ") and message in str(exc.value.code), argv
 
 
-def test_the_layout_a_checkpoint_is_loaded_under_is_a_valid_recipe():
-    """export-hf and the logit checks rebuild the saved run under another layout: that config passes validation."""
-    saved = convert.SavedCheckpoint(Path("ckpt/iter_0000001"), load_config(TINY, ["data.mock=true",
-                                    "model.vocab_size=1000"]), 1000, 1024, "training_state")
-    for tp, pp in [(1, 1), (2, 2)]:
-        validate_layout(convert.layout_config(saved, tp, pp), world_size=tp * pp)
-
-
 def test_cli_reports_errors_without_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "recipes.convert", "import-hf", "--hf-dir", str(tmp_path),
                            "--output", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
@@ -330,11 +322,10 @@ def parallel_logits(imported, trained, tokens) -> dict[str, torch.Tensor]:
         jobs.append({"checkpoint": str(ckpt), "tp": tp, "pp": pp, "sp": sp,
                      "output": str(root / f"{name}_{tp}_{pp}.pt")})
     (root / "jobs.json").write_text(json.dumps({"tokens": str(root / "tokens.pt"), "jobs": jobs}))
-    torchrun(4, ["-m", "tests.convert_logits_worker", str(root / "jobs.json")])
+    torchrun(4, ["-m", "tests.workers.convert_logits_worker", str(root / "jobs.json")])
     return {f"{name}_tp{tp}_pp{pp}": torch.load(root / f"{name}_{tp}_{pp}.pt") for name, tp, pp, _ in layouts}
 
 
-@pytest.mark.slow
 def test_tp2_and_tp2_pp2_reproduce_transformers_logits(imported, tokens, parallel_logits):
     for key, logits in parallel_logits.items():
         case = key.split("_tp")[0]
@@ -345,7 +336,6 @@ def test_tp2_and_tp2_pp2_reproduce_transformers_logits(imported, tokens, paralle
         assert diff <= TOLERANCE, key
 
 
-@pytest.mark.slow
 def test_recipe_trains_from_the_imported_weights(trained):
     assert str(trained["imported"]) in trained["log"]  # the run reports what it loaded
     losses = read_scalars(trained["tb"], "train/lm_loss")
@@ -359,7 +349,6 @@ def test_recipe_trains_from_the_imported_weights(trained):
     assert min(changes.values()) > 0, changes
 
 
-@pytest.mark.slow
 def test_export_of_the_trained_checkpoint_reproduces_its_logits(megatron, trained, parallel_logits):
     tokens = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(11))
     theirs = hf_logits(trained["exported"], tokens)
@@ -374,7 +363,6 @@ def test_export_of_the_trained_checkpoint_reproduces_its_logits(megatron, traine
     assert diff <= TOLERANCE
 
 
-@pytest.mark.slow
 def test_exported_tokenizer_matches_the_recipe_tokenizer(trained):
     import sentencepiece as spm
     from transformers import AutoTokenizer

@@ -3,11 +3,7 @@ python -m tests.golden, which records all 20)."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests import golden
-
-pytestmark = pytest.mark.slow
 
 # Same machine kind, same torch and data: the run is deterministic and matches bit for bit;
 # the bound only absorbs a different CPU instruction set choosing other kernels.

@@ -1,18 +1,9 @@
-"""The layout planner: its memory model against megatron-core on CPU, and its choices on published configs.
-
-Fast tests are pure arithmetic. The slow ones start ``tests/planner_memory_worker.py`` under
-torchrun for a layout, which builds the tiny model with the recipe's own functions, trains one
-step and reports per-rank parameter / grad-buffer / optimizer bytes (compared for equality) and
-the bytes saved for backward by one micro batch (compared within 10 %).
-"""
+"""The layout planner's arithmetic and its choices: DDP buckets, schedules, candidates the recipe accepts,
+published layouts of Llama 3 8B/70B, and the 1B recipe's measured H100 speed."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -185,53 +176,6 @@ TP1 = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=fals
 PP1 = ["parallel.pipeline_model_parallel_size=1"]
 TIED = "model.untie_embeddings_and_output_weights=false"
 
-# name: (processes, overrides on configs/tiny.yaml (TP2×PP2+SP, distopt) + SMALL_MODEL, measure activations)
-WORKER_LAYOUTS = {
-    "dp2_plain_optimizer_fp32": (2, [*TP1, *PP1, FP32, "parallel.use_distributed_optimizer=false"], True),
-    "single_bf16_full_recompute_tied": (1, [*TP1, *PP1, BF16, TIED, "train.recompute_granularity=full"],
-                                        True),
-    "tp2_sp_bf16_selective": (2, [*PP1, BF16, "train.recompute_granularity=selective"], True),
-    "dp2_pp2_vpp2_distopt_overlap_fp32": (4, [*TP1, FP32, "parallel.virtual_pipeline_model_parallel_size=2",
-                                               "parallel.overlap_grad_reduce=true"], False),
-    "tp2_pp2_sp_distopt_bf16_tied": (4, [BF16, TIED], False),
-    "cp2_dp2_distopt_bf16": (4, [*TP1, *PP1, BF16, "parallel.context_parallel_size=2"], False),
-}
-
-
-def _run_worker(nproc: int, overrides: list[str], out: Path, activations: bool) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    module = ["-m", "tests.planner_memory_worker", "--out", str(out)]
-    module += ["--activations"] if activations else []
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    launcher = torchrun if nproc > 1 else []  # one process: init_distributed makes a world of one
-    cmd = [sys.executable, *launcher, *module, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(WORKER_LAYOUTS))
-def test_planner_matches_megatron_core_memory(name, tmp_path):
-    from tests.planner_memory_worker import VOCAB, worker_config
-
-    nproc, overrides, activations = WORKER_LAYOUTS[name]
-    cfg = worker_config(overrides)
-    ranks = _run_worker(nproc, overrides, tmp_path, activations)
-    for r in ranks:
-        expected = planner.rank_static_bytes(cfg, nproc, r["pp_rank"], r["dp_cp_rank"], VOCAB)
-        measured = {k: r[k] for k in expected}
-        print(f"{name} rank {r['rank']} (pp {r['pp_rank']}, dp×cp {r['dp_cp_rank']}): measured {measured}, "
-              f"planner {expected}")
-        assert measured == expected, (name, r["rank"])
-        if activations:
-            # CPU rule: torch's composite RMSNorm (fp32 copies); flash SDPA on both sides
-            estimate = planner.chunk_activation_bytes(cfg, VOCAB, cfg.model.num_layers, True, True,
-                                                      fused_norm=False)
-            got = r["activations"]["bytes"]
-            print(f"{name} rank {r['rank']} activations: measured {got}, planner {estimate} "
-                  f"({100 * (estimate - got) / got:+.2f} %)")
-            assert abs(estimate - got) <= 0.10 * got, (name, got, estimate)
 
 
 def test_recipe_auto_layout_is_the_planners_best_and_valid():

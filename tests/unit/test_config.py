@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,9 +12,7 @@ from megatron_ext.config.schema import RecipeConfig, config_keys, keys_table, lo
 from megatron_ext.config.validate import validate, validate_layout
 from megatron_ext.data.checks import validate_data
 from megatron_ext.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
+from tests.launch import ROOT, TINY
 
 
 def tiny(*overrides: str):
@@ -164,26 +159,6 @@ def test_blend_forms():
         parse_blend([0.3, "a", "b"], "data.blend")
     with pytest.raises(ConfigError, match="every weight must be > 0"):
         parse_blend([0.0, "a"], "data.blend")
-
-
-def test_bad_layout_is_one_line_from_the_launcher_and_once_under_plain_torchrun(tmp_path):
-    """3 processes for a TP2×PP2 recipe: recipes.launch says it in one line and starts no rank; under plain
-    torchrun every rank finds it before any process group exists and only rank 0 says it."""
-    expected = ("config error: world size (processes started)=3 is invalid: must be a multiple of "
-                "parallel.tensor_model_parallel_size × pipeline_model_parallel_size × context_parallel_size "
-                "= 2×2×1 = 4")
-    launch = subprocess.run([sys.executable, "-m", "recipes.launch", "--standalone", "--nproc-per-node", "3",
-                             "--config", str(TINY)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert launch.returncode == 2 and launch.stderr.startswith(expected), launch.stderr
-    assert len(launch.stderr.strip().splitlines()) == 1 and "[rank" not in launch.stdout, launch.stdout + launch.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         "-m", "recipes.pretrain", "--config", str(TINY)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode != 0
-    assert expected in proc.stderr and proc.stderr.count("config error:") == 1, proc.stderr
-    assert "megatron/core" not in proc.stderr and "[rank0]: Traceback" not in proc.stderr
 
 
 def test_liger_kernels_are_refused_where_they_cannot_run():

@@ -1,6 +1,6 @@
 """Our model's logits for saved checkpoints under chosen TP/PP layouts (a torchrun worker for test_convert).
 
-    torchrun --nproc-per-node N -m tests.convert_logits_worker JOBS.json
+    torchrun --nproc-per-node N -m tests.workers.convert_logits_worker JOBS.json
 
 JOBS.json: ``{"tokens": "t.pt", "jobs": [{"checkpoint": DIR, "tp": 2, "pp": 2, "sp": true,
 "output": "out.pt"}, ...]}``. Each job rebuilds megatron-core's groups for its layout inside the

@@ -13,8 +13,6 @@ import pytest
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.launch import max_relative_difference, read_scalars, run_pretrain
 
-pytestmark = pytest.mark.slow
-
 # fp32 on CPU: layouts change only the order of sums (TP all-reduces, DP/CP grad reduction, split
 # softmax in ring attention); a real bug (wrong reduction, a layer missing on a stage, unmarked SP
 # params, a wrong CP split) moves the loss by 1e-4 or more within 5 steps.

@@ -17,7 +17,7 @@ LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-6, 1e-5
 
 def test_fused_output_reproduces_gptmodel_loss_and_gradients_tied_and_untied():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.fused_output_worker"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.fused_output_worker"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=True)
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["untied"] for r in reports] == [False, True], proc.stdout

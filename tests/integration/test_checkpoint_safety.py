@@ -10,8 +10,6 @@ import pytest
 from megatron_ext.checkpoint.layout import TRACKER, latest_iteration
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
 
-pytestmark = pytest.mark.slow
-
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=4", "optimizer.lr_decay_iters=null",
@@ -124,7 +122,7 @@ def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_track
     overrides = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                  "parallel.sequence_parallel=false", "train.train_iters=4", f"checkpoint.save={ckpt}",
                  "checkpoint.save_interval=2", "logging.tensorboard_dir=null"]
-    proc = run_pretrain(2, overrides, module="tests.checkpoint_fault_worker", check=False,
+    proc = run_pretrain(2, overrides, module="tests.workers.checkpoint_fault_worker", check=False,
                         env={"FAIL_ITERATION": "4", "FAIL_RANK": "1"})
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "checkpoint error" in line]
@@ -213,7 +211,7 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint_to_resume
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "FAIL_ITERATION": "4", "FAIL_RANK": "0",
            "HANG_MARKER": str(marker), "HANG_AT": hang_at}
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
-                            "tests.checkpoint_fault_worker", "--config", str(TINY), *overrides], cwd=ROOT, env=env,
+                            "tests.workers.checkpoint_fault_worker", "--config", str(TINY), *overrides], cwd=ROOT, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not marker.exists() and job.poll() is None and time.time() < deadline:

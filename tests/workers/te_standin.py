@@ -14,8 +14,8 @@
   group needs ``bias_correction``, and ``state_dict()``/``load_state_dict()`` look every per-param state
   key up in a dtype map of ``exp_avg``/``exp_avg_sq``/``master_param`` (anything else: KeyError).
 
-Run as ``python -m tests.te_standin --config ... [overrides]`` (under torchrun) to train with both installed;
-``python -m tests.te_standin keys {local,te} [--real-te]`` prints a 2-layer model's sharded keys.
+Run as ``python -m tests.workers.te_standin --config ... [overrides]`` (under torchrun) to train with both installed;
+``python -m tests.workers.te_standin keys {local,te} [--real-te]`` prints a 2-layer model's sharded keys.
 """
 
 from __future__ import annotations

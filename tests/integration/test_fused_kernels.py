@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.launch import SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
-
-pytestmark = pytest.mark.slow
 
 STEPS = 3
 # bf16 on CPU, TP2 (vocab-parallel loss), same initial weights: the fused kernel differs only in

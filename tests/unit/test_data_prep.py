@@ -1,16 +1,10 @@
-"""Tests for data_prep: tokenizer training, preprocessing to .bin/.idx, bad input, interrupted runs,
-inspect, merge, training on prepared data, and the benchmark."""
+"""data_prep in this process: tokenizer training, preprocessing to .bin/.idx byte-identical to Megatron-LM, bad
+input, readers, inspect and merge."""
 
 import gzip
 import itertools
 import json
-import multiprocessing
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -33,7 +27,6 @@ with warnings.catch_warnings():  # importing megatron.core warns about missing A
     from data_prep import merge as merge_mod
     from data_prep import preprocess as preprocess_mod
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = ["def", "return", "self", "value", "data", "for", "in", "if", "else", "import", "class", "print"]
 
 
@@ -178,21 +171,6 @@ def test_unmatched_glob_exits(model, tmp_path):
     msg = _exit_message(train_mod.main, ["--input", pattern, "--vocab-size", "300", "--model-type", "bpe",
                                          "--output-prefix", str(tmp_path / "t")])
     assert msg == f"error: {pattern}: no input file matches"
-
-
-def test_cli_bad_record_message_without_traceback(tmp_path):
-    # train_tokenizer does not import megatron/torch, so this subprocess stays cheap.
-    src = tmp_path / "bad.jsonl"
-    src.write_bytes(BAD_LINES["malformed_json"][0])
-    proc = subprocess.run(
-        [sys.executable, "-m", "data_prep.train_tokenizer", "--input", str(src), "--vocab-size", "300",
-         "--model-type", "bpe", "--output-prefix", str(tmp_path / "t")],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 1
-    assert proc.stderr.strip().startswith(f"error: {src}:2: malformed JSON")
-    assert "Traceback" not in proc.stderr
-    assert not list(tmp_path.glob("t.*"))
 
 
 def test_skip_bad_records_counts_and_reports(model, tmp_path, caplog):
@@ -368,124 +346,6 @@ def test_merge_failure_leaves_no_pair(model, tmp_path, fill_disk_on_finalize):
     assert list(out.iterdir()) == []
 
 
-def test_preprocess_pulls_input_lazily(model):
-    """Streaming: with an endless input, results arrive while at most max_in_flight batches are read."""
-    pulled = []
-
-    def endless():
-        for i in itertools.count():
-            pulled.append(i)
-            yield [{"text": f"def f{i}(x):\n    return x\n"}] * 8
-
-    with multiprocessing.Pool(1, preprocess_mod._init_worker, (str(model), None, True)) as pool:
-        results = preprocess_mod._encode_in_order(pool, endless(), max_in_flight=3)
-        for k in range(6):
-            assert len(next(results)["text"][1]) == 8
-            assert len(pulled) == k + 3
-
-
-def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subprocess.Popen:
-    """preprocess reading a FIFO that delivers 2,000 documents and then stays open: the run is
-    mid-way for as long as the test wants, whatever the machine's speed."""
-    fifo = prefix.parent / "input.jsonl"
-    os.mkfifo(fifo)
-    # Output to a file, not a pipe: reading a pipe to EOF would also wait for any process that
-    # inherited it, and this test is about the run's own exit.
-    log = open(prefix.parent.parent / f"{prefix.parent.name}.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "data_prep.preprocess", "--input", str(fifo),
-         "--output-prefix", str(prefix), "--tokenizer-model", str(model), "--append-eod", "--workers", "1"],
-        cwd=REPO, stdout=log, stderr=log, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        # A suite started in the background by a non-interactive shell inherits SIGINT ignored,
-        # and Python then never raises KeyboardInterrupt: give the run the default, as a terminal would.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    proc.log = log
-    writer = open(fifo, "w")  # blocks until preprocess opens the FIFO for reading
-    writer.writelines(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(2000))
-    writer.flush()
-    proc.input_writer = writer  # closed by the test after the signal, so the run never sees EOF first
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        tmp = list(prefix.parent.glob(f"{prefix.name}_text_document.bin.tmp-*"))
-        if tmp and tmp[0].stat().st_size > 0:  # tokens are being written
-            return proc
-        assert proc.poll() is None, f"preprocess ended before it could be interrupted:\n{_output(proc)}"
-        time.sleep(0.05)
-    raise AssertionError("preprocess never started writing")
-
-
-def _output(proc: subprocess.Popen) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
-
-
-def _close_quietly(writer) -> None:
-    try:
-        writer.close()
-    except BrokenPipeError:  # the reader is gone: nothing left to tell it
-        pass
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session started for this test: the run and its workers
-    except ProcessLookupError:
-        pass
-
-
-def _interrupt(proc: subprocess.Popen, sig: int) -> None:
-    """Send `sig` to the run (not its workers), wait for it to end, then close its input."""
-    try:
-        proc.send_signal(sig)
-        proc.wait(timeout=120)
-    finally:
-        _close_quietly(proc.input_writer)
-
-
-@pytest.mark.slow
-def test_sigkill_midway_leaves_no_dataset_under_the_final_name(model, tmp_path):
-    prefix = tmp_path / "d"
-    proc = _start_preprocess_and_wait_until_writing(model, prefix)
-    try:
-        _interrupt(proc, signal.SIGKILL)
-        assert proc.returncode == -signal.SIGKILL
-    finally:
-        _kill_group(proc)  # a killed run cannot stop its workers
-    names = sorted(p.name for p in tmp_path.iterdir() if p.name != "input.jsonl")
-    assert "d_text_document.bin" not in names and "d_text_document.idx" not in names, names
-    assert all(".tmp-" in n for n in names), names  # only temp files may remain
-
-
-@pytest.mark.slow
-def test_sigint_midway_exits_nonzero_and_cleans_up(model, tmp_path):
-    prefix = tmp_path / "d"
-    proc = _start_preprocess_and_wait_until_writing(model, prefix)
-    try:
-        _interrupt(proc, signal.SIGINT)
-        with pytest.raises(ProcessLookupError):  # the run stopped and reaped its workers itself
-            os.killpg(proc.pid, 0)
-    finally:
-        _kill_group(proc)
-    output = _output(proc)
-    assert proc.returncode == 1 and "interrupted: no output written" in output and "Traceback" not in output, output
-    assert [p.name for p in tmp_path.iterdir()] == ["input.jsonl"]
-
-
-@pytest.mark.slow
-def test_dataset_from_data_prep_trains(model, tmp_path):
-    from tests.launch import SINGLE_PROCESS, SMALL_MODEL, run_pretrain
-
-    prefix = _prepare(model, _docs(400), tmp_path / "mine")
-    from megatron_ext.metrics.run_logger import read_scalars
-
-    run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6", f"data.blend=[{prefix}]",
-                     f"data.tokenizer_model={model}", f"logging.tensorboard_dir={tmp_path / 'tb'}"])
-    losses = read_scalars(tmp_path / "tb", "train/lm_loss")
-    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.5, losses
-
-
 def test_synthetic_corpus_is_deterministic_and_size_independent():
     from data_prep.benchmark import iter_synthetic_documents
 
@@ -495,20 +355,3 @@ def test_synthetic_corpus_is_deterministic_and_size_independent():
     assert any("def " in d for d in a) and any(". " in d for d in a)
 
 
-@pytest.mark.slow
-def test_benchmark_runs_and_reports(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "data_prep.benchmark", "--size-mb", "1", "--workers", "1",
-         "--vocab-size", "1000", "--out-dir", str(tmp_path / "work"), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tok/CPU-s" in proc.stdout and "outputs identical across all sentencepiece runs: yes" in proc.stdout
-    result = json.loads(out.read_text())
-    assert [(r["impl"], r["workers"]) for r in result["runs"]] == [("megatron-style", 1), ("data_prep", 1),
-                                                                   ("data_prep-hf", 1)]
-    assert result["runs"][2]["tokens_per_s_per_worker"] > 0
-    assert result["identical_outputs"] and result["runs"][0]["tokens"] == result["runs"][1]["tokens"] > 0
-    assert all(r["main_rss_mb"] > 0 and r["cpu_seconds"] > 0 for r in result["runs"])
-    assert not list((tmp_path / "work").glob("out-*"))  # scratch datasets are removed

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from megatron_ext.config.schema import data_parallel_size, load_config
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
+from tests.launch import ROOT
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 REAL = [p for p in CONFIGS if p.name != "tiny.yaml"]
 
 

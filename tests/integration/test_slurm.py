@@ -26,8 +26,6 @@ import pytest
 from megatron_ext.checkpoint.layout import latest_iteration
 from tests.launch import ROOT, SMALL_MODEL, read_scalars
 
-pytestmark = pytest.mark.slow
-
 STEPS = 16
 SAVE_INTERVAL = 5  # a periodic checkpoint before the signal, as in any real run
 SIGNAL_AFTER = 6  # the step whose log line triggers the signal

@@ -1,7 +1,7 @@
 """Checkpoints move between the local layer spec + torch AdamW (CPU, bare GPU, HF imports) and the
 TransformerEngine spec + TE FusedAdam (the NGC container), both ways, model and optimizer.
 
-TE cannot be installed here: ``tests/te_standin.py`` builds megatron-core's own TE spec from stand-in
+TE cannot be installed here: ``tests/workers/te_standin.py`` builds megatron-core's own TE spec from stand-in
 modules with TE's checkpoint keys and an Adam with TE FusedAdam's state contract. A run stopped at step 3
 under one and resumed under the other must continue the uninterrupted local run. Each of the three
 defects this guards against (a per-param 'step' given to FusedAdam, a float step or missing
@@ -37,7 +37,7 @@ ONE_NON_DISTRIBUTED = (1, [*SINGLE_PROCESS, "parallel.use_distributed_optimizer=
 
 def _keys(spec: str) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "tests.te_standin", "keys", spec], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.te_standin", "keys", spec], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     return proc.stdout.split("\n")[:-1]
 
@@ -74,13 +74,12 @@ def test_a_dp_reshardable_checkpoint_is_refused_by_the_other_spec(tmp_path):
            "train.global_batch_size=2", "train.micro_batch_size=2", "train.eval_iters=0", "logging.tensorboard_dir=null"]
     ckpt = tmp_path / "ckpt"
     run_pretrain(1, [*run, "train.exit_interval=1", f"checkpoint.save={ckpt}"])
-    proc = run_pretrain(1, [*run, *TE, f"checkpoint.load={ckpt}"], module="tests.te_standin", check=False)
+    proc = run_pretrain(1, [*run, *TE, f"checkpoint.load={ckpt}"], module="tests.workers.te_standin", check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "dp_reshardable format" in proc.stderr and "model.attention_backend: auto → te" in proc.stderr, \
         proc.stderr[-3000:]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", [DP2, ONE_NON_DISTRIBUTED], ids=["dp2_distributed_optimizer",
                                                                    "1proc_plain_optimizer"])
 def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout, tmp_path):
@@ -93,7 +92,7 @@ def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout,
     for saved_under, resumed_under in [("local", "te"), ("te", "local")]:
         save_dir = tmp_path / f"ckpt_{saved_under}"
         # from the local-spec initial weights: under TE that is the weights-only path of defect 3
-        log = _run("tests.te_standin" if saved_under == "te" else "recipes.pretrain", layout,
+        log = _run("tests.workers.te_standin" if saved_under == "te" else "recipes.pretrain", layout,
                    overrides(f"{saved_under}_first", *(TE if saved_under == "te" else []),
                              f"train.exit_interval={STOP}", f"checkpoint.save={save_dir}",
                              "checkpoint.optimizer_format=fully_reshardable"))
@@ -102,7 +101,7 @@ def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout,
         _assert_continues(tmp_path / f"{saved_under}_first" / "tb", tmp_path / "local_full" / "tb",
                           range(1, STOP + 1))
         name = f"{saved_under}_to_{resumed_under}"
-        log = _run("tests.te_standin" if resumed_under == "te" else "recipes.pretrain", layout,
+        log = _run("tests.workers.te_standin" if resumed_under == "te" else "recipes.pretrain", layout,
                    overrides(name, *(TE if resumed_under == "te" else []), f"checkpoint.load={save_dir}"))
         assert f"resumed from {save_dir} at iteration {STOP}" in log, log[-3000:]
         if resumed_under == "te":
@@ -110,10 +109,9 @@ def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout,
         _assert_continues(tmp_path / name / "tb", tmp_path / "local_full" / "tb", range(STOP + 1, STEPS + 1))
 
 
-@pytest.mark.slow
 def test_hugging_face_import_trains_the_same_under_either_spec(tmp_path):
     from recipes import convert
-    from tests.test_convert import DATA, make_hf_model
+    from tests.integration.test_convert import DATA, make_hf_model
 
     hf = make_hf_model(tmp_path / "hf", vocab=4100, kv_heads=2, tied=False, extra={}, save={}, seed=5)
     # A world of one on CPU patches torch for the process: import in a spawned one.
@@ -124,7 +122,7 @@ def test_hugging_face_import_trains_the_same_under_either_spec(tmp_path):
               f"data.path_to_cache={tmp_path / 'cache'}", "model.seq_length=64", "train.train_iters=3",
               "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
               "train.eval_interval=1000", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "checkpoint.save=null"]
-    for spec, module, extra in [("local", "recipes.pretrain", []), ("te", "tests.te_standin", TE)]:
+    for spec, module, extra in [("local", "recipes.pretrain", []), ("te", "tests.workers.te_standin", TE)]:
         log = run_pretrain(1, [*common, *extra, f"logging.tensorboard_dir={tmp_path / spec}"], module=module,
                            config=ckpt / "recipe.yaml")
         log = log.stdout + log.stderr

@@ -1,0 +1,38 @@
+"""The throughput benchmark's pieces: comparisons within and across precision regimes, and every recipe variant a
+valid GPU config (or skipped with the recipe's own reason)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.config.validate import validate_layout
+from recipes import benchmark
+
+
+def test_peers_are_compared_within_their_master_weight_regime():
+    def result(variant: str, mbs: int, tokens_per_sec: float) -> benchmark.Result:
+        master, regime = benchmark.regime(variant, "bf16")
+        return benchmark.Result(variant, mbs, 4096, master, regime, "gpu", tokens_per_sec, 1.0, None, None, None,
+                                1.0, 1)
+
+    rows = benchmark.comparisons([result("megatron-eager", 1, 40), result("megatron-compile", 1, 45),
+                                  result("hf", 1, 46), result("hf-amp-compile", 1, 42), result("hf-amp", 1, 34)])
+    assert rows == [{"micro_batch_size": 1, "recipe": "megatron-compile",
+                     "same_regime": {"peer": "hf-amp-compile", "ratio": 45 / 42},
+                     "overall": {"peer": "hf", "ratio": 45 / 46}}]
+
+
+@pytest.mark.parametrize("te_available", [False, True])
+@pytest.mark.parametrize("variant", list(benchmark.MEGATRON_VARIANTS))
+def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available):
+    """GPU runs are rare: a variant the config rules reject must fail here, not on the GPU."""
+    shape = {**benchmark.PRESETS["1b"], "micro_batch_size": 4}
+    reason = benchmark.unavailable(variant, shape, "bf16", te_available, fp8_capable=True, on_gpu=True)
+    if reason:  # skipped by the benchmark with the recipe's own reason
+        expected = {"megatron-fp8": "TransformerEngine is not importable", "megatron-liger": "needs liger-kernel"}
+        assert expected.get(variant) and expected[variant] in reason, (variant, reason)
+        if variant == "megatron-fp8":
+            assert not te_available
+        return
+    cfg = benchmark.recipe_config(shape, "bf16", steps=13, variant=variant)
+    validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=True)

@@ -1,0 +1,103 @@
+"""One message per failure, in this process: each error's kind and exit code, carried advice, the OOM advice, and
+the detectors behind the run log (loss spikes, stragglers)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from megatron_ext.config.schema import load_config
+from megatron_ext.errors import (
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_PEER_FAILED,
+    EXIT_USER_ERROR,
+    CheckpointError,
+    ConfigError,
+    DivergenceError,
+    IncompatibleCheckpointError,
+    TokenizerError,
+)
+from megatron_ext.resilience.divergence import LossSpikeDetector
+from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
+from megatron_ext.resilience.stragglers import StragglerDetector
+from tests.launch import TINY, read_scalars
+
+
+def test_report_failure_logs_the_traceback_and_says_it_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # no job store: this process is the only one to say it
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/iter_0000004/__0_0.distcp")
+    except OSError as exc:
+        code = report_failure(exc, 3, "checkpoint save at iteration 4", tmp_path)
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("[rank 3, checkpoint save at iteration 4] I/O error: [Errno 28] No space")
+    assert "free space there" in err and f"(traceback: {tmp_path / 'rank-3.log'})" in err and "Traceback" not in err
+    assert "Traceback" in (tmp_path / "rank-3.log").read_text()
+    try:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    except RuntimeError as exc:  # a survivor of another rank's failure: logged, not said
+        assert report_failure(exc, 2, "iteration 5", tmp_path) == EXIT_PEER_FAILED
+    assert capsys.readouterr().err == "" and "Connection closed" in (tmp_path / "rank-2.log").read_text()
+
+
+@pytest.mark.parametrize("exc, kind, code", [
+    (ConfigError("model.hidden_size=7 is invalid"), "config error", EXIT_USER_ERROR),
+    (TokenizerError("tok.model is not a sentencepiece model"), "tokenizer error", EXIT_USER_ERROR),
+    (CheckpointError("ckpt/iter_0000004 is corrupt"), "checkpoint error", EXIT_USER_ERROR),
+    # another model's checkpoint is a user error too (it once exited 1, as an unknown crash)
+    (IncompatibleCheckpointError("the checkpoint lacks decoder.layers.3"), "checkpoint error", EXIT_USER_ERROR),
+    (DivergenceError("non-finite loss at iteration 7"), "divergence", EXIT_DIVERGED),
+    (ValueError("a bug"), "ValueError", EXIT_FAILED),
+])
+def test_each_error_says_its_kind_and_exits_with_its_code(exc, kind, code, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert report_failure(exc, 0, "start-up", tmp_path) == code
+    assert capsys.readouterr().err.startswith(f"[rank 0, start-up] {kind}: {exc}")
+
+
+def test_advice_carried_by_an_error_is_printed_on_its_own_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    report_failure(CheckpointError("ckpt/iter_0000004 is corrupt", advice="resume from iter_0000002"), 0,
+                   "start-up", tmp_path)
+    assert capsys.readouterr().err.splitlines()[:2] == ["[rank 0, start-up] checkpoint error: ckpt/iter_0000004 "
+                                                        "is corrupt", "  → resume from iter_0000002"]
+
+
+def test_out_of_memory_advice_names_stage_micro_batch_and_the_planner_estimate():
+    cfg = load_config(TINY, ["data.mock=true", "model.vocab_size=32000"])
+    advice = out_of_memory_advice(cfg, 1, 4, 80 * 2**30)
+    assert advice.startswith("pipeline stage 1 of 2, micro batch size 4 × seq 256: the planner estimates ")
+    assert "GiB peak for this stage, the GPU has 80.0 GiB" in advice and "--gpus 4" in advice
+
+
+def test_loss_spike_detector_flags_a_jump_above_the_rolling_median():
+    detector = LossSpikeDetector(factor=1.5, window=10)
+    assert [detector.check(loss) for loss in [3.0, 2.9, 2.8, 2.9]] == [None, None, None, None]
+    ratio, median = detector.check(6.0)
+    assert median == pytest.approx(2.9) and ratio == pytest.approx(6.0 / 2.9)
+    assert detector.check(3.0) is None and LossSpikeDetector(None, 10).check(100.0) is None
+
+
+def test_straggler_detector_names_a_rank_slow_for_several_intervals_in_a_row():
+    detector = StragglerDetector(factor=1.2, intervals=3)
+    fast, slow = [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.5, 1.0]
+    assert detector.update(slow) == [] and detector.update(slow) == [] and detector.update(slow) == [2]
+    assert detector.update(fast) == [] and detector.update(slow) == []  # a fast interval resets the streak
+    assert StragglerDetector(factor=1.2, intervals=1).update([1.0, 1.3]) == [1]
+
+
+def test_run_logger_writes_loss_spikes_and_the_rank_spread_to_tensorboard(tmp_path, caplog):
+    from megatron_ext.metrics.run_logger import RunLogger
+
+    cfg = load_config(TINY, ["data.mock=true", "model.vocab_size=1000", f"logging.tensorboard_dir={tmp_path}"])
+    logger = RunLogger(cfg, 1000, world_size=4, enabled=True)
+    logger.step(3, 2.5, 1e-3, 1.0, 0.5, console=True, rank_times=[0.2, 0.3, 0.25, 0.2])
+    with caplog.at_level("WARNING", logger="megatron_ext"):
+        logger.loss_spike(4, 6.0, 2.4, 2.5, (48, 63))
+    logger.close()
+    assert read_scalars(tmp_path, "train/loss_spike") == {4: pytest.approx(2.4)}
+    assert read_scalars(tmp_path, "perf/slowest_rank") == {3: 1.0}
+    assert read_scalars(tmp_path, "perf/step_time_max_s") == {3: pytest.approx(0.3)}
+    assert "loss spike at iteration 4: 6.0000 is 2.40× the median 2.5000" in caplog.text and "48..63" in caplog.text

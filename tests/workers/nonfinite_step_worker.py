@@ -1,0 +1,73 @@
+"""One process: a step whose loss is non-finite is skipped (train.skip_nonfinite_steps=1) without touching the
+weights, the optimizer's state (fp32 main weights, Adam moments, step counts) or the LR schedule.
+
+Trains one ordinary step with the recipe's Trainer, snapshots that state, runs a step whose forward output is
+multiplied by NaN, and writes ``{"skipped": ..., "unchanged": {...}, "next_step_finite": ...}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from megatron_ext.checkpoint.compat import megatron_optimizers
+from megatron_ext.config.schema import load_config
+from megatron_ext.distributed.parallel import destroy_distributed
+from megatron_ext.training import trainer as trainer_module
+from tests.launch import SINGLE_PROCESS, SMALL_MODEL, TINY
+
+
+def _state(trainer: trainer_module.Trainer) -> dict[str, list[torch.Tensor] | float]:
+    """Copies of what a skipped step must leave alone."""
+    inner = [opt.optimizer for opt in megatron_optimizers(trainer.optimizer)]
+    return {
+        "weights": [p.detach().clone() for chunk in trainer.model for p in chunk.parameters()],
+        "main weights": [p.detach().clone() for opt in inner for g in opt.param_groups for p in g["params"]],
+        "Adam moments and steps": [v.detach().clone() for opt in inner for s in opt.state.values()
+                                   for v in s.values() if torch.is_tensor(v)],
+        "LR schedule": float(trainer.scheduler.num_steps),
+        "learning rate": float(trainer.optimizer.param_groups[0]["lr"]),
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float):
+        return a == b
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    cfg = load_config(TINY, [*SMALL_MODEL, *SINGLE_PROCESS, "data.mock=true", "model.vocab_size=1000",
+                             "data.tokenizer_model=null", "logging.tensorboard_dir=null", "checkpoint.save=null",
+                             "train.skip_nonfinite_steps=1", "optimizer.lr_warmup_iters=2"])
+    trainer = trainer_module.Trainer(cfg)
+    data = trainer._iterators(trainer.train_ds, 0)
+    trainer.train_step(data)
+    before = _state(trainer)
+
+    finite_forward = trainer_module._forward_step
+
+    def nan_forward(data_iterator, model):
+        output, loss_func = finite_forward(data_iterator, model)
+        return output * float("nan"), loss_func
+
+    trainer_module._forward_step = nan_forward
+    skipped = trainer.train_step(data) is None
+    trainer_module._forward_step = finite_forward
+    after = _state(trainer)
+    next_step = trainer.train_step(data)
+    result = {"skipped": skipped, "unchanged": {k: _same(before[k], after[k]) for k in before},
+              "next_step_finite": next_step is not None and math.isfinite(next_step[0])}
+    args.out.write_text(json.dumps(result))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
