@@ -1,4 +1,6 @@
-"""Thin extensions on top of megatron-core: model spec, training loop, checkpoints, logging, CPU rehearsal."""
+"""Thin extensions on megatron-core, one package per concern: training (the loop) above checkpoint, resilience,
+metrics and planner, above model, data, distributed and convert, above config, above errors and hardware
+(docs/architecture.md; the layers are import-linter contracts in pyproject.toml)."""
 
 import warnings
 

@@ -1,5 +1,6 @@
-"""Shared fixtures: one set of initial weights and a single-process reference run for every layout test;
-and the guard that no test writes into the repository tree (runs belong in pytest's tmp_path)."""
+"""Shared fixtures: one set of initial weights and a single-process reference run for every layout test; the
+corpora and tokenizers of the data tests; and the guard that no test writes into the repository tree (runs
+belong in pytest's tmp_path)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from data_prep import train_tokenizer as train_mod
+from tests.corpora import UNICODE_TEXTS, code_docs, write_jsonl
 from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, run_pretrain
 
 _NOT_THE_TREE = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".te1", ".te2", ".te3", ".whl"}
@@ -74,3 +77,30 @@ def single_process_reference(initial_weights, tmp_path_factory) -> Path:
     tb = tmp_path_factory.mktemp("reference") / "tb"
     run_pretrain(1, [*parity_overrides(initial_weights, tb), *SINGLE_PROCESS])
     return tb
+
+
+@pytest.fixture(scope="session")
+def code_corpus(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "train.jsonl", code_docs(200))
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model(code_corpus, tmp_path_factory) -> Path:
+    """A 300-piece sentencepiece BPE trained on `code_corpus`."""
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    train_mod.train_tokenizer([str(code_corpus)], 300, "bpe", str(prefix))
+    return Path(f"{prefix}.model")
+
+
+@pytest.fixture(scope="session")
+def unicode_corpus(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("hf_corpus") / "c.jsonl", UNICODE_TEXTS)
+
+
+@pytest.fixture(scope="session")
+def byte_bpe_dir(unicode_corpus, tmp_path_factory) -> Path:
+    """A 400-token Hugging Face byte-level BPE (tokenizer.json directory) trained on `unicode_corpus`."""
+    out = tmp_path_factory.mktemp("hf_tok") / "byte_bpe"
+    train_mod.main(["--input", str(unicode_corpus), "--vocab-size", "400", "--model-type", "byte-bpe",
+                    "--output-prefix", str(out)])
+    return out

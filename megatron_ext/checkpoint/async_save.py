@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.errors import CheckpointError
 
@@ -39,6 +40,25 @@ def signals_ignored() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def agreed_failure(exc: Optional[BaseException]) -> Optional[str]:
+    """Collective: None when no rank failed (`exc` None everywhere), else the same 'rank R: Type: message; ...' text
+    on every rank. torch's CheckpointException (a BaseException) lists the ranks whose writes failed on the
+    coordinating rank only; any other exception is its own rank's cause."""
+    rank = dist.get_rank()
+    if exc is None:
+        mine: Optional[dict[int, str]] = None
+    elif isinstance(exc, CheckpointException):
+        mine = {r: f"{type(e).__name__}: {e}" for r, (e, _trace) in exc.failures.items()}
+    else:
+        mine = {rank: f"{type(exc).__name__}: {exc}"}
+    gathered: list[Optional[dict[int, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if all(causes is None for causes in gathered):
+        return None
+    merged = {r: text for causes in gathered if causes for r, text in causes.items()}
+    return "; ".join(f"rank {r}: {text}" for r, text in sorted(merged.items())) or "no rank reported a cause"
 
 
 def _nothing() -> None:
@@ -81,12 +101,13 @@ class AsyncCheckpointSaver:
         except CheckpointError:  # from the save's own finalisation, which already cleaned up
             self.in_flight.pop(0)
             raise
-        except Exception as e:  # a write failed on some rank: megatron-core raises it on every rank
+        except (Exception, CheckpointException) as e:  # a write failed: megatron-core raises it on every rank
             target, _ = self.in_flight.pop(0)
+            causes = agreed_failure(e)
             if target is not None and dist.get_rank() == 0:
                 shutil.rmtree(target, ignore_errors=True)
-            raise CheckpointError(f"the asynchronous save of {target} failed ({type(e).__name__}: {e}); removed "
-                                  "it, the tracker and older checkpoints are untouched") from None
+            raise CheckpointError(f"the asynchronous save of {target} failed ({causes}); removed it, the tracker "
+                                  "and older checkpoints are untouched") from None
         finished = self.in_flight[:len(done)]
         del self.in_flight[:len(done)]
         for target, started in finished:

@@ -40,11 +40,8 @@ class CheckpointManager:
         return resume_training(self.cfg, self.model, self.optimizer, self.scheduler)
 
     def due(self, iteration: int, stopping: bool) -> bool:
-        """A checkpoint is written after this iteration: every save_interval, when the run stops early, and at
-        train.train_iters (also a 0-step run, which saves its initial weights)."""
-        ck = self.cfg.checkpoint
-        interval = bool(ck.save_interval and iteration % ck.save_interval == 0)
-        return self.enabled and (interval or stopping or iteration == self.cfg.train.train_iters)
+        """This run saves after `iteration` (see :func:`save_due`)."""
+        return self.enabled and save_due(self.cfg, iteration, stopping)
 
     def finish_completed_writes(self) -> None:
         """Finalise background saves whose writes every rank has finished (manifest, tracker, retention)."""
@@ -61,18 +58,8 @@ class CheckpointManager:
         path = save_load.save_checkpoint(
             ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
             keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
-            optimizer_format=self.optimizer_format(iteration))
+            optimizer_format=optimizer_format_for(self.cfg, iteration))
         return path, time.perf_counter() - start
-
-    def optimizer_format(self, iteration: int) -> str:
-        """checkpoint.optimizer_format for the save at `iteration`: `auto` writes the lean dp_reshardable format
-        along the way and the fully reshardable one for the finished run, the one handed on."""
-        fmt = self.cfg.checkpoint.optimizer_format
-        if not self.cfg.parallel.use_distributed_optimizer:
-            return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
-        if fmt != "auto":
-            return fmt
-        return "fully_reshardable_mem_efficient" if iteration >= self.cfg.train.train_iters else "dp_reshardable"
 
     def close(self) -> None:
         """Wait until every save in flight is complete: the last checkpoint exists before the run reports it."""
@@ -88,3 +75,20 @@ class CheckpointManager:
     def asynchronous(self) -> bool:
         return self.saver is not None
 
+
+def save_due(cfg: RecipeConfig, iteration: int, stopping: bool) -> bool:
+    """A checkpoint is written after `iteration`: every checkpoint.save_interval, when the run stops early, and at
+    train.train_iters (also a 0-step run, which saves its initial weights)."""
+    interval = cfg.checkpoint.save_interval
+    return bool(interval and iteration % interval == 0) or stopping or iteration == cfg.train.train_iters
+
+
+def optimizer_format_for(cfg: RecipeConfig, iteration: int) -> str:
+    """checkpoint.optimizer_format for the save at `iteration`: `auto` writes the lean dp_reshardable format along
+    the way and the fully reshardable one for the finished run, the one handed on."""
+    fmt = cfg.checkpoint.optimizer_format
+    if not cfg.parallel.use_distributed_optimizer:
+        return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
+    if fmt != "auto":
+        return fmt
+    return "fully_reshardable_mem_efficient" if iteration >= cfg.train.train_iters else "dp_reshardable"

@@ -25,9 +25,10 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.checkpoint import compat, manifest
-from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, signals_ignored
+from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, agreed_failure, signals_ignored
 from megatron_ext.checkpoint.layout import (
     TRACKER,
     TRAINING_STATE,
@@ -102,17 +103,15 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
     try:
         step()
         error = None
-    except Exception as e:  # ENOSPC, permission, a broken file system: reported below, collectively
-        error = f"{type(e).__name__}: {e}"
-    errors: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = {rank: e for rank, e in enumerate(errors) if e}
-    if not failed:
+    # ENOSPC, permission, a broken file system; torch's CheckpointException is a BaseException
+    except (Exception, CheckpointException) as e:
+        error = e
+    causes = agreed_failure(error)
+    if causes is None:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(target, ignore_errors=True)
     dist.barrier()
-    causes = "; ".join(f"rank {rank}: {e}" for rank, e in failed.items())
     previous = latest_iteration(target.parent)
     raise CheckpointError(
         f"saving {target} failed while {what} ({causes}). Removed the partial {target.name}; the tracker still names "

@@ -66,6 +66,9 @@ class ModelConfig:
     rope_scaling_factor: Optional[float] = None  # Llama-3.1-style long-context RoPE scaling (e.g. 8.0, 32.0)
     layernorm_epsilon: float = 1e-5  # RMSNorm epsilon
     init_method_std: float = 0.02  # std of the normal weight initialisation
+    # dropout on the attention and MLP outputs (Llama pretraining uses none; the planner counts no dropout masks)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0  # dropout on the attention probabilities (not with ring attention, CP > 1)
     untie_embeddings_and_output_weights: bool = True  # false = the output layer shares the embedding's weights
     # auto: TransformerEngine when importable; te; local: megatron-core's local layers (SDPA; ring attention
     # under CP)

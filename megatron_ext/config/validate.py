@@ -157,6 +157,11 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     )
 
     _validate_pipeline(cfg)
+    for key in ("hidden_dropout", "attention_dropout"):
+        require(0.0 <= getattr(m, key) < 1.0, f"model.{key}", getattr(m, key), "must be in [0, 1)")
+    require(m.attention_dropout == 0.0 or cp == 1 or m.attention_backend == "te", "model.attention_dropout",
+            m.attention_dropout, "ring attention (context_parallel_size > 1 without TransformerEngine) has no "
+            "attention dropout: set it to 0, or model.attention_backend=te")
 
     if p.sequence_parallel:
         require(tp > 1, "parallel.sequence_parallel", True, "needs tensor_model_parallel_size > 1")

@@ -88,7 +88,10 @@ def microbatch_iterator(dataset: GPTDataset, consumed_samples: int, micro_batch_
                         dp_rank: int, dp_size: int, num_workers: int) -> Iterator[dict[str, torch.Tensor]]:
     """Endless-enough iterator of this rank's micro batches (dicts of tokens/labels/loss_mask/position_ids)."""
     sampler = DistributedBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    # Its own generator: a DataLoader iterator otherwise draws its workers' base seed from the global RNG, so
+    # every new iterator (at the start, at each evaluation) would shift the dropout masks after it, and a resumed
+    # run (one iterator fewer) would not repeat the uninterrupted one.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          pin_memory=torch.cuda.is_available(),
-                                         persistent_workers=num_workers > 0)
+                                         persistent_workers=num_workers > 0, generator=torch.Generator())
     return iter(loader)

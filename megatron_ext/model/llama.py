@@ -134,8 +134,8 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         # megatron-core does not read these from parallel_state: without them every pipeline
         # stage builds every layer.

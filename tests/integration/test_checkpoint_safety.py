@@ -3,6 +3,7 @@ aside, a failed save leaves nothing behind, retention keeps what it should. One 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,23 @@ def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_track
     assert (ckpt / "iter_0000002" / "manifest.json").is_file() and (ckpt / TRACKER).read_text().strip() == "2"
 
 
+def test_a_failed_asynchronous_save_is_one_error_exit_2_and_leaves_the_previous_checkpoint(tmp_path):
+    """2 processes, checkpoint.async_save (the GPU default): rank 1's background writer of iteration 4 dies. Every
+    rank learns it when the save is finalised; one line says it, the job exits 2, iteration 4 is removed and the
+    tracker still names 2."""
+    ckpt = tmp_path / "ckpt"
+    overrides = [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=4", f"checkpoint.save={ckpt}",
+                 "checkpoint.save_interval=2", "checkpoint.async_save=true", "logging.tensorboard_dir=null",
+                 f"logging.log_dir={tmp_path / 'logs'}"]
+    proc = run_pretrain(2, overrides, module="tests.workers.checkpoint_fault_worker", check=False,
+                        env={"FAIL_ITERATION": "4", "FAIL_RANK": "1"})
+    assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", proc.stderr), proc.stderr[-3000:]  # torchrun's
+    errors = [line for line in proc.stderr.splitlines() if "checkpoint error" in line]
+    assert len(errors) == 1 and f"the asynchronous save of {ckpt / 'iter_0000004'} failed" in errors[0], proc.stderr
+    assert not (ckpt / "iter_0000004").exists() and latest_iteration(ckpt) == 2
+    assert (ckpt / "iter_0000002" / "manifest.json").is_file()
+
+
 def _optimizer_format(ckpt_dir: Path) -> str:
     from megatron.core import dist_checkpointing
 
@@ -228,3 +246,15 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint_to_resume
     original = read_scalars(run["tb"], "train/lm_loss")
     assert read_scalars(tmp_path / "tb_resumed", "train/lm_loss") == {3: original[3], 4: original[4]}
     assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()
+
+
+def test_resumed_dropout_draws_from_the_restored_rng_streams(tmp_path):
+    """Dropout on (hidden and attention): stopped at 2 and resumed to 4 equals 4 uninterrupted steps exactly, so the
+    masks after the resume come from the RNG states the checkpoint restored (fresh streams give other masks)."""
+    dropout = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+    run_pretrain(1, _overrides(tmp_path, "tb_full", *dropout))
+    run_pretrain(1, _overrides(tmp_path, "tb_first", *dropout, "train.exit_interval=2",
+                               f"checkpoint.save={tmp_path / 'ckpt'}"))
+    run_pretrain(1, _overrides(tmp_path, "tb_resumed", *dropout, f"checkpoint.load={tmp_path / 'ckpt'}"))
+    full = read_scalars(tmp_path / "tb_full", "train/lm_loss")
+    assert read_scalars(tmp_path / "tb_resumed", "train/lm_loss") == {3: full[3], 4: full[4]}

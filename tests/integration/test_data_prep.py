@@ -14,51 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from data_prep import train_tokenizer as train_mod
+from tests.corpora import BAD_LINES, code_docs, write_jsonl
 from tests.launch import ROOT
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
 
     from data_prep import preprocess as preprocess_mod
-
-WORDS = ["def", "return", "self", "value", "data", "for", "in", "if", "else", "import", "class", "print"]
-
-
-def _docs(n: int) -> list[str]:
-    # Varied but deterministic Python-ish text over a small alphabet, so a ~300 piece vocab fits.
-    docs = []
-    for i in range(n):
-        lines = [f"def f{i}_{j}(x):\n    return {WORDS[(i + j) % len(WORDS)]} + {i * j}\n"
-                 for j in range(1 + i % 5)]
-        docs.append("".join(lines))
-    return docs
-
-
-def _write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return _write_jsonl(tmp_path_factory.mktemp("corpus") / "train.jsonl", _docs(200))
-
-
-@pytest.fixture(scope="module")
-def model(corpus, tmp_path_factory) -> Path:
-    prefix = tmp_path_factory.mktemp("tok") / "tok"
-    train_mod.train_tokenizer([str(corpus)], 300, "bpe", str(prefix))
-    return Path(f"{prefix}.model")
-
-
-BAD_LINES = {
-    "malformed_json": (b'{"text": "ok"}\n{"text": "oops\n', "2: malformed JSON"),
-    "missing_key": (b'{"text": "ok"}\n{"txt": "oops"}\n', "2: missing key 'text'"),
-    "non_string": (b'{"text": "ok"}\n\n{"text": ["a", "b"]}\n', "3: key 'text' is list"),
-    "invalid_utf8": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "2: invalid UTF-8"),
-    "empty_file": (b"", ": no documents (file is empty)"),
-}
 
 
 def test_cli_bad_record_message_without_traceback(tmp_path):
@@ -76,12 +38,12 @@ def test_cli_bad_record_message_without_traceback(tmp_path):
     assert not list(tmp_path.glob("t.*"))
 
 
-def _prepare(model: Path, texts: list[str], prefix: Path) -> str:
-    src = _write_jsonl(prefix.with_suffix(".jsonl"), texts)
-    return preprocess_mod.preprocess([str(src)], str(prefix), str(model)).prefixes[0]
+def _prepare(sentencepiece_model: Path, texts: list[str], prefix: Path) -> str:
+    src = write_jsonl(prefix.with_suffix(".jsonl"), texts)
+    return preprocess_mod.preprocess([str(src)], str(prefix), str(sentencepiece_model)).prefixes[0]
 
 
-def test_preprocess_pulls_input_lazily(model):
+def test_preprocess_pulls_input_lazily(sentencepiece_model):
     """Streaming: with an endless input, results arrive while at most max_in_flight batches are read."""
     pulled = []
 
@@ -90,14 +52,14 @@ def test_preprocess_pulls_input_lazily(model):
             pulled.append(i)
             yield [{"text": f"def f{i}(x):\n    return x\n"}] * 8
 
-    with multiprocessing.Pool(1, preprocess_mod._init_worker, (str(model), None, True)) as pool:
+    with multiprocessing.Pool(1, preprocess_mod._init_worker, (str(sentencepiece_model), None, True)) as pool:
         results = preprocess_mod._encode_in_order(pool, endless(), max_in_flight=3)
         for k in range(6):
             assert len(next(results)["text"][1]) == 8
             assert len(pulled) == k + 3
 
 
-def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subprocess.Popen:
+def _start_preprocess_and_wait_until_writing(sentencepiece_model: Path, prefix: Path) -> subprocess.Popen:
     """preprocess reading a FIFO that delivers 2,000 documents and then stays open: the run is
     mid-way for as long as the test wants, whatever the machine's speed."""
     fifo = prefix.parent / "input.jsonl"
@@ -107,7 +69,7 @@ def _start_preprocess_and_wait_until_writing(model: Path, prefix: Path) -> subpr
     log = open(prefix.parent.parent / f"{prefix.parent.name}.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "data_prep.preprocess", "--input", str(fifo),
-         "--output-prefix", str(prefix), "--tokenizer-model", str(model), "--append-eod", "--workers", "1"],
+         "--output-prefix", str(prefix), "--tokenizer-model", str(sentencepiece_model), "--append-eod", "--workers", "1"],
         cwd=ROOT, stdout=log, stderr=log, text=True, start_new_session=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
         # A suite started in the background by a non-interactive shell inherits SIGINT ignored,
@@ -157,9 +119,9 @@ def _interrupt(proc: subprocess.Popen, sig: int) -> None:
         _close_quietly(proc.input_writer)
 
 
-def test_sigkill_midway_leaves_no_dataset_under_the_final_name(model, tmp_path):
+def test_sigkill_midway_leaves_no_dataset_under_the_final_name(sentencepiece_model, tmp_path):
     prefix = tmp_path / "d"
-    proc = _start_preprocess_and_wait_until_writing(model, prefix)
+    proc = _start_preprocess_and_wait_until_writing(sentencepiece_model, prefix)
     try:
         _interrupt(proc, signal.SIGKILL)
         assert proc.returncode == -signal.SIGKILL
@@ -170,9 +132,9 @@ def test_sigkill_midway_leaves_no_dataset_under_the_final_name(model, tmp_path):
     assert all(".tmp-" in n for n in names), names  # only temp files may remain
 
 
-def test_sigint_midway_exits_nonzero_and_cleans_up(model, tmp_path):
+def test_sigint_midway_exits_nonzero_and_cleans_up(sentencepiece_model, tmp_path):
     prefix = tmp_path / "d"
-    proc = _start_preprocess_and_wait_until_writing(model, prefix)
+    proc = _start_preprocess_and_wait_until_writing(sentencepiece_model, prefix)
     try:
         _interrupt(proc, signal.SIGINT)
         with pytest.raises(ProcessLookupError):  # the run stopped and reaped its workers itself
@@ -184,14 +146,14 @@ def test_sigint_midway_exits_nonzero_and_cleans_up(model, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["input.jsonl"]
 
 
-def test_dataset_from_data_prep_trains(model, tmp_path):
+def test_dataset_from_data_prep_trains(sentencepiece_model, tmp_path):
     from tests.launch import SINGLE_PROCESS, SMALL_MODEL, run_pretrain
 
-    prefix = _prepare(model, _docs(400), tmp_path / "mine")
+    prefix = _prepare(sentencepiece_model, code_docs(400), tmp_path / "mine")
     from megatron_ext.metrics.run_logger import read_scalars
 
     run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6", f"data.blend=[{prefix}]",
-                     f"data.tokenizer_model={model}", f"logging.tensorboard_dir={tmp_path / 'tb'}"])
+                     f"data.tokenizer_model={sentencepiece_model}", f"logging.tensorboard_dir={tmp_path / 'tb'}"])
     losses = read_scalars(tmp_path / "tb", "train/lm_loss")
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.5, losses
 

@@ -3,41 +3,20 @@ recorded by import-hf."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import shutil
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import pytest
 import torch
 
-from data_prep import train_tokenizer as train_mod
 from megatron_ext.data.tokenizer import HuggingFaceTokenizer, load_tokenizer
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
     from data_prep import preprocess as preprocess_mod
-
-TEXTS = [f"def f{i}(x):\n    return x * {i}  # Café naïve, ünïcode ✓\n" * (1 + i % 4) for i in range(60)]
-TEXTS[7] = ""  # an empty document: the post-processor's BOS alone, then EOD (as Megatron-LM writes it)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("hf_corpus") / "c.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hf_tok") / "byte_bpe"
-    train_mod.main(["--input", str(corpus), "--vocab-size", "400", "--model-type", "byte-bpe",
-                    "--output-prefix", str(out)])
-    return out
 
 
 def _logits_and_export(checkpoint: Path, export: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -48,19 +27,19 @@ def _logits_and_export(checkpoint: Path, export: Path, tokens: torch.Tensor) -> 
     return checkpoint_logits(checkpoint, tokens)
 
 
-def test_the_recipe_trains_on_it_and_exports_a_model_transformers_runs(corpus, tokenizer_dir, tmp_path):
+def test_the_recipe_trains_on_it_and_exports_a_model_transformers_runs(unicode_corpus, byte_bpe_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    preprocess_mod.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "hf"), "--tokenizer-model",
-                         str(tokenizer_dir), "--append-eod"])
+    preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(tmp_path / "hf"), "--tokenizer-model",
+                         str(byte_bpe_dir), "--append-eod"])
     ckpt = tmp_path / "ckpt"
     run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6", "optimizer.lr_decay_iters=null",
-                     f"data.blend=[{tmp_path / 'hf'}_text_document]", f"data.tokenizer_model={tokenizer_dir}",
+                     f"data.blend=[{tmp_path / 'hf'}_text_document]", f"data.tokenizer_model={byte_bpe_dir}",
                      f"logging.tensorboard_dir={tmp_path / 'tb'}", f"checkpoint.save={ckpt}"])
     losses = read_scalars(tmp_path / "tb", "train/lm_loss")
     assert losses[6] < losses[1] - 0.5, losses
 
-    auto = AutoTokenizer.from_pretrained(tokenizer_dir)
+    auto = AutoTokenizer.from_pretrained(byte_bpe_dir)
     tokens = torch.tensor([auto("def f3(x):\n    return x * 3").input_ids])
     export = tmp_path / "export"
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -85,14 +64,14 @@ def _import(hf_dir: Path, output: Path) -> dict:
     return dist_checkpointing.load_common_state_dict(str(output / "iter_0000000"))["config"]["data"]
 
 
-def test_import_hf_reads_and_records_a_tokenizer_json(tokenizer_dir, tmp_path):
+def test_import_hf_reads_and_records_a_tokenizer_json(byte_bpe_dir, tmp_path):
     from tests.integration.test_convert import make_hf_model
 
     hf = make_hf_model(tmp_path / "hf", vocab=512, kv_heads=2, tied=False, extra={}, save={})
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokenizer_dir / name, hf / name)
+        shutil.copyfile(byte_bpe_dir / name, hf / name)
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         data = pool.submit(_import, hf, tmp_path / "ckpt").result()
     assert data["tokenizer_model"] == str(tmp_path / "ckpt" / "tokenizer")
     assert data["tokenizer_type"] == "HuggingFaceTokenizer"
-    assert load_tokenizer(data["tokenizer_model"]).tokenize("x") == HuggingFaceTokenizer(str(tokenizer_dir)).tokenize("x")
+    assert load_tokenizer(data["tokenizer_model"]).tokenize("x") == HuggingFaceTokenizer(str(byte_bpe_dir)).tokenize("x")

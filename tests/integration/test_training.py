@@ -8,8 +8,8 @@ import pytest
 
 from megatron_ext.checkpoint.layout import latest_iteration
 from tests.conftest import PARITY_STEPS, parity_overrides
-from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
 from tests.integration.test_parallel_parity import TOLERANCE as PARITY_TOLERANCE  # the README's bound for every layout
+from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
 
 STEPS, STOP = 12, 6  # the interrupted run stops (and checkpoints) at STOP and is resumed to STEPS
 # A run resumed under another layout does the same math in another summation order. Loss: measured

@@ -17,6 +17,7 @@ from data_prep.records import SkippedRecords, iter_documents
 from data_prep.train_tokenizer import chunk_text
 from megatron_ext.data.tokenizer import SentencePieceTokenizer
 from megatron_ext.errors import BadRecordError
+from tests.corpora import BAD_LINES, code_docs, write_jsonl
 from tests.megatron_reference import write_reference
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
@@ -27,35 +28,6 @@ with warnings.catch_warnings():  # importing megatron.core warns about missing A
     from data_prep import merge as merge_mod
     from data_prep import preprocess as preprocess_mod
 
-WORDS = ["def", "return", "self", "value", "data", "for", "in", "if", "else", "import", "class", "print"]
-
-
-def _docs(n: int) -> list[str]:
-    # Varied but deterministic Python-ish text over a small alphabet, so a ~300 piece vocab fits.
-    docs = []
-    for i in range(n):
-        lines = [f"def f{i}_{j}(x):\n    return {WORDS[(i + j) % len(WORDS)]} + {i * j}\n"
-                 for j in range(1 + i % 5)]
-        docs.append("".join(lines))
-    return docs
-
-
-def _write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return _write_jsonl(tmp_path_factory.mktemp("corpus") / "train.jsonl", _docs(200))
-
-
-@pytest.fixture(scope="module")
-def model(corpus, tmp_path_factory) -> Path:
-    prefix = tmp_path_factory.mktemp("tok") / "tok"
-    train_mod.train_tokenizer([str(corpus)], 300, "bpe", str(prefix))
-    return Path(f"{prefix}.model")
-
 
 def _exit_message(main, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exc:
@@ -64,11 +36,11 @@ def _exit_message(main, argv: list[str]) -> str:
     return str(exc.value.code)
 
 
-def test_tokenizer_special_ids_and_byte_fallback(model):
-    sp = spm.SentencePieceProcessor(model_file=str(model))
+def test_tokenizer_special_ids_and_byte_fallback(sentencepiece_model):
+    sp = spm.SentencePieceProcessor(model_file=str(sentencepiece_model))
     assert [sp.id_to_piece(i) for i in range(3)] == ["<unk>", "<s>", "</s>"]
     assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
-    tok = SentencePieceTokenizer(str(model))
+    tok = SentencePieceTokenizer(str(sentencepiece_model))
     assert (tok.vocab_size, tok.bos, tok.eod, tok.pad) == (300, 1, 2, -1)
     text = "def ünïcode_日本(x):\n\treturn  x  # ✓\n"  # unseen chars, tab, double spaces
     ids = tok.tokenize(text)
@@ -78,41 +50,41 @@ def test_tokenizer_special_ids_and_byte_fallback(model):
     assert tok.tokenize_batch([text, "x"]) == [ids, tok.tokenize("x")]
 
 
-def test_tokenizer_pickles_by_path(model):
+def test_tokenizer_pickles_by_path(sentencepiece_model):
     import pickle
 
-    tok = pickle.loads(pickle.dumps(SentencePieceTokenizer(str(model))))
-    assert tok.tokenize("def f(x)") == SentencePieceTokenizer(str(model)).tokenize("def f(x)")
-    assert tok.unique_identifiers["tokenizer_path"] == str(model)
+    tok = pickle.loads(pickle.dumps(SentencePieceTokenizer(str(sentencepiece_model))))
+    assert tok.tokenize("def f(x)") == SentencePieceTokenizer(str(sentencepiece_model)).tokenize("def f(x)")
+    assert tok.unique_identifiers["tokenizer_path"] == str(sentencepiece_model)
 
 
-def test_train_tokenizer_is_deterministic(corpus, model, tmp_path):
+def test_train_tokenizer_is_deterministic(code_corpus, sentencepiece_model, tmp_path):
     # A different output directory too: the path must not leak into the .model bytes.
-    train_mod.main(["--input", str(corpus), "--vocab-size", "300", "--model-type", "bpe",
+    train_mod.main(["--input", str(code_corpus), "--vocab-size", "300", "--model-type", "bpe",
                     "--output-prefix", str(tmp_path / "again")])
-    assert (tmp_path / "again.model").read_bytes() == model.read_bytes()
-    assert (tmp_path / "again.vocab").read_bytes() == model.with_suffix(".vocab").read_bytes()
+    assert (tmp_path / "again.model").read_bytes() == sentencepiece_model.read_bytes()
+    assert (tmp_path / "again.vocab").read_bytes() == sentencepiece_model.with_suffix(".vocab").read_bytes()
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
-def test_preprocess_roundtrip_deterministic_and_megatron_identical(model, tmp_path):
-    texts = _docs(23)
+def test_preprocess_roundtrip_deterministic_and_megatron_identical(sentencepiece_model, tmp_path):
+    texts = code_docs(23)
     texts[5] = ""  # empty document: no tokens, no EOD
-    src = _write_jsonl(tmp_path / "in.jsonl", texts)
+    src = write_jsonl(tmp_path / "in.jsonl", texts)
     outputs = {}
     for workers in (1, 2):
         prefix = tmp_path / f"w{workers}"
         preprocess_mod.main(["--input", str(src), "--output-prefix", str(prefix), "--tokenizer-model",
-                             str(model), "--json-keys", "text", "--append-eod", "--workers", str(workers),
+                             str(sentencepiece_model), "--json-keys", "text", "--append-eod", "--workers", str(workers),
                              "--chunk-docs", "4"])
         outputs[workers] = [Path(f"{prefix}_text_document.{ext}").read_bytes() for ext in ("bin", "idx")]
     assert outputs[1] == outputs[2]
 
-    sp = SentencePieceTokenizer(str(model))
+    sp = SentencePieceTokenizer(str(sentencepiece_model))
     write_reference(texts, sp.tokenize, sp.eod, sp.vocab_size, tmp_path / "ref")
     assert outputs[1] == [(tmp_path / f"ref.{ext}").read_bytes() for ext in ("bin", "idx")]
 
-    tok = SentencePieceTokenizer(str(model))
+    tok = SentencePieceTokenizer(str(sentencepiece_model))
     ds = IndexedDataset(str(tmp_path / "w1_text_document"))
     assert ds.index.dtype == np.uint16
     assert len(ds.document_indices) == len(texts) + 1
@@ -122,15 +94,15 @@ def test_preprocess_roundtrip_deterministic_and_megatron_identical(model, tmp_pa
         assert ds[i].tolist() == tok.tokenize(text) + [tok.eod]
 
 
-def test_gpt_dataset_accepts_tokenizer(model, tmp_path):
+def test_gpt_dataset_accepts_tokenizer(sentencepiece_model, tmp_path):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    src = _write_jsonl(tmp_path / "in.jsonl", _docs(50))
-    result = preprocess_mod.preprocess([str(src)], str(tmp_path / "d"), str(model))
+    src = write_jsonl(tmp_path / "in.jsonl", code_docs(50))
+    result = preprocess_mod.preprocess([str(src)], str(tmp_path / "d"), str(sentencepiece_model))
     config = GPTDatasetConfig(
         random_seed=1, sequence_length=16, blend=(result.prefixes, None), split="100,0,0",
-        tokenizer=SentencePieceTokenizer(str(model)), reset_position_ids=False,
+        tokenizer=SentencePieceTokenizer(str(sentencepiece_model)), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         path_to_cache=str(tmp_path / "cache"),
     )
@@ -141,47 +113,38 @@ def test_gpt_dataset_accepts_tokenizer(model, tmp_path):
     assert train[0]["tokens"].shape == (16,)
 
 
-BAD_LINES = {
-    "malformed_json": (b'{"text": "ok"}\n{"text": "oops\n', "2: malformed JSON"),
-    "missing_key": (b'{"text": "ok"}\n{"txt": "oops"}\n', "2: missing key 'text'"),
-    "non_string": (b'{"text": "ok"}\n\n{"text": ["a", "b"]}\n', "3: key 'text' is list"),
-    "invalid_utf8": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "2: invalid UTF-8"),
-    "empty_file": (b"", ": no documents (file is empty)"),
-}
-
-
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
-def test_bad_input_exits_naming_file_and_line(case, model, tmp_path):
+def test_bad_input_exits_naming_file_and_line(case, sentencepiece_model, tmp_path):
     content, expected = BAD_LINES[case]
     src = tmp_path / "bad.jsonl"
     src.write_bytes(content)
     out = tmp_path / "out"
     out.mkdir()
     msg = _exit_message(preprocess_mod.main, ["--input", str(src), "--output-prefix", str(out / "d"),
-                                              "--tokenizer-model", str(model), "--append-eod"])
+                                              "--tokenizer-model", str(sentencepiece_model), "--append-eod"])
     assert msg.startswith(f"error: {src}") and expected in msg
     assert list(out.iterdir()) == []  # nothing half-written
 
 
-def test_unmatched_glob_exits(model, tmp_path):
+def test_unmatched_glob_exits(sentencepiece_model, tmp_path):
     pattern = str(tmp_path / "nothing-*.jsonl")
     msg = _exit_message(preprocess_mod.main, ["--input", pattern, "--output-prefix", str(tmp_path / "d"),
-                                              "--tokenizer-model", str(model)])
+                                              "--tokenizer-model", str(sentencepiece_model)])
     assert msg == f"error: {pattern}: no input file matches"
     msg = _exit_message(train_mod.main, ["--input", pattern, "--vocab-size", "300", "--model-type", "bpe",
                                          "--output-prefix", str(tmp_path / "t")])
     assert msg == f"error: {pattern}: no input file matches"
 
 
-def test_skip_bad_records_counts_and_reports(model, tmp_path, caplog):
-    lines = [json.dumps({"text": t}).encode() for t in _docs(10)]
+def test_skip_bad_records_counts_and_reports(sentencepiece_model, tmp_path, caplog):
+    lines = [json.dumps({"text": t}).encode() for t in code_docs(10)]
     lines[3] = b'{"text": 7}'
     lines[7] = b"{not json"
     src = tmp_path / "mixed.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     with caplog.at_level("INFO"):
         preprocess_mod.main(["--input", str(src), "--output-prefix", str(tmp_path / "d"), "--tokenizer-model",
-                             str(model), "--append-eod", "--skip-bad-records"])
+                             str(sentencepiece_model), "--append-eod", "--skip-bad-records"])
     assert f"skipped bad records: 2 (first: {src}:4: key 'text' is int" in caplog.text
     assert f"{src}:8: malformed JSON" in caplog.text
     assert len(IndexedDataset(str(tmp_path / "d_text_document"))) == 8
@@ -198,19 +161,19 @@ def fill_disk_on_finalize(monkeypatch):
     return lambda: monkeypatch.setattr(IndexedDatasetBuilder, "finalize", broken_finalize)
 
 
-def test_failure_during_finalize_leaves_no_pair(model, tmp_path, fill_disk_on_finalize):
-    src = _write_jsonl(tmp_path / "in.jsonl", _docs(5))
+def test_failure_during_finalize_leaves_no_pair(sentencepiece_model, tmp_path, fill_disk_on_finalize):
+    src = write_jsonl(tmp_path / "in.jsonl", code_docs(5))
     out = tmp_path / "out"
     fill_disk_on_finalize()
     with pytest.raises(OSError, match="disk full"):
-        preprocess_mod.preprocess([str(src)], str(out / "d"), str(model), workers=2)
+        preprocess_mod.preprocess([str(src)], str(out / "d"), str(sentencepiece_model), workers=2)
     assert list(out.iterdir()) == []
 
 
 def test_reader_formats(tmp_path):
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(b'{"text": "gz doc", "id": 1}\n'))
     (tmp_path / "b.txt").write_text("line one\nline two\n", encoding="utf-8")
-    _write_jsonl(tmp_path / "c.jsonl", ["c1", "c2"])
+    write_jsonl(tmp_path / "c.jsonl", ["c1", "c2"])
     docs = list(iter_documents([str(tmp_path / "*.txt"), str(tmp_path / "*.jsonl*")], ["text"], False))
     assert [(Path(d.path).name, d.line, d.fields["text"]) for d in docs] == [
         ("b.txt", 1, "line one\nline two\n"), ("a.jsonl.gz", 1, "gz doc"),
@@ -240,9 +203,9 @@ def test_chunk_text_respects_byte_limit():
 # ---------------------------------------------------------------------------------------------
 
 
-def _prepare(model: Path, texts: list[str], prefix: Path) -> str:
-    src = _write_jsonl(prefix.with_suffix(".jsonl"), texts)
-    return preprocess_mod.preprocess([str(src)], str(prefix), str(model)).prefixes[0]
+def _prepare(sentencepiece_model: Path, texts: list[str], prefix: Path) -> str:
+    src = write_jsonl(prefix.with_suffix(".jsonl"), texts)
+    return preprocess_mod.preprocess([str(src)], str(prefix), str(sentencepiece_model)).prefixes[0]
 
 
 def _documents(prefix: str) -> list[list[int]]:
@@ -250,18 +213,18 @@ def _documents(prefix: str) -> list[list[int]]:
     return [inspect_mod.document_tokens(ds, d).tolist() for d in range(len(ds.document_indices) - 1)]
 
 
-def test_inspect_reports_counts_lengths_histogram_and_samples(model, tmp_path, capsys):
-    texts = _docs(23)
+def test_inspect_reports_counts_lengths_histogram_and_samples(sentencepiece_model, tmp_path, capsys):
+    texts = code_docs(23)
     texts[5] = ""
-    prefix = _prepare(model, texts, tmp_path / "d")
-    tok = SentencePieceTokenizer(str(model))
+    prefix = _prepare(sentencepiece_model, texts, tmp_path / "d")
+    tok = SentencePieceTokenizer(str(sentencepiece_model))
     lengths = [len(tok.tokenize(t)) + 1 if t else 0 for t in texts]
 
     stats = inspect_mod.dataset_stats(prefix)
     assert (stats.documents, stats.sequences, stats.tokens, stats.dtype) == (23, 22, sum(lengths), "uint16")
     assert stats.doc_lengths.tolist() == lengths
 
-    inspect_mod.main([f"{prefix}.idx", "--samples", "3", "--tokenizer-model", str(model)])  # .idx path works
+    inspect_mod.main([f"{prefix}.idx", "--samples", "3", "--tokenizer-model", str(sentencepiece_model)])  # .idx path works
     out = capsys.readouterr().out
     assert "documents 23  (empty: 1)" in out and f"tokens    {sum(lengths):,d}" in out and "uint16" in out
     nonempty = [n for n in lengths if n]
@@ -272,21 +235,21 @@ def test_inspect_reports_counts_lengths_histogram_and_samples(model, tmp_path, c
     assert all(hist) and [m[1] for m in hist[:1]] == ["0"] and hist[0][2] == "1"  # the empty document
     assert sum(int(m[2].replace(",", "")) for m in hist) == 23
     assert min(nonempty) >= 16 and "16-31" in out  # buckets are [2^k, 2^(k+1))
-    assert f"vs vocabulary 300 of {model}: ok" in out and "documents ending with EOD (id 2): 100.0%" in out
+    assert f"vs vocabulary 300 of {sentencepiece_model}: ok" in out and "documents ending with EOD (id 2): 100.0%" in out
     assert "--- document 0:" in out and "--- document 11:" in out and "--- document 22:" in out
     assert texts[0] in out and texts[22] in out  # decoded samples
 
 
-def test_inspect_without_tokenizer_shows_ids(model, tmp_path, capsys):
-    prefix = _prepare(model, _docs(4), tmp_path / "d")
+def test_inspect_without_tokenizer_shows_ids(sentencepiece_model, tmp_path, capsys):
+    prefix = _prepare(sentencepiece_model, code_docs(4), tmp_path / "d")
     inspect_mod.main([prefix, "--samples", "1"])
     out = capsys.readouterr().out
-    first = SentencePieceTokenizer(str(model)).tokenize(_docs(4)[0])[:5]
+    first = SentencePieceTokenizer(str(sentencepiece_model)).tokenize(code_docs(4)[0])[:5]
     assert f"ids: {' '.join(map(str, first))}" in out and "pass --tokenizer-model" in out
 
 
-def test_inspect_names_the_missing_or_truncated_file(model, tmp_path):
-    prefix = _prepare(model, _docs(4), tmp_path / "d")
+def test_inspect_names_the_missing_or_truncated_file(sentencepiece_model, tmp_path):
+    prefix = _prepare(sentencepiece_model, code_docs(4), tmp_path / "d")
     msg = _exit_message(inspect_mod.main, [str(tmp_path / "d")])
     assert msg.startswith(f"error: {tmp_path / 'd'}.bin: no such file") and f"did you mean {prefix}" in msg
     Path(f"{prefix}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes()[:-2])
@@ -296,12 +259,12 @@ def test_inspect_names_the_missing_or_truncated_file(model, tmp_path):
     assert _exit_message(inspect_mod.main, [prefix]).startswith(f"error: {prefix}.idx: no such file")
 
 
-def test_merge_equals_concatenation_and_one_pass_preprocess(model, tmp_path, caplog):
-    texts = _docs(40)
+def test_merge_equals_concatenation_and_one_pass_preprocess(sentencepiece_model, tmp_path, caplog):
+    texts = code_docs(40)
     texts[20] = ""  # an empty document inside a shard survives the merge
     bounds = [(0, 15), (15, 33), (33, 40)]
-    shards = [_prepare(model, texts[a:b], tmp_path / f"s{i}") for i, (a, b) in enumerate(bounds)]
-    whole = _prepare(model, texts, tmp_path / "whole")
+    shards = [_prepare(sentencepiece_model, texts[a:b], tmp_path / f"s{i}") for i, (a, b) in enumerate(bounds)]
+    whole = _prepare(sentencepiece_model, texts, tmp_path / "whole")
     out = tmp_path / "merged" / "m"
     with caplog.at_level("INFO"):
         merge_mod.main(["--input", f"{shards[0]}.idx", shards[1], f"{shards[2]}.bin",
@@ -315,8 +278,8 @@ def test_merge_equals_concatenation_and_one_pass_preprocess(model, tmp_path, cap
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.bin", "m.idx"]
 
 
-def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(model, tmp_path):
-    small = _prepare(model, _docs(3), tmp_path / "small")
+def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(sentencepiece_model, tmp_path):
+    small = _prepare(sentencepiece_model, code_docs(3), tmp_path / "small")
     wide = tmp_path / "wide"  # what a >65,500-token vocabulary writes
     builder = IndexedDatasetBuilder(f"{wide}.bin", dtype=np.int32)
     builder.add_document([70_000, 5, 2], [3])
@@ -337,8 +300,8 @@ def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(model, tmp_path)
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
 
 
-def test_merge_failure_leaves_no_pair(model, tmp_path, fill_disk_on_finalize):
-    shards = [_prepare(model, _docs(3), tmp_path / f"s{i}") for i in range(2)]
+def test_merge_failure_leaves_no_pair(sentencepiece_model, tmp_path, fill_disk_on_finalize):
+    shards = [_prepare(sentencepiece_model, code_docs(3), tmp_path / f"s{i}") for i in range(2)]
     out = tmp_path / "out"
     fill_disk_on_finalize()
     with pytest.raises(OSError, match="disk full"):

@@ -1,7 +1,8 @@
 """torchrun worker: the recipe with a save of a chosen iteration that goes wrong on one rank.
 
 ``FAIL_ITERATION``/``FAIL_RANK`` (environment): that rank's save of that iteration writes part of a file and then
-fails with ENOSPC after the other ranks finished theirs (the case where only one rank knows); with ``HANG_MARKER``
+fails with ENOSPC after the other ranks finished theirs (the case where only one rank knows) — or, with
+checkpoint.async_save, its background writer dies without a word; with ``HANG_MARKER``
 set it instead touches that file and waits there, for the test to kill the job mid-save: once the shards are
 written (before the manifest and the tracker), or with ``HANG_AT=tracker`` when the tracker is about to move.
 """
@@ -17,6 +18,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def _killed_writer(*_args, **_kwargs) -> None:
+    """The forked writer of an asynchronous save, killed (out of host memory, say) after part of a file."""
+    os._exit(1)
+
+
 def install() -> None:
     from megatron_ext.checkpoint import save_load
 
@@ -28,6 +34,8 @@ def install() -> None:
         if os.environ.get("HANG_AT") == "tracker":
             return result
         if Path(checkpoint_dir).name == target_name and dist.get_rank() == int(os.environ["FAIL_RANK"]):
+            if kwargs.get("async_sharded_save"):  # the background writer dies before reporting its files
+                return result._replace(async_fn=_killed_writer)
             if os.environ.get("HANG_MARKER"):
                 Path(os.environ["HANG_MARKER"]).touch()
                 time.sleep(600)

@@ -1,0 +1,47 @@
+"""The checkpoint manager's decisions, as pure functions: when a save is due, which optimizer format it writes,
+and which checkpoints retention keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_ext.checkpoint.layout import MANIFEST, complete_iterations, iteration_dir, iteration_dirs
+from megatron_ext.checkpoint.manager import optimizer_format_for, save_due
+from megatron_ext.checkpoint.retention import apply_retention
+from megatron_ext.config.schema import load_config
+from tests.launch import TINY
+
+
+def test_a_save_is_due_every_interval_at_a_stop_and_at_the_end():
+    cfg = load_config(TINY, ["train.train_iters=10", "checkpoint.save_interval=4"])
+    assert [i for i in range(1, 11) if save_due(cfg, i, stopping=False)] == [4, 8, 10]
+    assert save_due(cfg, 3, stopping=True)
+    no_interval = load_config(TINY, ["train.train_iters=0"])
+    assert save_due(no_interval, 0, stopping=False)  # a 0-step run saves its initial weights
+
+
+def test_auto_format_is_lean_along_the_way_and_fully_reshardable_at_the_end():
+    cfg = load_config(TINY, ["train.train_iters=10"])
+    assert [optimizer_format_for(cfg, i) for i in (4, 10, 12)] == [
+        "dp_reshardable", "fully_reshardable_mem_efficient", "fully_reshardable_mem_efficient"]
+    assert optimizer_format_for(load_config(TINY, ["checkpoint.optimizer_format=fully_reshardable"]), 4) == \
+        "fully_reshardable"
+    plain = load_config(TINY, ["parallel.use_distributed_optimizer=false", "checkpoint.optimizer_format=dp_reshardable"])
+    assert optimizer_format_for(plain, 4) == "fully_reshardable"
+
+
+def _complete(root: Path, *iterations: int) -> None:
+    for i in iterations:
+        iteration_dir(root, i).mkdir(parents=True)
+        (iteration_dir(root, i) / MANIFEST).write_text("{}")
+
+
+def test_retention_keeps_the_newest_n_every_kth_and_never_partial_or_set_aside_ones(tmp_path):
+    _complete(tmp_path, 1, 2, 3, 4, 5, 6)
+    (tmp_path / "iter_0000007").mkdir()  # partial: no manifest yet
+    (tmp_path / "iter_0000002.corrupt").mkdir()
+    assert apply_retention(tmp_path, latest=6, keep_last=2, keep_every=3) == [1, 2, 4]
+    assert complete_iterations(tmp_path) == [3, 5, 6]
+    assert [(d.iteration, d.set_aside) for d in iteration_dirs(tmp_path)] == [
+        (2, True), (3, False), (5, False), (6, False), (7, False)]
+    assert apply_retention(tmp_path, latest=6, keep_last=None, keep_every=None) == []
