@@ -405,7 +405,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             out = export_hf(args.checkpoint, args.output)
             print(f"exported {args.checkpoint} → {out}")
     except RecipeError as e:  # a conversion, checkpoint, config or tokenizer error: one line, no traceback
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

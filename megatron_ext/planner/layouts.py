@@ -313,7 +313,7 @@ def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
     attention there is no s² score matrix for it to save).
     Full recompute keeps only the layer input (h·D per token, ÷t with SP).
     """
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     shape = _Shape.of(cfg, 1)
     d_bytes = shape.bytes_per_value
     tokens = cfg.train.micro_batch_size * m.seq_length // shape.cp
