@@ -222,10 +222,12 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint_to_resume
 
     import psutil
 
-    from tests.launch import ROOT, TINY
+    from tests.launch import DATASET_CACHE, ROOT, TINY
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
-    overrides = _overrides(tmp_path, "tb_killed", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2")
+    # the rank logs of the killed job (a rank may see its launcher die before its own SIGKILL) stay in tmp_path
+    overrides = _overrides(tmp_path, "tb_killed", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2",
+                           f"logging.log_dir={tmp_path / 'logs'}", f"data.path_to_cache={DATASET_CACHE}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "FAIL_ITERATION": "4", "FAIL_RANK": "0",
            "HANG_MARKER": str(marker), "HANG_AT": hang_at}
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
