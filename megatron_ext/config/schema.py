@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import io
 import tokenize
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, get_args
@@ -290,7 +291,7 @@ def parse_blend(blend: Optional[list[Any]], key: str) -> Optional[tuple[list[str
 @dataclass(frozen=True)
 class KeyHelp:
     key: str  # section.key
-    type: str  # as written in the schema, e.g. Optional[int], AttentionBackend
+    type: str  # as written in the schema (Optional[int]), or a Literal's values (auto / te / local)
     default: Any
     help: str
 
@@ -306,7 +307,7 @@ def _field_comments(cls: type) -> dict[str, str]:
     help_of = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            whole_line, text = comments.get(node.lineno, (False, ""))
+            _, text = comments.get(node.lineno, (False, ""))
             if not text:
                 above, previous = [], node.lineno - 1
                 while comments.get(previous, (False, ""))[0]:
@@ -317,32 +318,40 @@ def _field_comments(cls: type) -> dict[str, str]:
     return help_of
 
 
-def _literal_values(annotation: str) -> str:
-    """`AttentionBackend` → `auto / te / local`; other annotations unchanged."""
-    alias = globals().get(annotation.removeprefix("Optional[").removesuffix("]"))
-    values = get_args(alias) if alias is not None else ()
-    if not values:
-        return annotation
-    text = " / ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
-    return f"null / {text}" if annotation.startswith("Optional[") else text
+def allowed_values(annotation: Any) -> tuple[Any, ...]:
+    """The values a Literal (or Optional Literal) annotation admits, None included; () for other types."""
+    if typing.get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union:
+        args = get_args(annotation)
+        values = tuple(v for arg in args for v in allowed_values(arg))
+        return (None, *values) if values and type(None) in args else values
+    return ()
+
+
+def shown_value(value: Any) -> str:
+    """A config value as it is written in YAML and on the command line: null, true/false, "" for empty."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if value != "" else '""'
 
 
 def config_keys() -> Iterator[KeyHelp]:
     """Every `section.key` of the schema with its type, default and help."""
     for section in dataclasses.fields(RecipeConfig):
         cls = section.default_factory
-        help_of = _field_comments(cls)
+        help_of, hints = _field_comments(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            yield KeyHelp(f"{section.name}.{f.name}", _literal_values(str(f.type)), f.default, help_of[f.name])
+            allowed = allowed_values(hints[f.name])
+            kind = " / ".join(map(shown_value, allowed)) if allowed else str(f.type)
+            yield KeyHelp(f"{section.name}.{f.name}", kind, f.default, help_of[f.name])
 
 
 def keys_table() -> str:
     """The key reference as a Markdown table."""
-    def shown(value: Any) -> str:
-        if value is None:
-            return "null"
-        return str(value).lower() if isinstance(value, bool) else str(value) if value != "" else '""'
-
     rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
-    rows += [f"| `{k.key}` | {k.type} | `{shown(k.default)}` | {k.help.replace('|', '/')} |" for k in config_keys()]
+    rows += [f"| `{k.key}` | {k.type} | `{shown_value(k.default)}` | {k.help.replace('|', '/')} |"
+             for k in config_keys()]
     return "\n".join(rows) + "\n"

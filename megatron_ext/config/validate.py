@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal
+from typing import Any
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import RecipeConfig, allowed_values, shown_value
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConfigError
 
@@ -23,28 +23,15 @@ def require(ok: bool, key: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
-def _allowed_values(annotation: Any) -> tuple[Any, ...]:
-    """The values a Literal (or Optional Literal) annotation admits, None included; () for other types."""
-    if typing.get_origin(annotation) is Literal:
-        return typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Union:
-        args = typing.get_args(annotation)
-        values = tuple(v for arg in args for v in _allowed_values(arg))
-        return (None, *values) if values and type(None) in args else values
-    return ()
-
-
 def _check_enum_values(cfg: RecipeConfig) -> None:
     """Every Literal-typed key holds one of its values, also in a config built in code rather than loaded."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for name, annotation in typing.get_type_hints(type(values)).items():
-            allowed = _allowed_values(annotation)
+            allowed = allowed_values(annotation)
             value = getattr(values, name)
             if allowed and not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
-                shown = ", ".join("null" if a is None else str(a).lower() if isinstance(a, bool) else str(a)
-                                  for a in allowed)
-                require(False, f"{section.name}.{name}", value, f"one of {shown}")
+                require(False, f"{section.name}.{name}", value, f"one of {', '.join(map(shown_value, allowed))}")
 
 
 def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8_capable: bool = False) -> None:
