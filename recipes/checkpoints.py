@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.checkpoint import manifest
-from megatron_ext.checkpoint.layout import COMMON_STATE, DIST_METADATA, TRACKER, iteration_dirs, latest_iteration
+from megatron_ext.checkpoint.layout import (
+    COMMON_STATE,
+    DIST_METADATA,
+    TRACKER,
+    has_manifest,
+    iteration_dirs,
+    latest_iteration,
+)
 from megatron_ext.config.schema import load_config
 from megatron_ext.errors import CheckpointError, ConfigError
 
@@ -51,7 +58,7 @@ def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
     for iteration, path, set_aside in iteration_dirs(root):
         if set_aside:
             state = "corrupt (set aside)"
-        elif not manifest.has_manifest(path):
+        elif not has_manifest(path):
             state = "no manifest (partial, or saved before manifests)" if (path / DIST_METADATA).is_file() \
                 else "partial"
         else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -44,17 +45,20 @@ def iteration_dirs(root: str | Path) -> list[IterationDir]:
     return sorted(found)
 
 
+def has_manifest(ckpt_dir: Path) -> bool:
+    """The manifest is written last: a directory with one is a complete checkpoint."""
+    return (ckpt_dir / MANIFEST).is_file()
+
+
 def complete_iterations(root: str | Path) -> list[int]:
-    """Iterations whose directory holds a manifest (written last, so complete), oldest first."""
-    return [d.iteration for d in iteration_dirs(root) if not d.set_aside and (d.path / MANIFEST).is_file()]
+    """Iterations whose directory holds a manifest, oldest first."""
+    return [d.iteration for d in iteration_dirs(root) if not d.set_aside and has_manifest(d.path)]
 
 
 def set_aside(ckpt_dir: Path) -> Path:
     """Rename an unusable checkpoint to ``iter_XXXXXXX.corrupt`` (replacing an older one set aside)."""
     aside = ckpt_dir.with_name(ckpt_dir.name + CORRUPT_SUFFIX)
     if aside.is_dir():
-        import shutil
-
         shutil.rmtree(aside, ignore_errors=True)
     ckpt_dir.rename(aside)
     return aside

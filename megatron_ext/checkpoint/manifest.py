@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_ext.checkpoint.layout import MANIFEST
+from megatron_ext.checkpoint.layout import MANIFEST, has_manifest
 
 _CHUNK = 8 << 20
 
@@ -69,10 +69,6 @@ def write_manifest(ckpt_dir: Path) -> None:
         tmp = ckpt_dir / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1))
         os.replace(tmp, ckpt_dir / MANIFEST)
-
-
-def has_manifest(ckpt_dir: Path) -> bool:
-    return (ckpt_dir / MANIFEST).is_file()
 
 
 def _problem(ckpt_dir: Path, name: str, expected: dict) -> Optional[str]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint import manifest
-from megatron_ext.checkpoint.layout import latest_iteration
+from megatron_ext.checkpoint.layout import has_manifest, latest_iteration
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import padded_vocab_size
 from megatron_ext.config.validate import validate_layout
@@ -168,7 +168,7 @@ def test_recipe_yaml_describes_the_imported_model(imported, case):
     validate_layout(cfg, world_size=1)
     # written like a training checkpoint: verifiable (manifest), kept by retention, named by the tracker
     assert manifest.verify(paths["ckpt"] / "iter_0000000") is None and latest_iteration(paths["ckpt"]) == 0
-    assert manifest.has_manifest(paths["ckpt"] / "iter_0000000")
+    assert has_manifest(paths["ckpt"] / "iter_0000000")
     rows = {padded_vocab_size(spec["vocab"], m.make_vocab_size_divisible_by, tp) for tp in (1, 2, 4, 8)}
     assert len(rows) == 1
 
