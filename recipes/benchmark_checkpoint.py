@@ -117,7 +117,7 @@ def _worker(args: argparse.Namespace) -> None:
     # Untimed: the first save starts dist_checkpointing's helper processes and caches, whatever the format.
     warmup = Path(args.out_dir) / f"ckpt-dp{dp}-warmup"
     save_load.save_checkpoint(warmup, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp, cfg.to_dict(),
-                                  optimizer_format=args.formats[0])
+                              optimizer_format=args.formats[0])
     if dist.get_rank() == 0:
         shutil.rmtree(warmup)
     results = []
@@ -127,7 +127,7 @@ def _worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         with _PeakRss() as save_mem:
             save_load.save_checkpoint(root, 1, trainer.model, trainer.optimizer, trainer.scheduler, dp,
-                                          cfg.to_dict(), optimizer_format=fmt)
+                                      cfg.to_dict(), optimizer_format=fmt)
         save_s = time.perf_counter() - start
         ckpt_dir = layout.iteration_dir(root, 1)
         with torch.no_grad():
@@ -138,7 +138,7 @@ def _worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         with _PeakRss() as load_mem:
             save_load.load_training_state(ckpt_dir, common, trainer.model, trainer.optimizer, trainer.scheduler,
-                                              cfg.to_dict())
+                                          cfg.to_dict())
         load_s = time.perf_counter() - start
         matches = abs(_optimizer_fingerprint(trainer.optimizer) - reference) <= 1e-9 * max(reference, 1.0)
         row = [save_s, load_s, save_mem.growth_gb, load_mem.growth_gb, float(matches)]

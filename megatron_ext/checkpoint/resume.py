@@ -114,7 +114,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
         else:
             _check_config(ckpt_dir, common.get("config", {}), cfg)
             start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
-                                                      cfg.to_dict())
+                                                  cfg.to_dict())
             _info(f"resumed from {ck.load} at iteration {start[0]} ({start[1]} samples consumed)")
     if start is None and ck.pretrained_checkpoint:
         source = save_load.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
