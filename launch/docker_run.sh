@@ -11,7 +11,7 @@
 #   RUNS_DIR         mounted at runs/, where the configs put checkpoints and TensorBoard events
 #                    (default ./runs)
 #   CHECKPOINT_DIR   optional: also mounted at /checkpoints, e.g. a parallel file system; point
-#                    the recipe at it with checkpoint.save=/checkpoints/NAME checkpoint.load=/checkpoints/NAME
+#                    the recipe at it with checkpoint.save=/checkpoints/NAME (a run resumes from it)
 #   TENSORBOARD_DIR  optional: also mounted at /tensorboard; use logging.tensorboard_dir=/tensorboard/NAME
 #   GPUS             docker --gpus value (default all; e.g. '"device=0,1"')
 #   DOCKER_ARGS      extra docker run arguments, space separated (e.g. for InfiniBand:

@@ -4,9 +4,10 @@
         [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
     python -m recipes.convert export-hf --checkpoint CKPT_DIR --output DIR
 
-import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``; start
-training from it with ``--config CKPT_DIR/recipe.yaml checkpoint.load=CKPT_DIR`` under any TP/PP
-layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
+import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``, a continued-pretraining
+recipe that starts from those weights (``checkpoint.pretrained_checkpoint``) and resumes from its own
+``checkpoint.save`` when relaunched; train it with ``--config CKPT_DIR/recipe.yaml data.blend=[PREFIX]`` under any
+TP/PP layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
 config.json + model.safetensors (+ the tokenizer: tokenizer.model, or a Hugging Face tokenizer.json +
 tokenizer_config.json) for ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
 Both build the model in this one process (a gloo world of one) and let dist_checkpointing reshard.
@@ -36,6 +37,15 @@ from megatron_ext.convert import hf_llama
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
 
 _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# What an imported recipe trains with: continued pretraining of an already trained model, so a peak LR a tenth of
+# Llama 3's pretraining peak (3e-4), re-warmed over 5 % of the run so the fresh Adam moments settle before it,
+# and a cosine decay to a tenth of that. Batch and length are starting points; recipes.plan sizes the layout.
+CONTINUED_PRETRAINING = {
+    "train.train_iters": 2000, "train.global_batch_size": 128, "train.micro_batch_size": 1,
+    "train.eval_interval": 200, "optimizer.lr": 3.0e-5, "optimizer.min_lr": 3.0e-6,
+    "optimizer.lr_warmup_iters": 100, "optimizer.lr_decay_style": "cosine",
+    "checkpoint.save_interval": 500, "checkpoint.keep_last": 2,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +226,14 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     cfg.parallel.sequence_parallel = tensor_parallel > 1
     cfg.recipe.gpus = tensor_parallel * pipeline_parallel
     cfg.train.precision = _PRECISIONS[dtype]
-    cfg.checkpoint.load = str(output)
+    for key, value in CONTINUED_PRETRAINING.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    # The first launch starts from the imported weights; every later one (a relaunch, a requeue) resumes from
+    # its own checkpoint.save, which checkpoint.load (auto) points at.
+    cfg.checkpoint.pretrained_checkpoint = str(output)
+    cfg.checkpoint.save = f"runs/{cfg.recipe.name}/checkpoints"
+    cfg.logging.tensorboard_dir = f"runs/{cfg.recipe.name}/tensorboard"
     # sentencepiece where the directory has one (Llama 2: its tokenizer.json is a conversion of it), else the
     # Hugging Face tokenizer.json (Llama 3), copied into the checkpoint and recorded in its config
     tokenizer = hf_dir / "tokenizer.model"
@@ -278,11 +295,12 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
             shutil.copyfile(tokenizer, staging / "tokenizer.model")
         elif tokenizer == hf_dir:
             _copy_hf_tokenizer(hf_dir, staging / "tokenizer")
-        header = (f"# Imported from {hf_dir.absolute()} by `python -m recipes.convert import-hf`.\n"
-                  f"# Train: torchrun --nproc-per-node {cfg.recipe.gpus} -m recipes.pretrain "
-                  f"--config {output / 'recipe.yaml'} data.blend=[PREFIX] "
-                  f"{'' if cfg.data.tokenizer_model else 'data.tokenizer_model=TOKENIZER.model '}"
-                  "checkpoint.save=DIR\n"
+        header = (f"# Imported from {hf_dir.absolute()} by `python -m recipes.convert import-hf`: continued\n"
+                  f"# pretraining from its weights (checkpoint.pretrained_checkpoint), with its own tokenizer and\n"
+                  f"# sequence length, re-warmed LR a tenth of pretraining's. Train (a relaunch resumes):\n"
+                  f"# python -m recipes.launch --nproc-per-node {cfg.recipe.gpus} "
+                  f"--config {output / 'recipe.yaml'} data.blend=[PREFIX]"
+                  f"{'' if cfg.data.tokenizer_model else ' data.tokenizer_model=TOKENIZER.model'}\n"
                   f"# Its {padded} embedding rows (vocab {shape.vocab_size} + padding) load under TP sizes "
                   f"{', '.join(map(str, portable))}: model.make_vocab_size_divisible_by is chosen for that; "
                   "other TP sizes need a re-import with --tensor-model-parallel-size.\n")
@@ -399,8 +417,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     raise ConversionError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
             out = import_hf(args.hf_dir, args.output, args.tensor_model_parallel_size,
                             args.pipeline_model_parallel_size)
-            print(f"imported {args.hf_dir} → {out} (train with --config {out / 'recipe.yaml'} "
-                  f"checkpoint.load={out})")
+            print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
+                  f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:
             out = export_hf(args.checkpoint, args.output)
             print(f"exported {args.checkpoint} → {out}")

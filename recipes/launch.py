@@ -1,6 +1,7 @@
 """Launcher: ``python -m recipes.launch [torchrun options] --config X.yaml [section.key=value ...]``.
 
-Checks the recipe once for the world size about to start (a config error is one line, before any rank exists),
+Checks the recipe once for the world size about to start (a config error is one line, before any rank exists;
+so is a run already complete, or a checkpoint directory another run holds),
 then runs torchrun's elastic agent in this process with ``-m recipes.pretrain``. A failed run ends with one line
 naming the rank that failed first and its log instead of torchrun's traceback; the exit code is that rank's
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
@@ -10,13 +11,15 @@ can act on it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import sys
 
 from megatron_ext.config.schema import log_dir
 from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.failures import rank_log
-from recipes.pretrain import import_problem, load_and_validate
+from recipes.pretrain import import_problem, load_and_validate, nothing_to_do
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -51,14 +54,19 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _is_consequence(failure) -> bool:
+    """A rank that stopped because a peer failed, or that torchrun ended after another rank failed."""
+    return failure.exitcode in (EXIT_PEER_FAILED, -signal.SIGTERM)
+
+
 def _root_cause(failures: dict) -> tuple[int, object]:
     """The rank that failed by itself: not one that stopped because a peer did, nor one torchrun then ended."""
-    def rank_of_cause(item):
-        rank, failure = item
-        consequence = failure.exitcode in (EXIT_PEER_FAILED, -signal.SIGTERM)
-        return consequence, failure.timestamp, rank
+    return min(failures.items(), key=lambda item: (_is_consequence(item[1]), item[1].timestamp, item[0]))
 
-    return min(failures.items(), key=rank_of_cause)
+
+def _node() -> str:
+    """This node's name as SLURM knows it (what ``--exclude`` takes), else its hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    stop = nothing_to_do(cfg)
+    if stop:
+        print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
+        return stop[1]
     try:
         run(args)
     except ChildFailedError as e:
         rank, failure = _root_cause(e.failures)
         others = len(e.failures) - 1
-        print(f"training failed: rank {rank} {_describe(failure.exitcode)} first"
+        # "failed" names the node whose rank failed by itself (the SLURM templates leave it out of a requeue);
+        # "stopped" a node whose ranks only followed a failure elsewhere
+        verb = "stopped" if _is_consequence(failure) else "failed"
+        print(f"training {verb}: rank {rank} on {_node()} {_describe(failure.exitcode)} first"
               + (f" ({others} other rank{'s' if others > 1 else ''} stopped with it)" if others else "")
               + f"; its log: {rank_log(log_dir(cfg), rank)}", file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else EXIT_FAILED

@@ -14,12 +14,14 @@ from typing import Optional
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
+from megatron_ext.metrics.run_logger import format_duration
 from megatron_ext.planner.layouts import (
     FRAGMENTATION,
     GIB,
     GPUS,
     Estimate,
     Layout,
+    checkpoint_bytes,
     compiled_layers,
     estimate,
     explain,
@@ -63,6 +65,16 @@ def _table(rows: list[list[str]], title: str) -> str:
     return capture.get().rstrip()
 
 
+def _time_to_train(e: Estimate, train_iters: int, gpus: int) -> dict[str, float]:
+    seconds = e.time["step"] * train_iters
+    return {"seconds": seconds, "gpu_hours": seconds / 3600 * gpus}
+
+
+def _say_time_to_train(label: str, e: Estimate, train_iters: int, gpus: int) -> str:
+    t = _time_to_train(e, train_iters, gpus)
+    return f"{label}: {format_duration(t['seconds'])} ({t['gpu_hours']:,.0f} GPU-hours)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="recipe YAML (its model and batch are planned for)")
@@ -76,6 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "measurements for eager or compiled layers, as train.compile runs them")
     parser.add_argument("--bf16-grads", action="store_true",
                         help="what-if: bf16 grad buffers (the recipe reduces grads in fp32)")
+    parser.add_argument("--checkpoint-write-gb-s", type=float, default=10.0,
+                        help="aggregate write bandwidth to checkpoint.save's file system, for the save time")
     parser.add_argument("--top", type=int, default=10, help="layouts to list")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("overrides", nargs="*", help="section.key=value applied to the config first")
@@ -100,11 +114,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     fitting = [e for e in ranked if e.fits]
     gpu = GPUS[args.gpu]
+    ckpt_bytes = checkpoint_bytes(cfg, model_vocab_size(cfg))
+    ckpt = {"bytes": ckpt_bytes, "write_gb_s": args.checkpoint_write_gb_s,
+            "save_s": ckpt_bytes / 1e9 / args.checkpoint_write_gb_s}
     if args.json:
         print(json.dumps({"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,
                           "valid_layouts": len(ranked), "fitting_layouts": len(fitting),
+                          "train_iters": cfg.train.train_iters, "checkpoint": ckpt,
                           "config_layout": current.to_dict() if current else None,
-                          "layouts": [e.to_dict() for e in fitting[:args.top]]}, indent=1))
+                          "config_layout_time_to_train": (_time_to_train(current, cfg.train.train_iters, args.gpus)
+                                                          if current else None),
+                          "layouts": [{**e.to_dict(), "time_to_train": _time_to_train(e, cfg.train.train_iters,
+                                                                                      args.gpus)}
+                                      for e in fitting[:args.top]]}, indent=1))
         return 0 if fitting else 1
     m = cfg.model
     print(f"{cfg.recipe.name}: {m.num_layers} layers, h={m.hidden_size}, seq {m.seq_length}, global batch "
@@ -129,6 +151,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"the config's own layout {Layout.of(cfg, args.gpus).label()}: "
               f"{current.time['step']:.2f} s/step, "
               f"{current.memory['total'] / GIB:.1f} GiB ({verdict}; rank {rank} of {len(ranked)})")
+    t = cfg.train
+    tokens = t.train_iters * t.global_batch_size * m.seq_length
+    print(f"\ntime to train train.train_iters={t.train_iters:,} × {t.global_batch_size:,} samples "
+          f"({tokens / 1e9:,.1f} B tokens) on {args.gpus}× {gpu.name}, at the estimated step time: "
+          + _say_time_to_train("best layout", fitting[0], t.train_iters, args.gpus)
+          + ("; " + _say_time_to_train("the config's own", current, t.train_iters, args.gpus)
+             if current is not None and current.layout != fitting[0].layout else ""))
+    ck = cfg.checkpoint
+    kept = f"keep_last={ck.keep_last}" if ck.keep_last else "every checkpoint kept (checkpoint.keep_last unset)"
+    print(f"checkpoint: {ckpt_bytes / 1e9:,.0f} GB per save (weights and optimizer state); writing it at "
+          f"{args.checkpoint_write_gb_s:g} GB/s takes {format_duration(ckpt['save_s'])} (asynchronous saves overlap "
+          f"it with training); {kept}")
     best = " ".join(f"{k}={'null' if v is None else str(v).lower()}"
                     for k, v in fitting[0].layout.overrides().items())
     print(f"\nto use the best: {best}")

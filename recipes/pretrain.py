@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ def _setup_logging() -> None:
 
 def _summary(cfg, result) -> str:
     lines = ["", "=" * 72, f"run {cfg.recipe.name}: finished at iteration {result.iteration}"
-             + (" (stopped early; resume with checkpoint.load)" if result.stopped_early else "")]
+             + (" (stopped early; launching it again resumes)" if result.stopped_early else "")]
     if result.train_losses:
         first_step, last_step = min(result.train_losses), max(result.train_losses)
         lines.append(f"  train loss: {result.train_losses[first_step]:.4f} (step {first_step}) -> "
@@ -39,11 +40,13 @@ def _summary(cfg, result) -> str:
     if result.val_losses:
         step = max(result.val_losses)
         lines.append(f"  validation loss: {result.val_losses[step]:.4f} (step {step})")
+    if result.test_loss is not None:
+        lines.append(f"  test loss: {result.test_loss:.4f} (perplexity {math.exp(min(result.test_loss, 50.0)):,.2f})")
     if len(result.step_times) > 1:
         lines.append(f"  step time: median {statistics.median(result.step_times[1:]) * 1000:.0f} ms "
                      f"(first step {result.step_times[0] * 1000:.0f} ms)")
     if result.checkpoint:
-        lines.append(f"  checkpoint: {result.checkpoint} (resume with checkpoint.load={cfg.checkpoint.save})")
+        lines.append(f"  checkpoint: {result.checkpoint}")
     if cfg.logging.tensorboard_dir:
         lines.append(f"  TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}")
     lines.append("=" * 72)
@@ -75,6 +78,19 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
     validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
     validate_data(cfg)
     return cfg
+
+
+def nothing_to_do(cfg) -> tuple[str, int] | None:
+    """(line, exit code) for a launch that must not start ranks: its run is already complete (0), or another run
+    holds its checkpoint directory (2). Read from the checkpoint directory alone, in well under a second."""
+    from megatron_ext.checkpoint.resume import finished_run
+    from megatron_ext.checkpoint.run_lock import holder_of
+
+    done = finished_run(cfg)
+    if done:
+        return done, 0
+    held = holder_of(cfg.checkpoint.save) if cfg.checkpoint.save else None
+    return (f"checkpoint error: {held}", EXIT_USER_ERROR) if held else None
 
 
 def import_problem(e: ImportError) -> str:
@@ -114,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+    stop = nothing_to_do(cfg)
+    if stop:
+        if rank == 0:
+            print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
+        return stop[1]
 
     from megatron_ext.training.trainer import RunFailed, pretrain
 

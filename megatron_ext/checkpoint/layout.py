@@ -1,6 +1,7 @@
 """A checkpoint directory on disk, named in one place: ``<root>/iter_XXXXXXX/`` per saved iteration, the tracker
 file naming the newest complete one, ``iter_XXXXXXX.corrupt`` for one set aside, and the files inside
-(dist_checkpointing's ``common.pt`` and ``metadata.json``, our ``manifest.json``). Everything that reads or writes
+(dist_checkpointing's ``common.pt`` and ``metadata.json``, our ``manifest.json``), and the lock of the run
+writing into it. Everything that reads or writes
 a checkpoint (training, retention, the converter, ``recipes.checkpoints``) goes through these names."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CORRUPT_SUFFIX = ".corrupt"
 MANIFEST = "manifest.json"  # every file's size and CRC32 (checkpoint.manifest); written last: its presence = complete
 COMMON_STATE = "common.pt"  # dist_checkpointing's non-sharded state: iteration, config, content, ...
 DIST_METADATA = "metadata.json"  # dist_checkpointing's own; present once its shards are written
+RUN_LOCK = "run.lock"  # held by the run writing into this directory (checkpoint.run_lock)
 # `content` in a checkpoint's common state: a training run's full state, or model weights only
 # (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
 TRAINING_STATE = "training_state"

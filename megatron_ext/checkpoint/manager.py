@@ -2,6 +2,7 @@
 the last iteration), how (in the background with checkpoint.async_save; the optimizer format policy), and
 finishing what is in flight. Retention and manifests happen inside each save (:mod:`save_load`).
 
+The run holds ``checkpoint.save``'s lock (:mod:`run_lock`) from :meth:`load` to :meth:`close`/:meth:`abort`.
 The training loop calls :meth:`CheckpointManager.load` once before its first step, :meth:`due` and
 :meth:`save` at the end of each step, and :meth:`close` (or :meth:`abort` when failing) at the end.
 """
@@ -11,13 +12,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.checkpoint import save_load
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.resume import resume_training
+from megatron_ext.checkpoint.run_lock import RunLock
 from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.errors import CheckpointError
 
 
 class CheckpointManager:
@@ -33,11 +37,30 @@ class CheckpointManager:
             save_load.start_save_helpers()
         use_async = ck.async_save if ck.async_save is not None else on_gpu
         self.saver = AsyncCheckpointSaver() if self.enabled and use_async else None
+        self.lock: RunLock | None = None
 
     def load(self) -> tuple[int, int]:
-        """Resume (checkpoint.load) or start from weights (checkpoint.pretrained_checkpoint); returns the
-        (iteration, consumed samples) the run continues from."""
+        """Take the save directory's run lock, then resume (checkpoint.load) or start from weights
+        (checkpoint.pretrained_checkpoint); returns the (iteration, consumed samples) the run continues from."""
+        self._lock_save_directory()
         return resume_training(self.cfg, self.model, self.optimizer, self.scheduler)
+
+    def _lock_save_directory(self) -> None:
+        """Rank 0 takes checkpoint.save's run lock; every rank raises the same error when another run holds it."""
+        if not self.enabled:
+            return
+        refusal = None
+        if dist.get_rank() == 0:
+            lock = RunLock(self.cfg.checkpoint.save)
+            try:
+                lock.acquire()
+                self.lock = lock
+            except CheckpointError as e:
+                refusal = str(e)
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0]:
+            raise CheckpointError(shared[0])
 
     def due(self, iteration: int, stopping: bool) -> bool:
         """This run saves after `iteration` (see :func:`save_due`)."""
@@ -65,11 +88,18 @@ class CheckpointManager:
         """Wait until every save in flight is complete: the last checkpoint exists before the run reports it."""
         if self.saver:
             self.saver.close()
+        self._unlock()
 
     def abort(self) -> None:
         """The run is failing: stop the background writer without finishing anything (the tracker stays)."""
         if self.saver:
             self.saver.abort()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def asynchronous(self) -> bool:

@@ -1,5 +1,6 @@
 """Where a run starts: the checkpoint it resumes (or the weights it starts from), and what changed since.
 
+A run resumes from its own ``checkpoint.save`` unless ``checkpoint.load`` names another directory (or null).
 Nothing is silent: a ``checkpoint.load`` with no checkpoint is an error unless it is the run's own
 ``checkpoint.save`` (a first launch); every config difference to the checkpoint is listed as
 ``key: old → new``; a change of parameter shapes is one error naming the keys; the LR schedule follows the
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_ext.checkpoint import layout, save_load
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.checkpoint import layout, manifest, save_load
+from megatron_ext.config.schema import RecipeConfig, resume_dir
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import CheckpointError
 
@@ -96,26 +97,27 @@ def _check_config(ckpt_dir: Path, saved: dict[str, Any], cfg: RecipeConfig) -> N
 def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tuple[int, int]:
     """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from."""
     ck = cfg.checkpoint
+    load = resume_dir(cfg)
     start = None
-    if ck.load and layout.latest_iteration(ck.load) is None:
-        own = ck.save and Path(ck.load).resolve() == Path(ck.save).resolve()
+    if load and layout.latest_iteration(load) is None:
+        own = ck.save and Path(load).resolve() == Path(ck.save).resolve()
         if not own:
-            raise CheckpointError(f"checkpoint.load={ck.load} holds no checkpoint ({Path(ck.load) / layout.TRACKER} "
+            raise CheckpointError(f"checkpoint.load={load} holds no checkpoint ({Path(load) / layout.TRACKER} "
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
-        _info(f"no checkpoint in {ck.load} yet: starting at iteration 0")
-    elif ck.load:
-        iteration = save_load.intact_iteration(ck.load)
-        ckpt_dir = layout.iteration_dir(ck.load, iteration)
+        _info(f"no checkpoint in {load} yet: starting at iteration 0")
+    elif load:
+        iteration = save_load.intact_iteration(load)
+        ckpt_dir = layout.iteration_dir(load, iteration)
         common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
         if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
-            save_load.load_pretrained_weights(ck.load, model_chunks, optimizer, iteration)
-            _info(f"loaded weights of {ck.load} (iteration {iteration}); training starts at iteration 0")
+            save_load.load_pretrained_weights(load, model_chunks, optimizer, iteration)
+            _info(f"loaded weights of {load} (iteration {iteration}); training starts at iteration 0")
             start = (0, 0)
         else:
             _check_config(ckpt_dir, common.get("config", {}), cfg)
             start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
                                                   cfg.to_dict())
-            _info(f"resumed from {ck.load} at iteration {start[0]} ({start[1]} samples consumed)")
+            _info(f"resumed from {load} at iteration {start[0]} ({start[1]} samples consumed)")
     if start is None and ck.pretrained_checkpoint:
         source = save_load.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
         _info(f"loaded weights of {ck.pretrained_checkpoint} (iteration {source})")
@@ -124,6 +126,19 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
     if ahead is not None and ahead > start[0]:
         raise CheckpointError(
             f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {start[0]}: "
-            f"saving there would move its tracker back and lose that progress. Resume it with "
-            f"checkpoint.load={ck.save}, or choose another checkpoint.save")
+            f"saving there would move its tracker back and lose that progress. Leave checkpoint.load unset (auto) "
+            f"to resume it, or choose another checkpoint.save (or delete that one) to start over")
     return start
+
+
+def finished_run(cfg: RecipeConfig) -> Optional[str]:
+    """The one line for a launch whose checkpoint directory already holds train.train_iters (nothing to do), else
+    None. From the tracker and the file sizes its manifest lists (no reads), so the launcher can say it before any
+    rank starts; a damaged last checkpoint is left to the ranks, which verify it and fall back."""
+    load, iters = resume_dir(cfg), cfg.train.train_iters
+    latest = layout.latest_iteration(load) if load and iters > 0 else None
+    if latest is None or latest < iters or not manifest.sizes_match(layout.iteration_dir(load, latest)):
+        return None
+    return (f"run {cfg.recipe.name} is complete: {load} holds iteration {latest} (train.train_iters={iters}). "
+            f"To train further raise train.train_iters; to start over delete {load} or choose another "
+            f"checkpoint.save")

@@ -164,7 +164,10 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = None  # checkpoint directory to write; null = no checkpoints
-    load: Optional[str] = None  # resume: model, optimizer, scheduler, RNG, consumed samples
+    # Where a run resumes from (model, optimizer, scheduler, RNG, consumed samples). auto: checkpoint.save, so a
+    # relaunched or requeued run goes on where it stopped (an empty directory is a fresh start); null: train from
+    # scratch; a path: another run's checkpoint directory
+    load: Optional[str] = AUTO
     pretrained_checkpoint: Optional[str] = None  # weights only, start at iteration 0
     save_interval: Optional[int] = None  # null = only at the end
     keep_last: Optional[int] = None  # delete older complete checkpoints beyond the newest N (null = keep all)
@@ -263,6 +266,12 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
 def log_dir(cfg: RecipeConfig) -> str:
     """Where each rank writes its tracebacks and hang stacks."""
     return cfg.logging.log_dir or f"runs/{cfg.recipe.name}/logs"
+
+
+def resume_dir(cfg: RecipeConfig) -> Optional[str]:
+    """The checkpoint directory this run resumes from: checkpoint.load, with auto meaning checkpoint.save."""
+    ck = cfg.checkpoint
+    return ck.save if ck.load == AUTO else ck.load
 
 
 def parse_blend(blend: Optional[list[Any]], key: str) -> Optional[tuple[list[str], Optional[list[float]]]]:

@@ -1,4 +1,4 @@
-"""Train/valid data: megatron-core GPTDatasets from a weighted blend, and per-DP-rank microbatch iterators.
+"""Train/valid/test data: megatron-core GPTDatasets from a weighted blend, and per-DP-rank microbatch iterators.
 
 megatron-core builds the datasets (``BlendedMegatronDatasetBuilder``); the sampler that hands
 each data-parallel rank its slice of every global batch, resumably from ``consumed_samples``,
@@ -32,10 +32,13 @@ def max_token_id(ds: IndexedDataset) -> int:
                for i in tqdm(range(0, tokens.size, SCAN_CHUNK_TOKENS), desc="scan ids", disable=None, leave=False))
 
 
-def build_datasets(cfg: RecipeConfig, tokenizer: object) -> tuple[GPTDataset, Optional[GPTDataset]]:
-    """Train dataset sized for the whole run; validation sized for one evaluation (the same batches each time)."""
+def build_datasets(cfg: RecipeConfig, tokenizer: object
+                   ) -> tuple[GPTDataset, Optional[GPTDataset], Optional[GPTDataset]]:
+    """Train dataset sized for the whole run; validation and test (None where the split or blend has none) sized
+    for one evaluation (the same batches each time)."""
     t, d = cfg.train, cfg.data
-    sizes = [t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0]
+    eval_samples = t.eval_iters * t.global_batch_size
+    sizes = [t.train_iters * t.global_batch_size, eval_samples, eval_samples]
     split_blends = [parse_blend(b, f"data.{k}") for k, b in
                     (("train_blend", d.train_blend), ("valid_blend", d.valid_blend), ("test_blend", d.test_blend))]
     per_split = any(split_blends) and not d.mock
@@ -54,8 +57,8 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object) -> tuple[GPTDataset, Op
         mmap_bin_files=True,
     )
     dataset_class = MockGPTDataset if d.mock else GPTDataset
-    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
-    return train, valid
+    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    return train, valid, test
 
 
 class DistributedBatchSampler(torch.utils.data.Sampler):

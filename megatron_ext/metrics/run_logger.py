@@ -12,9 +12,12 @@ MFU = achieved / peak dense BF16.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
+import statistics
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -48,12 +51,44 @@ def gpu_scalars() -> dict[str, float]:
     return scalars
 
 
+def format_duration(seconds: float) -> str:
+    """A time left, to the two largest units that matter: '2 d 3 h', '3 h 12 min', '4 min 10 s', '12 s'."""
+    seconds = max(0, round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes} min"
+    if minutes:
+        return f"{minutes} min {secs} s"
+    return f"{secs} s"
+
+
+class TimeLeft:
+    """The time to train.train_iters from the median of the recent steps (robust to a slow first step, an
+    evaluation or a checkpoint save landing in the window)."""
+
+    def __init__(self, train_iters: int, window: int = 20):
+        self.train_iters = train_iters
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def add(self, step_time: float) -> None:
+        self.recent.append(step_time)
+
+    def seconds(self, iteration: int) -> float:
+        return statistics.median(self.recent) * max(self.train_iters - iteration, 0) if self.recent else 0.0
+
+
 class RunLogger:
     """Rank-0 console lines and TensorBoard scalars; the TensorBoard step is the training iteration."""
 
     def __init__(self, cfg: RecipeConfig, vocab_size: int, world_size: int, enabled: bool):
         self.enabled = enabled
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.train_iters = cfg.train.train_iters
+        self.time_left = TimeLeft(cfg.train.train_iters)
         self.flops_per_step = ModelShape.of(cfg.model).flops_per_token(padded_vocab_size(
             vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
         )) * self.tokens_per_step
@@ -70,12 +105,15 @@ class RunLogger:
              console: bool, rank_times: Optional[list[float]] = None) -> dict[str, float]:
         """One step's scalars; `rank_times`, each rank's compute per step over the last log interval, adds their
         spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line."""
+        self.time_left.add(step_time)
         scalars = {
             "train/lm_loss": loss,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_per_sec": self.tokens_per_step / step_time,
             "train/step_time_s": step_time,
+            "progress/fraction_done": iteration / max(self.train_iters, 1),
+            "progress/hours_left": self.time_left.seconds(iteration) / 3600,
         }
         if torch.cuda.is_available():
             tflops = self.flops_per_step / step_time / self.world_size / 1e12
@@ -90,7 +128,7 @@ class RunLogger:
             return scalars
         self._write(scalars, iteration)
         if console:
-            line = (f"step {iteration:>6d} | loss {loss:.4f} | lr {lr:.3e} | grad-norm {grad_norm:.3f} | "
+            line = (f"step {iteration:>6,}/{self.train_iters:,} | loss {loss:.4f} | lr {lr:.3e} | grad-norm {grad_norm:.3f} | "
                     f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
             if "train/tflops_per_gpu" in scalars:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"
@@ -101,13 +139,18 @@ class RunLogger:
                 line += (f" | compute {scalars['perf/step_time_min_s'] * 1000:.0f}-"
                          f"{scalars['perf/step_time_max_s'] * 1000:.0f} ms (slowest rank "
                          f"{scalars['perf/slowest_rank']:.0f})")
+            if iteration < self.train_iters:
+                line += f" | {format_duration(self.time_left.seconds(iteration))} left"
             log.info(line)
         return scalars
 
-    def validation(self, iteration: int, loss: float) -> None:
+    def evaluation(self, split: Literal["val", "test"], iteration: int, loss: float) -> None:
+        """A validation (every train.eval_interval) or test (after the last step) loss, and its perplexity."""
         if self.enabled:
-            self._write({"val/lm_loss": loss}, iteration)
-            log.info(f"validation at step {iteration}: loss {loss:.4f}")
+            ppl = math.exp(min(loss, 50.0))
+            self._write({f"{split}/lm_loss": loss, f"{split}/ppl": ppl}, iteration)
+            name = "validation" if split == "val" else "test split"
+            log.info(f"{name} at step {iteration}: loss {loss:.4f} | perplexity {ppl:,.2f}")
 
     def loss_spike(self, iteration: int, loss: float, ratio: float, median: float, samples: tuple[int, int]) -> None:
         """A loss far above its rolling median: a warning naming the step's samples, and `train/loss_spike`."""

@@ -287,10 +287,21 @@ def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_ra
     params, grads, owned = _stage_static(shape, p.pipeline_model_parallel_size,
                                          p.virtual_pipeline_model_parallel_size, pp_rank, dp,
                                          p.use_distributed_optimizer, p.overlap_grad_reduce)
-    # fp32 main params are copies only for bf16 params (fp32 ones are optimized in place).
-    per_element = 8 + (4 if shape.bytes_per_value == 2 else 0)
     return {"params": params * shape.bytes_per_value, "grads": grads * 4,
-            "optimizer": owned[dp_cp_rank] * per_element}
+            "optimizer": owned[dp_cp_rank] * _optimizer_bytes_per_element(shape)}
+
+
+def _optimizer_bytes_per_element(shape: _Shape) -> int:
+    """Adam's two fp32 moments, plus an fp32 main copy for bf16 params (fp32 ones are optimized in place)."""
+    return 8 + (4 if shape.bytes_per_value == 2 else 0)
+
+
+def checkpoint_bytes(cfg: RecipeConfig, vocab_size: int) -> int:
+    """One training checkpoint on disk: every parameter once (padded vocabulary) and its optimizer state, whatever
+    the layout (dist_checkpointing writes each shard once; the few KB of common state aside)."""
+    shape = _Shape.of(cfg, vocab_size)
+    params = ModelShape.of(cfg.model).num_parameters(shape.vocab)
+    return params * (shape.bytes_per_value + _optimizer_bytes_per_element(shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class RunResult:
     train_losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)
+    test_loss: Optional[float] = None  # on the test split after the last iteration (where there is one)
     step_times: list[float] = field(default_factory=list)
     checkpoint: Optional[Path] = None
     stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
@@ -189,11 +190,15 @@ class Trainer:
         )
         self._wire_schedule_hooks()
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu)
-        self.iteration, self.consumed_samples = self.checkpointer.load()
+        try:
+            self.iteration, self.consumed_samples = self.checkpointer.load()
+        except BaseException:
+            self.checkpointer.abort()  # gives back the run lock it may have taken
+            raise
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
-        self.train_ds, self.valid_ds = build_datasets(cfg, self.tokenizer)
+        self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
         self._build_monitors()
 
@@ -281,13 +286,13 @@ class Trainer:
         return loss, float(grad_norm)
 
     @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
-        """Mean loss over the fixed validation batches (the same ones at every evaluation)."""
-        if self.valid_ds is None or self.cfg.train.eval_iters == 0:
+    def evaluate(self, dataset) -> Optional[float]:
+        """Mean loss over train.eval_iters fixed batches of `dataset` (the same ones at every evaluation)."""
+        if dataset is None or self.cfg.train.eval_iters == 0:
             return None
         for chunk in self.model:
             chunk.eval()
-        it = self._iterators(self.valid_ds, 0)
+        it = self._iterators(dataset, 0)
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
@@ -299,10 +304,15 @@ class Trainer:
         if self.iteration % t.eval_interval and self.iteration != t.train_iters:
             return
         self.where = f"evaluation after iteration {self.iteration}"
-        val = self.evaluate()
+        val = self.evaluate(self.valid_ds)
         if val is not None:
             result.val_losses[self.iteration] = val
-            self.run_logger.validation(self.iteration, val)
+            self.run_logger.evaluation("val", self.iteration, val)
+        if self.iteration == t.train_iters:  # the held-out test split, once, on the finished model
+            self.where = "evaluation on the test split"
+            result.test_loss = self.evaluate(self.test_ds)
+            if result.test_loss is not None:
+                self.run_logger.evaluation("test", self.iteration, result.test_loss)
         self.watchdog.step_done(self.iteration)
 
     def _checkpoint(self, stopping: bool) -> Optional[Path]:

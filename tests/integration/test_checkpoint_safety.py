@@ -4,12 +4,13 @@ aside, a failed save leaves nothing behind, retention keeps what it should. One 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint.layout import TRACKER, latest_iteration
-from tests.launch import SINGLE_PROCESS, SMALL_MODEL, read_scalars, run_pretrain
+from megatron_ext.checkpoint.layout import RUN_LOCK, TRACKER, latest_iteration
+from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, pretrain_command, read_scalars, run_env, run_pretrain
 
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
@@ -41,16 +42,44 @@ def test_a_mistyped_load_path_is_an_error_and_moves_no_tracker(run, tmp_path):
 
 
 def test_a_fresh_run_into_a_directory_ahead_of_it_is_refused(run, tmp_path):
-    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.save={run['ckpt']}"), check=False)
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.save={run['ckpt']}", "checkpoint.load=null",
+                                      "train.train_iters=5"), check=False)
     _fails(proc, f"checkpoint.save={run['ckpt']} already holds iteration 4")
     assert latest_iteration(run["ckpt"]) == 4
 
 
 def test_the_runs_own_empty_save_directory_starts_fresh(tmp_path):
     own = tmp_path / "own"
-    proc = run_pretrain(1, _overrides(tmp_path, "tb", "train.train_iters=1", f"checkpoint.load={own}",
-                                      f"checkpoint.save={own}"))
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", "train.train_iters=1", f"checkpoint.save={own}"))
     assert f"no checkpoint in {own} yet" in proc.stdout and latest_iteration(own) == 1
+
+
+def test_a_relaunch_resumes_by_default_and_a_finished_run_says_so_before_any_rank_starts(run, tmp_path):
+    ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
+    done = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.save={ckpt}"), launcher="recipes.launch")
+    assert done.stdout.splitlines() == [f"run tiny-llama-tp2-pp2 is complete: {ckpt} holds iteration 4 "
+                                        f"(train.train_iters=4). To train further raise train.train_iters; to "
+                                        f"start over delete {ckpt} or choose another checkpoint.save"], done.stdout
+    assert not done.stderr.strip(), done.stderr
+    more = run_pretrain(1, _overrides(tmp_path, "tb2", "train.train_iters=5", f"checkpoint.save={ckpt}"))
+    assert f"resumed from {ckpt} at iteration 4" in more.stdout and latest_iteration(ckpt) == 5
+
+
+def test_of_two_runs_started_together_on_one_directory_one_is_refused(tmp_path):
+    """Both pass the launch check; the lock decides: one trains to the end, the other stops at start-up with one
+    line naming the holder, and the finished run leaves no lock behind."""
+    ckpt = tmp_path / "ckpt"
+    procs = [subprocess.Popen(pretrain_command(1, _overrides(tmp_path, f"tb{i}", "train.train_iters=60",
+                                                             f"checkpoint.save={ckpt}")),
+                              cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    codes = [proc.returncode for proc in procs]
+    assert sorted(codes) == [0, 2], outputs
+    _, refused = outputs[codes.index(2)]
+    errors = [line for line in refused.splitlines() if "checkpoint error" in line]
+    assert len(errors) == 1 and f"checkpoint.save={ckpt} is in use by another run (pid " in errors[0], refused
+    assert latest_iteration(ckpt) == 60 and not (ckpt / RUN_LOCK).exists()
 
 
 def test_config_differences_are_listed_and_shape_changes_refused(run, tmp_path):
@@ -102,7 +131,7 @@ def test_with_no_intact_checkpoint_the_error_is_one_line(run, tmp_path):
     for iteration in (2, 4):
         shard = sorted((ckpt / f"iter_{iteration:07d}").glob("*.distcp"))[0]
         shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes
-    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.load={ckpt}"), check=False)
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.load={ckpt}", "train.train_iters=5"), check=False)
     _fails(proc, "holds no intact checkpoint")
     assert "CRC32" in proc.stderr
 
@@ -189,10 +218,9 @@ def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_on
 
 
 def test_the_listing_command_shows_state_layout_and_config_differences(run, tmp_path):
-    import subprocess
     import sys
 
-    from tests.launch import ROOT, TINY
+    from tests.launch import TINY
 
     ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
     shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]

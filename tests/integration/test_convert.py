@@ -164,7 +164,9 @@ def test_recipe_yaml_describes_the_imported_model(imported, case):
     assert m.seq_length == hf_config["max_position_embeddings"] and m.layernorm_epsilon == 1e-5
     assert m.rotary_base == spec["extra"].get("rope_theta", 10000.0)
     assert m.rope_scaling_factor == (8.0 if "rope_scaling" in spec["extra"] else None)
-    assert cfg.checkpoint.load == str(paths["ckpt"]) and cfg.train.precision == "fp32"
+    assert cfg.checkpoint.pretrained_checkpoint == str(paths["ckpt"]) and cfg.train.precision == "fp32"
+    assert cfg.checkpoint.load == "auto" and cfg.checkpoint.save == f"runs/{cfg.recipe.name}/checkpoints"
+    assert (cfg.optimizer.lr, cfg.optimizer.lr_warmup_iters) == (3.0e-5, 100)  # continued pretraining
     validate_layout(cfg, world_size=1)
     # written like a training checkpoint: verifiable (manifest), kept by retention, named by the tracker
     assert manifest.verify(paths["ckpt"] / "iter_0000000") is None and latest_iteration(paths["ckpt"]) == 0
@@ -302,11 +304,12 @@ def trained(megatron, tmp_path_factory) -> dict[str, Path]:
     hf = make_hf_model(root / "hf", vocab=4100, kv_heads=2, tied=True, extra={}, save={}, seed=3)
     ckpt = megatron(convert.import_hf, hf, root / "imported", tensor_parallel=2)
     proc = torchrun(2, ["-m", "recipes.pretrain", "--config", str(ckpt / "recipe.yaml"),
-                        f"checkpoint.load={ckpt}", f"data.blend=[{DATA / 'stdlib_text_document'}]",
-                        f"data.tokenizer_model={DATA / 'tokenizer.model'}",
+                        f"data.blend=[{DATA / 'stdlib_text_document'}]",
+                        f"data.tokenizer_model={DATA / 'tokenizer.model'}", "data.split=90,5,5",
                         f"data.path_to_cache={root / 'cache'}", "model.seq_length=64", "train.train_iters=3",
                         "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
                         "train.eval_interval=1000", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
+                        "optimizer.lr_warmup_iters=0",
                         f"checkpoint.save={root / 'trained'}", f"logging.tensorboard_dir={root / 'tb'}"])
     exported = megatron(convert.export_hf, root / "trained", root / "exported")
     return {"hf": hf, "imported": ckpt, "trained": root / "trained", "exported": exported, "tb": root / "tb",
@@ -351,6 +354,37 @@ def test_recipe_trains_from_the_imported_weights(trained):
     changes = {name: (after[name] - before[name]).abs().max().item() for name in before}
     assert max(changes.values()) <= 5e-3, changes
     assert min(changes.values()) > 0, changes
+
+
+def test_the_test_split_is_evaluated_once_at_the_end(trained):
+    test_losses = read_scalars(trained["tb"], "test/lm_loss")
+    assert list(test_losses) == [3] and read_scalars(trained["tb"], "test/ppl")[3] > 1
+    assert f"test loss: {test_losses[3]:.4f} (perplexity" in trained["log"], trained["log"][-2000:]
+
+
+def _generated(checkpoint: Path, prompt: str, *sampling: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "recipes.generate", "--checkpoint", str(checkpoint), "--prompt",
+                           prompt, "--max-new-tokens", "12", *sampling], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header, text = proc.stdout.split("\n", 1)
+    assert header == f"--- {prompt!r}" and text.startswith(prompt), proc.stdout
+    return text[len(prompt):].rstrip("\n")
+
+
+def test_generate_writes_what_transformers_greedy_decoding_writes(trained):
+    """The TP2-trained checkpoint, read in one process by recipes.generate, against transformers' generate() on
+    its export; top-k 1 sampling is greedy."""
+    import sentencepiece as spm
+    from transformers import AutoModelForCausalLM
+
+    prompt = "def main(argv):\n    "
+    sp = spm.SentencePieceProcessor(model_file=str(DATA / "tokenizer.model"))
+    ids = torch.tensor([sp.encode(prompt)])
+    model = AutoModelForCausalLM.from_pretrained(trained["exported"], torch_dtype=torch.float32)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+    reference = sp.decode(out[0, ids.shape[1]:].tolist())
+    assert reference and _generated(trained["trained"], prompt) == reference
+    assert _generated(trained["trained"], prompt, "--temperature", "0.7", "--top-k", "1") == reference
 
 
 def test_export_of_the_trained_checkpoint_reproduces_its_logits(megatron, trained, parallel_logits):

@@ -74,7 +74,7 @@ def test_divergence_stops_at_its_step_once_naming_where_after_the_allowed_skips(
     skips = [line for line in proc.stdout.splitlines() if "skipped: non-finite" in line]
     assert len(skips) == 1 and f"iteration {step - 1}" in skips[0], proc.stdout[-3000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
-    assert re.search(r"training failed: rank \d exited with code 3", proc.stderr)
+    assert re.search(r"training failed: rank \d on \S+ exited with code 3", proc.stderr)
     assert all("Traceback" in (logs / f"rank-{r}.log").read_text() for r in range(4))
     slowest = read_scalars(tb, "perf/slowest_rank")
     assert slowest and set(slowest.values()) <= {0.0, 1.0, 2.0, 3.0}
@@ -92,7 +92,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_pa
     with open(out, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
     try:
-        _wait_for(out, "step      2 |", proc)
+        _wait_for(out, "step      2/", proc)
         stopped = _rank_pid(proc.pid, 2)
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
@@ -120,7 +120,7 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(tmp_path):
     with open(out, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
     try:
-        _wait_for(out, "step      1 |", proc)
+        _wait_for(out, "step      1/", proc)
         ranks = _children(proc.pid)
         assert len(ranks) == 2
         proc.kill()

@@ -75,7 +75,7 @@ def _source(data: SimpleNamespace, sample: dict) -> str:
 def test_weighted_blend_samples_in_proportion(data):
     cfg = _config(data, f"data.blend=[0.3,{data.a},0.7,{data.b}]")
     validate_data(cfg)
-    train, valid = build_datasets(cfg, data.tokenizer)
+    train, valid, _ = build_datasets(cfg, data.tokenizer)
 
     assert len(train) >= TRAIN_SAMPLES
     counts, drawn = np.bincount(train.dataset_index, minlength=2), len(train.dataset_index)
@@ -96,7 +96,7 @@ def test_weighted_blend_samples_in_proportion(data):
 
 
 def test_unweighted_blend_is_proportional_to_dataset_sizes(data):
-    train, _ = build_datasets(_config(data, f"data.blend=[{data.a},{data.b}]"), data.tokenizer)
+    train, _, _ = build_datasets(_config(data, f"data.blend=[{data.a},{data.b}]"), data.tokenizer)
     sizes = [len(d) for d in train.datasets]
     counts, drawn = np.bincount(train.dataset_index, minlength=2), len(train.dataset_index)
     assert abs(counts[0] - drawn * sizes[0] / sum(sizes)) <= SAMPLE_TOLERANCE, (counts, drawn, sizes)
@@ -105,7 +105,7 @@ def test_unweighted_blend_is_proportional_to_dataset_sizes(data):
 def test_per_split_blends(data):
     cfg = _config(data, f"data.train_blend=[{data.a}]", f"data.valid_blend=[{data.b}]", "data.blend=null")
     validate_data(cfg)
-    train, valid = build_datasets(cfg, data.tokenizer)
+    train, valid, _ = build_datasets(cfg, data.tokenizer)
     # A single prefix per split is a GPTDataset over the whole file (no split fractions applied).
     assert train.dataset.path_prefix == data.a and valid.dataset.path_prefix == data.b
     assert len(train) >= TRAIN_SAMPLES and len(valid) >= 4 * 16
@@ -114,9 +114,18 @@ def test_per_split_blends(data):
 
     # Per-split blends take weights too.
     cfg = _config(data, f"data.train_blend=[1,{data.a},3,{data.b}]", f"data.valid_blend=[{data.b}]")
-    train, _ = build_datasets(cfg, data.tokenizer)
+    train, _, _ = build_datasets(cfg, data.tokenizer)
     counts, drawn = np.bincount(train.dataset_index, minlength=2), len(train.dataset_index)
     assert abs(counts[0] - 0.25 * drawn) <= SAMPLE_TOLERANCE, (counts, drawn)
+
+
+def test_the_test_split_is_built_from_test_blend_or_the_split_and_sized_for_one_evaluation(data):
+    _, _, none = build_datasets(_config(data, f"data.blend=[{data.a}]", "data.split=98,2,0"), data.tokenizer)
+    _, _, held_out = build_datasets(_config(data, f"data.blend=[{data.a}]", "data.split=90,5,5"), data.tokenizer)
+    _, _, own = build_datasets(_config(data, f"data.train_blend=[{data.a}]", f"data.valid_blend=[{data.a}]",
+                                       f"data.test_blend=[{data.b}]", "data.blend=null"), data.tokenizer)
+    assert none is None and len(held_out) >= 4 * 16 and len(own) >= 4 * 16
+    assert {_source(data, own[i]) for i in range(len(own))} == {"b"}
 
 
 @pytest.mark.parametrize("blend, key, fragment", [

@@ -47,3 +47,16 @@ def test_a_device_name_finds_its_own_family_and_the_planner_shares_the_peaks():
     assert peak_bf16_tflops("NVIDIA GB200") == 2500.0 and peak_bf16_tflops("NVIDIA B200") == 2250.0
     assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_bf16_tflops("Tesla T4") is None
     assert {spec.peak_bf16_tflops for spec in GPUS.values()} <= set(PEAK_BF16_TFLOPS.values())
+
+
+def test_time_left_is_the_recent_median_step_times_the_steps_to_go():
+    from megatron_ext.metrics.run_logger import TimeLeft, format_duration
+
+    left = TimeLeft(train_iters=50_000, window=3)
+    for step_time in (30.0, 3.0, 3.2, 3.1):  # the slow first step has left the window
+        left.add(step_time)
+    assert left.seconds(1_200) == 3.1 * 48_800
+    assert format_duration(left.seconds(1_200)) == "1 d 18 h"
+    assert [format_duration(s) for s in (0, 12.4, 250, 3 * 3600 + 12 * 60 + 5, 2 * 86400 + 3 * 3600 + 59)] == \
+        ["0 s", "12 s", "4 min 10 s", "3 h 12 min", "2 d 3 h"]
+    assert TimeLeft(10).seconds(0) == 0.0 and left.seconds(60_000) == 0.0

@@ -219,3 +219,20 @@ def test_the_planner_ranks_larger_micro_batches_of_the_1b_recipe_faster(compiled
                           [f"train.micro_batch_size={mbs}", f"train.compile={str(compiled).lower()}"])
         speed[mbs] = planner.estimate(cfg, 1, 8, GPUS["h100-80gb"], planner.model_vocab_size(cfg)).tokens_per_s_per_gpu
     assert speed[4] >= speed[2] > speed[1], speed
+
+
+def test_the_readme_recipe_table_gives_each_recipes_checkpoint_size_and_retention():
+    """The planner's byte count and the YAML's keep_last/keep_every, as the README's recipe table states them."""
+    import re
+
+    from megatron_ext.planner.layouts import checkpoint_bytes, model_vocab_size
+
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(configs/[^`]+)` \|.*\| ([\d.,]+) GB \| ([^|]+) \|$", readme, re.M)
+    assert sorted(path for path, _, _ in rows) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml"))
+    for path, size, kept in rows:
+        cfg = load_config(ROOT / path)
+        gb = checkpoint_bytes(cfg, model_vocab_size(cfg)) / 1e9
+        assert f"{gb:,.{2 if gb < 1 else 0}f}" == size, (path, gb, size)
+        ck = cfg.checkpoint
+        assert kept.strip() == (f"newest {ck.keep_last} + every {ck.keep_every:,}th" if ck.keep_last else "all"), path

@@ -1,4 +1,4 @@
-"""Recipe configs for real model shapes: parameter counts match the published figures, layouts fit their GPUs."""
+"""Recipe configs for real model shapes: parameter counts match the published figures, layouts are the planner's best for their GPUs."""
 
 from __future__ import annotations
 
@@ -31,15 +31,14 @@ def test_layout_is_valid_for_its_gpu_count(path):
     assert data_parallel_size(cfg, cfg.recipe.gpus) >= 1
 
 
-@pytest.mark.parametrize("name, layout", [
-    ("llama3_8b_8gpu_bf16.yaml", (2, 2, 2)),  # the usage guide's 8-GPU row: DP2 × TP2 × PP2
-    ("llama3_70b_64gpu_bf16.yaml", (2, 8, 4)),  # its 64-GPU row: DP2 × TP8 × PP4
-])
-def test_layouts_follow_the_usage_guide(name, layout):
-    cfg = load_config(next(p for p in REAL if p.name == name))
-    p = cfg.parallel
-    assert (data_parallel_size(cfg, cfg.recipe.gpus), p.tensor_model_parallel_size,
-            p.pipeline_model_parallel_size) == layout
+@pytest.mark.parametrize("name, gpus", [("llama3_8b_8gpu_bf16.yaml", 8), ("llama3_70b_64gpu_bf16.yaml", 64)])
+def test_multi_gpu_recipes_ship_the_planners_best_layout_for_their_gpu_count(name, gpus):
+    from megatron_ext.planner.layouts import best_layout
+
+    cfg = load_config(ROOT / "configs" / name)
+    best = best_layout(cfg, gpus, 8, "h100-80gb")
+    assert cfg.recipe.gpus == gpus and load_config(ROOT / "configs" / name,
+                                                   [f"{k}={'null' if v is None else v}" for k, v in best.items()]) == cfg
 
 
 def test_llama3_vocab_pads_to_a_tp_multiple():

@@ -1,0 +1,157 @@
+"""One run per checkpoint directory. With auto-resume, two jobs started on the same ``checkpoint.save`` (a requeue
+racing a manual relaunch, a job submitted twice) would resume the same iteration and interleave their saves, so a
+run holds ``<checkpoint.save>/run.lock`` for its lifetime and a second run is refused with one line naming the
+holder.
+
+The lock is a file created with O_EXCL (atomic on local filesystems and on NFSv3+/Lustre/GPFS, where POSIX
+``fcntl`` locks are not dependable) holding the holder's host, pid and SLURM job; a heartbeat thread refreshes its
+modification time. A lock is stale, and is taken over with one warning, when its holder was this same SLURM job
+(an earlier start of a requeued job: SLURM never runs two at once), when its process is gone on this host, or when
+its heartbeat stopped more than :data:`STALE_AFTER_S` ago (a dead job on another host).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ext.checkpoint.layout import RUN_LOCK
+from megatron_ext.errors import CheckpointError
+
+log = logging.getLogger("megatron_ext")
+
+HEARTBEAT_S = 20.0  # how often a holder refreshes its lock
+STALE_AFTER_S = 120.0  # a lock not refreshed for this long belongs to a dead run on another host
+
+
+def _identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def describe(holder: dict[str, Any]) -> str:
+    job = f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{job}, since {holder.get('started')}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def stale_reason(holder: dict[str, Any], age_s: float, me: dict[str, Any]) -> Optional[str]:
+    """Why the run that wrote `holder` (refreshed `age_s` ago) no longer holds it, or None while it may."""
+    if me.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
+        return f"it was an earlier start of this SLURM job {me['slurm_job_id']}"
+    if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"]):
+        return f"process {holder['pid']} no longer exists on {me['host']}"
+    if age_s > STALE_AFTER_S:
+        return f"it was last refreshed {age_s:.0f} s ago"
+    return None
+
+
+def _read(path: Path) -> Optional[tuple[dict[str, Any], float]]:
+    """(holder, seconds since its last refresh), None when there is no lock."""
+    try:
+        text, mtime = path.read_text(), path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:  # a holder killed while writing it
+        holder = {}
+    return holder, time.time() - mtime
+
+
+def holder_of(root: str | Path) -> Optional[str]:
+    """The one-line refusal while a live run holds `root`, else None (the launcher's check before ranks start)."""
+    path = Path(root) / RUN_LOCK
+    found = _read(path)
+    if found is None or stale_reason(*found, _identity()) is not None:
+        return None
+    holder, age = found
+    return (f"checkpoint.save={root} is in use by another run ({describe(holder)}; {path} refreshed {age:.0f} s ago): "
+            f"wait for it or stop it, or choose another checkpoint.save. The lock of a run that died is taken over "
+            f"by the next launch (on another host once it is {STALE_AFTER_S:.0f} s old)")
+
+
+class RunLock:
+    """The lock on one checkpoint directory, held from :meth:`acquire` to :meth:`release` (by rank 0)."""
+
+    def __init__(self, root: str | Path):
+        self.path = Path(root) / RUN_LOCK
+        self.me = _identity()
+        self._stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+
+    def acquire(self) -> None:
+        """Take the lock, or take over a stale one; raises CheckpointError naming a live holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a lock that disappears between a failed create and its read: try again
+            if self._create():
+                break
+            found = _read(self.path)
+            if found is None:
+                continue
+            reason = stale_reason(*found, self.me)
+            if reason is None:
+                raise CheckpointError(holder_of(self.path.parent) or f"{self.path} is held by another run")
+            if self._take_over(found[0]):
+                log.warning(f"took over {self.path} from {describe(found[0])}: {reason}")
+                break
+        else:
+            raise CheckpointError(f"{self.path}: could not take the run lock (another run keeps replacing it)")
+        self._heartbeat = threading.Thread(target=self._refresh, name="run-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.me, f)
+        return True
+
+    def _take_over(self, stale: dict[str, Any]) -> bool:
+        """Move the stale lock aside and create ours. Of two runs taking over together, the second moves aside the
+        first's fresh lock, sees it is not the stale one, and puts it back: only one of them proceeds."""
+        aside = self.path.with_name(f"{RUN_LOCK}.{self.me['host']}.{self.me['pid']}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        moved = _read(aside)
+        if moved is not None and moved[0] != stale:
+            os.rename(aside, self.path)
+            return False
+        aside.unlink(missing_ok=True)
+        return self._create()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:  # the directory went away; the run's own saves will say so
+                return
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still ours."""
+        self._stop.set()
+        if self._heartbeat is None:
+            return
+        found = _read(self.path)
+        if found is not None and found[0] == self.me:
+            self.path.unlink(missing_ok=True)
+        self._heartbeat = None

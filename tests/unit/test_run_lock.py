@@ -1,0 +1,79 @@
+"""One run per checkpoint directory: the run lock's create, refuse and take-over rules (one process)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_ext.checkpoint import run_lock
+from megatron_ext.checkpoint.layout import RUN_LOCK
+from megatron_ext.checkpoint.run_lock import RunLock, holder_of
+from megatron_ext.errors import CheckpointError
+
+
+def _write(root, age_s: float = 0.0, **holder) -> None:
+    path = root / RUN_LOCK
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": None,
+                                "started": "2026-01-01 00:00:00", **holder}))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_lock_is_created_refused_while_held_and_removed_on_release(tmp_path):
+    first = RunLock(tmp_path / "ckpt")
+    first.acquire()
+    assert json.loads((tmp_path / "ckpt" / RUN_LOCK).read_text())["pid"] == os.getpid()
+    with pytest.raises(CheckpointError, match=f"is in use by another run \\(pid {os.getpid()} on "):
+        RunLock(tmp_path / "ckpt").acquire()
+    assert "in use by another run" in holder_of(tmp_path / "ckpt")
+    first.release()
+    assert not (tmp_path / "ckpt" / RUN_LOCK).exists() and holder_of(tmp_path / "ckpt") is None
+
+
+@pytest.mark.parametrize("holder, env, why", [
+    ({"pid": "dead"}, {}, "no longer exists on"),
+    ({"host": "other-node"}, {}, "last refreshed"),
+    ({"host": "other-node", "slurm_job_id": "77"}, {"SLURM_JOB_ID": "77"}, "earlier start of this SLURM job 77"),
+])
+def test_a_stale_lock_is_taken_over_with_one_warning(tmp_path, monkeypatch, caplog, holder, env, why):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if holder.get("pid") == "dead":
+        holder["pid"] = _dead_pid()
+    age = run_lock.STALE_AFTER_S + 10 if holder.get("host") == "other-node" and not env else 0.0
+    _write(tmp_path, age, **holder)
+    lock = RunLock(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="megatron_ext"):
+        lock.acquire()
+    assert [r.getMessage() for r in caplog.records if why in r.getMessage()], caplog.text
+    assert json.loads((tmp_path / RUN_LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_fresh_lock_of_another_host_is_respected(tmp_path):
+    _write(tmp_path, 5.0, host="other-node", slurm_job_id="12")
+    with pytest.raises(CheckpointError, match="pid .* on other-node, SLURM job 12"):
+        RunLock(tmp_path).acquire()
+
+
+def test_a_lock_replaced_during_a_take_over_is_put_back(tmp_path):
+    """The loser of two take-overs finds a lock that is not the stale one it judged, and restores it."""
+    _write(tmp_path, pid=_dead_pid())
+    stale = json.loads((tmp_path / RUN_LOCK).read_text())
+    _write(tmp_path, host="winner")  # the other run's fresh lock, written after this one read the stale
+    winner = (tmp_path / RUN_LOCK).read_text()
+    assert RunLock(tmp_path)._take_over(stale) is False
+    assert (tmp_path / RUN_LOCK).read_text() == winner
