@@ -11,7 +11,7 @@
 #   RUN_DIR           where this run's checkpoints, TensorBoard events and logs go; default
 #                     runs/<job name>-<job id>, which a requeued job keeps (same id). It
 #                     outlives the job: a new job given the same RUN_DIR resumes from it.
-#   CHECKPOINT_DIR    default $RUN_DIR/checkpoints (checkpoint.save and checkpoint.load)
+#   CHECKPOINT_DIR    default $RUN_DIR/checkpoints (checkpoint.save, which a run resumes from)
 #   TENSORBOARD_DIR   default $RUN_DIR/tensorboard
 #                     (per-rank tracebacks and hang stacks go to $RUN_DIR/logs/rank-N.log)
 #   CONTAINER_IMAGE   run the step in this image with pyxis/enroot (srun --container-image)
@@ -22,6 +22,12 @@
 #   RDZV_PORT         multi-node: rendezvous port; default 20000 + job id % 20000
 #   REQUEUE_ON_SIGNAL 1 (default): requeue the job after a clean stop on SIGUSR1; 0: just stop
 #   REQUEUE_ON_HANG   1 (default): requeue the job when the hang watchdog ended it (train.hang_timeout_s)
+#   REQUEUE_ON_FAILURE 1 (default): requeue the job when a rank crashed, was killed, lost its peers (NCCL error,
+#                     lost node) or the step failed otherwise; never after exit 2 (config, data, checkpoint: a
+#                     requeue would fail the same way) or 3 (divergence: needs a person)
+#   MAX_REQUEUES      3 (default): at most this many hang/failure requeues per job (signal requeues are planned
+#                     and not counted); then the job ends failed
+#   EXCLUDE_FAILED_NODES 1 (default): a failure requeue leaves out the node(s) whose rank failed first
 #   PYTHON            interpreter; default python in a container, else .venv/bin/python if
 #                     present, else python3
 
@@ -30,16 +36,19 @@
 #   `scancel --batch --signal=USR1 JOBID` by hand) means "checkpoint, stop and come back": the
 #   trap passes SIGUSR1 on to every process of the job step, the ranks agree to stop at the
 #   next step boundary, checkpoint and exit 0, and the script requeues the job, which resumes
-#   from CHECKPOINT_DIR (checkpoint.load always points there; an empty one is a fresh start).
+#   from CHECKPOINT_DIR (checkpoint.load is auto: the run resumes from its checkpoint.save).
 # - SIGTERM (scancel, or pre-emption with a GraceTime) reaches every process of the job at
 #   once: the ranks checkpoint and stop the same way, but the script does not requeue (a
 #   cancelled job stays cancelled; a pre-empted one is requeued by SLURM itself when the
 #   cluster's PreemptMode says so).
 # Whether the run stopped early on a signal is read from the training log ("stopped cleanly
 # after iteration N (exit signal)", printed by megatron_ext/training/trainer.py): a clean stop exits 0, as
-# a finished run does. A hang is read from the exit code (EXIT_HUNG), which recipes.launch passes on.
+# a finished run does. A hang or failure is read from the exit code, which recipes.launch passes on; the node to
+# leave out from its line "training failed: rank R on NODE ..." (docs/slurm.md has the whole table).
 
-# megatron_ext/errors.py: the exit code of a job whose hang watchdog fired (srun passes on the launcher's).
+# megatron_ext/errors.py's exit codes (srun passes on the launcher's).
+EXIT_USER_ERROR=2
+EXIT_DIVERGED=3
 EXIT_HUNG=4
 
 _log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }
@@ -75,6 +84,41 @@ _rdzv_host() {
     echo "${addr:-$first}"
 }
 
+# Requeue this job, without the nodes in $1 (comma separated; may be empty). requeuehold, then the exclusion (SLURM
+# refuses it for a running job), then release: SLURM ends this script meanwhile, so TERM is ignored until done.
+_requeue() {
+    local exclude=$1
+    trap '' TERM
+    if ! scontrol requeuehold "$SLURM_JOB_ID"; then
+        _log "error: requeue refused; resubmit with the same RUN_DIR to resume"
+        return 1
+    fi
+    if [[ -n $exclude ]]; then
+        local before
+        before=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p' | head -n 1)
+        [[ -n $before && $before != "(null)" ]] && exclude="$before,$exclude"
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$exclude" ||
+            _log "warning: could not exclude $exclude; the next attempt may land there again"
+    fi
+    scontrol release "$SLURM_JOB_ID"
+}
+
+# After a hang or a failure: requeue unless MAX_REQUEUES such requeues of this job already happened.
+_requeue_after_failure() {
+    local what=$1 exclude=$2 counter="$run_dir/logs/failure-requeues-$SLURM_JOB_ID" count=0
+    [[ -f $counter ]] && count=$(<"$counter")
+    if ((count >= ${MAX_REQUEUES:-3})); then
+        _log "$what; not requeueing: MAX_REQUEUES=${MAX_REQUEUES:-3} requeues after failures already happened" \
+             "($counter). Fix the cause, then resubmit with RUN_DIR=$run_dir to resume"
+        return 1
+    fi
+    echo $((count + 1)) >"$counter"
+    [[ ${EXCLUDE_FAILED_NODES:-1} == 1 ]] || exclude=""
+    _log "$what; requeueing (failure requeue $((count + 1)) of ${MAX_REQUEUES:-3})${exclude:+ without $exclude}:" \
+         "the next attempt resumes from $ckpt_dir"
+    _requeue "$exclude"
+}
+
 slurm_pretrain() {
     : "${SLURM_JOB_ID:?run this through sbatch}"
     # First: SIGUSR1's default action would end this script.
@@ -98,7 +142,7 @@ slurm_pretrain() {
     # One log per job and attempt: a requeued job keeps its id and counts up SLURM_RESTART_COUNT.
     local log="$run_dir/logs/job-${SLURM_JOB_ID}.${restart}.log"
 
-    local -a overrides=("checkpoint.save=$ckpt_dir" "checkpoint.load=$ckpt_dir"
+    local -a overrides=("checkpoint.save=$ckpt_dir"
                         "logging.tensorboard_dir=$tb_dir" "logging.log_dir=$run_dir/logs")
     local -a extra=()
     read -r -a extra <<<"${OVERRIDES:-}"
@@ -149,28 +193,35 @@ slurm_pretrain() {
         _log "training checkpointed and stopped early on a signal (srun exit $rc)"
         if ((_term_seen == 0)) && [[ ${REQUEUE_ON_SIGNAL:-1} == 1 ]]; then
             _log "requeueing: the next attempt resumes from $ckpt_dir"
-            # SLURM ends this script as part of the requeue: nothing may follow.
-            if ! scontrol requeue "$SLURM_JOB_ID"; then
-                _log "error: requeue refused; resubmit with the same RUN_DIR to resume"
-                return 1
-            fi
-        fi
-        return 0
-    fi
-    if ((rc == EXIT_HUNG)) && ((_term_seen == 0)) && [[ ${REQUEUE_ON_HANG:-1} == 1 ]]; then
-        # The watchdog named the hung rank(s) in the log and wrote every live rank's stacks to rank-N.log.
-        _log "the hang watchdog ended the job (see $log and $run_dir/logs/rank-*.log); requeueing: the next attempt"\
-             "resumes from $ckpt_dir"
-        if ! scontrol requeue "$SLURM_JOB_ID"; then
-            _log "error: requeue refused; resubmit with the same RUN_DIR to resume"
-            return 1
+            _requeue "" || return 1
         fi
         return 0
     fi
     if ((rc == 0)); then
         _log "training finished"
-    else
-        _log "training failed (srun exit $rc); see $log"
+        return 0
+    fi
+    _log "training failed (srun exit $rc); see $log"
+    if ((_term_seen == 1)); then
+        return "$rc"  # cancelled or pre-empted: SLURM decides
+    fi
+    if ((rc == EXIT_USER_ERROR || rc == EXIT_DIVERGED)); then
+        _log "not requeueing: exit $rc (config, data or checkpoint error, or divergence) needs a fix first"
+        return "$rc"
+    fi
+    if ((rc == EXIT_HUNG)); then
+        # The watchdog named the hung rank(s) in the log and wrote every live rank's stacks to rank-N.log.
+        if [[ ${REQUEUE_ON_HANG:-1} == 1 ]]; then
+            _requeue_after_failure "the hang watchdog ended the job (see $run_dir/logs/rank-*.log)" "" || return "$rc"
+            return 0
+        fi
+        return "$rc"
+    fi
+    if [[ ${REQUEUE_ON_FAILURE:-1} == 1 ]]; then
+        local failed_nodes
+        failed_nodes=$(sed -n 's/.*training failed: rank [0-9]* on \([^ ]*\) .*/\1/p' "$log" | sort -u | paste -sd, -)
+        _requeue_after_failure "a rank failed${failed_nodes:+ on $failed_nodes}" "$failed_nodes" || return "$rc"
+        return 0
     fi
     return "$rc"
 }

@@ -4,7 +4,8 @@ on this machine, started for this module and stopped by PID at its end.
 (1) the single-node template trains the tiny recipe with 2 processes and leaves TensorBoard events
 and a checkpoint; (2) the multi-node template joins one torchrun per node in a c10d rendezvous;
 (3) SIGUSR1 to the batch script mid-run checkpoints, stops and requeues the job, and the requeued
-attempt finishes with exactly the losses of the uninterrupted run (1).
+attempt finishes with exactly the losses of the uninterrupted run (1); (4) a rank killed mid-run requeues the job
+without its node, and the next attempt resumes the last checkpoint and finishes as (1) did.
 
 Installs Debian's slurm-wlm and munge when they are missing (as root); skips only when they cannot
 be installed, or when not running as root (slurmd launches jobs as their users).
@@ -315,7 +316,7 @@ def test_multi_node_template_meets_in_a_rendezvous_across_two_nodes(cluster, sin
 def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_run(
         cluster, single_node_job, tmp_path):
     job = Job(cluster, tmp_path, "pretrain_single_node.sbatch", 2, ["--cpus-per-task=2"], RECIPE)
-    job.wait_for_log(rf"step +{SIGNAL_AFTER} \|")
+    job.wait_for_log(rf"step +{SIGNAL_AFTER}/")
     # What `#SBATCH --signal=B:USR1@600` does before the time limit: SIGUSR1 to the batch script.
     cluster.run("scancel", "--batch", "--signal=USR1", job.id)
     job.wait()
@@ -330,7 +331,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_
     ckpt = job.run_dir / "checkpoints"
     resumed = f"resumed from {ckpt} at iteration {stop} ({stop * GLOBAL_BATCH} samples consumed)"
     assert resumed in second, job.debug()
-    assert re.findall(r"step +(\d+) \|", second)[0] == str(stop + 1)
+    assert re.findall(r"step +(\d+)/", second)[0] == str(stop + 1)
     assert f"finished at iteration {STEPS}" in second and "training finished" in job.batch_output
     assert (ckpt / f"iter_{stop:07d}").is_dir() and latest_iteration(ckpt) == STEPS
     # Exactly the uninterrupted run's losses, the final one included (CPU, fp32, exact resume).
@@ -338,6 +339,39 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_
         resumed = read_scalars(job.run_dir / "tensorboard", tag)
         uninterrupted = read_scalars(single_node_job.run_dir / "tensorboard", tag)
         assert resumed == uninterrupted, (tag, resumed, uninterrupted)
+
+
+def _training_rank(job: Job, rank: int) -> "psutil.Process":
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmdline, env = " ".join(proc.info["cmdline"] or []), proc.info["environ"] or {}
+        if "recipes.pretrain" in cmdline and str(job.run_dir) in cmdline and env.get("RANK") == str(rank):
+            return proc
+    raise AssertionError(f"job {job.id}: no training rank {rank} running\n{job.debug()}")
+
+
+def test_a_crashed_rank_requeues_the_job_without_its_node_and_the_run_finishes_exactly(
+        cluster, single_node_job, tmp_path):
+    """Rank 0 is killed (as by the out-of-memory killer or a GPU fault) after step 6: the job is requeued once,
+    without node1, the next attempt on node2 takes over the dead run's lock, resumes the step-5 checkpoint and
+    ends with the uninterrupted run's losses."""
+    job = Job(cluster, tmp_path, "pretrain_single_node.sbatch", 2, ["--cpus-per-task=2"], RECIPE)
+    job.wait_for_log(rf"step +{SIGNAL_AFTER}/")
+    _training_rank(job, 0).kill()
+    job.wait()
+
+    assert re.search(r"training failed: rank 0 on node1 was killed by SIGKILL", job.text(job.log(0))), job.debug()
+    assert "a rank failed on node1; requeueing (failure requeue 1 of 3) without node1" in job.batch_output, \
+        job.debug()
+    second = job.text(job.log(1))
+    assert "restart 1 on node2" in job.batch_output and "took over" in second, job.debug()
+    ckpt = job.run_dir / "checkpoints"
+    assert f"resumed from {ckpt} at iteration {SAVE_INTERVAL}" in second, job.debug()
+    assert "training finished" in job.batch_output and latest_iteration(ckpt) == STEPS
+    for tag in ("train/lm_loss", "train/grad_norm"):
+        assert read_scalars(job.run_dir / "tensorboard", tag) == \
+            read_scalars(single_node_job.run_dir / "tensorboard", tag), tag
 
 
 def test_a_missing_cluster_fails_where_slurm_is_required(monkeypatch):
