@@ -1,6 +1,5 @@
 # Two commands on a fresh machine: `make pretrain` and `make test`. Each installs what it needs
-# (pinned) into .venv the first time. On a GPU machine with its own torch (NGC container),
-# run `pip install -r requirements.txt` and torchrun directly instead.
+# (pinned) into .venv the first time, with a CPU torch. On a GPU machine: docs/quickstart-gpu.md.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
