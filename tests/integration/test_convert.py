@@ -387,6 +387,67 @@ def test_generate_writes_what_transformers_greedy_decoding_writes(trained):
     assert _generated(trained["trained"], prompt, "--temperature", "0.7", "--top-k", "1") == reference
 
 
+LM_EVAL_TASK = """\
+task: recipe_smoke
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+target_delimiter: ""
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_DOCS = [
+    {"context": "def add(a, b):\n    return", "choices": [" a + b", " banana"], "answer": 0},
+    {"context": "import os\nprint(os.path.", "choices": ["join('a', 'b'))", "lorem ipsum"], "answer": 0},
+    {"context": "for i in range(", "choices": ["10):", "tea time"], "answer": 0},
+    {"context": "class Foo:\n    def __init__(self", "choices": ["):", " elephant"], "answer": 0},
+]
+
+
+def test_lm_evaluation_harness_scores_the_export_offline(trained, tmp_path):
+    """lm-eval's `hf` model on the exported directory, a local multiple-choice task, no network: each choice's
+    log-likelihood is the one transformers gives, and the accuracy follows from them."""
+    pytest.importorskip("lm_eval")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "recipe_smoke.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={trained['exported']},dtype=float32", "--tasks", "recipe_smoke",
+                           "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "4",
+                           "--output_path", str(tmp_path / "out"), "--log_samples"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]["recipe_smoke"]
+    samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_recipe_smoke_*.jsonl")).open()]
+    theirs = {s["doc_id"]: [r[0] for r in s["filtered_resps"]] for s in samples}
+
+    model = AutoModelForCausalLM.from_pretrained(trained["exported"], torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(trained["exported"])
+    correct = 0
+    for doc_id, doc in enumerate(LM_EVAL_DOCS):
+        scores = []
+        for choice in doc["choices"]:
+            context = tokenizer(doc["context"], add_special_tokens=False)["input_ids"]
+            whole = tokenizer(doc["context"] + choice, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([whole])
+            logprobs = model(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+            scores.append(logprobs[len(context) - 1:].sum().item())
+        assert [float(x) for x in theirs[doc_id]] == pytest.approx(scores, abs=1e-4), (doc, theirs[doc_id], scores)
+        correct += int(max(range(len(scores)), key=scores.__getitem__) == doc["answer"])
+    assert results["acc,none"] == correct / len(LM_EVAL_DOCS), (results, correct)
+
+
 def test_export_of_the_trained_checkpoint_reproduces_its_logits(megatron, trained, parallel_logits):
     tokens = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(11))
     theirs = hf_logits(trained["exported"], tokens)
