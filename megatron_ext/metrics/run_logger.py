@@ -128,7 +128,8 @@ class RunLogger:
             return scalars
         self._write(scalars, iteration)
         if console:
-            line = (f"step {iteration:>6,}/{self.train_iters:,} | loss {loss:.4f} | lr {lr:.3e} | grad-norm {grad_norm:.3f} | "
+            line = (f"step {iteration:>6,}/{self.train_iters:,} | loss {loss:.4f} | lr {lr:.3e} | "
+                    f"grad-norm {grad_norm:.3f} | "
                     f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
             if "train/tflops_per_gpu" in scalars:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"

@@ -1,1 +1,3 @@
-"""The Llama-style decoder on megatron-core's GPTModel: layer specs (TransformerEngine or local), core attention (SDPA, ring attention under context parallelism), the fused output layer, and building this rank's chunks."""
+"""The Llama-style decoder on megatron-core's GPTModel: layer specs (TransformerEngine or local), core attention
+(SDPA, ring attention under context parallelism), the fused output layer, building this rank's chunks, and
+sampling text from a built model."""

@@ -425,8 +425,8 @@ def test_lm_evaluation_harness_scores_the_export_offline(trained, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
                            f"pretrained={trained['exported']},dtype=float32", "--tasks", "recipe_smoke",
                            "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "4",
-                           "--output_path", str(tmp_path / "out"), "--log_samples"], env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--output_path", str(tmp_path / "out"), "--log_samples"],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]["recipe_smoke"]
     samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_recipe_smoke_*.jsonl")).open()]

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_ext.checkpoint.layout import latest_iteration
@@ -341,9 +342,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_
         assert resumed == uninterrupted, (tag, resumed, uninterrupted)
 
 
-def _training_rank(job: Job, rank: int) -> "psutil.Process":
-    import psutil
-
+def _training_rank(job: Job, rank: int) -> psutil.Process:
     for proc in psutil.process_iter(["cmdline", "environ"]):
         cmdline, env = " ".join(proc.info["cmdline"] or []), proc.info["environ"] or {}
         if "recipes.pretrain" in cmdline and str(job.run_dir) in cmdline and env.get("RANK") == str(rank):

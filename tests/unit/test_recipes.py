@@ -36,9 +36,8 @@ def test_multi_gpu_recipes_ship_the_planners_best_layout_for_their_gpu_count(nam
     from megatron_ext.planner.layouts import best_layout
 
     cfg = load_config(ROOT / "configs" / name)
-    best = best_layout(cfg, gpus, 8, "h100-80gb")
-    assert cfg.recipe.gpus == gpus and load_config(ROOT / "configs" / name,
-                                                   [f"{k}={'null' if v is None else v}" for k, v in best.items()]) == cfg
+    best = [f"{k}={'null' if v is None else v}" for k, v in best_layout(cfg, gpus, 8, "h100-80gb").items()]
+    assert cfg.recipe.gpus == gpus and load_config(ROOT / "configs" / name, best) == cfg
 
 
 def test_llama3_vocab_pads_to_a_tp_multiple():
