@@ -222,17 +222,20 @@ def test_the_planner_ranks_larger_micro_batches_of_the_1b_recipe_faster(compiled
 
 
 def test_the_readme_recipe_table_gives_each_recipes_checkpoint_size_and_retention():
-    """The planner's byte count and the YAML's keep_last/keep_every, as the README's recipe table states them."""
+    """The planner's byte count (and its write time at 10 GB/s) and the YAML's keep_last/keep_every, as the
+    README's recipe table states them."""
     import re
 
     from megatron_ext.planner.layouts import checkpoint_bytes, model_vocab_size
 
     readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| `(configs/[^`]+)` \|.*\| ([\d.,]+) GB \| ([^|]+) \|$", readme, re.M)
-    assert sorted(path for path, _, _ in rows) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml"))
-    for path, size, kept in rows:
+    from megatron_ext.metrics.run_logger import format_duration
+
+    rows = re.findall(r"^\| `(configs/[^`]+)` \|.*\| ([\d.,]+) GB \(([^)]+)\) \| ([^|]+) \|$", readme, re.M)
+    assert sorted(row[0] for row in rows) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml"))
+    for path, size, write_time, kept in rows:
         cfg = load_config(ROOT / path)
         gb = checkpoint_bytes(cfg, model_vocab_size(cfg)) / 1e9
-        assert f"{gb:,.{2 if gb < 1 else 0}f}" == size, (path, gb, size)
+        assert f"{gb:,.{2 if gb < 1 else 0}f}" == size and format_duration(gb / 10) == write_time, (path, gb, size)
         ck = cfg.checkpoint
         assert kept.strip() == (f"newest {ck.keep_last} + every {ck.keep_every:,}th" if ck.keep_last else "all"), path
