@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    stop = nothing_to_do(cfg)
+    stop = nothing_to_do(cfg, check_lock=True)
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]

@@ -80,16 +80,17 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
     return cfg
 
 
-def nothing_to_do(cfg) -> tuple[str, int] | None:
-    """(line, exit code) for a launch that must not start ranks: its run is already complete (0), or another run
-    holds its checkpoint directory (2). Read from the checkpoint directory alone, in well under a second."""
+def nothing_to_do(cfg, check_lock: bool) -> tuple[str, int] | None:
+    """(line, exit code) for a launch that must not start ranks: its run is already complete (0), or (with
+    `check_lock`, the launcher's check: a rank would see its own job's lock) another run holds its checkpoint
+    directory (2). Read from the checkpoint directory alone, in well under a second."""
     from megatron_ext.checkpoint.resume import finished_run
     from megatron_ext.checkpoint.run_lock import holder_of
 
     done = finished_run(cfg)
     if done:
         return done, 0
-    held = holder_of(cfg.checkpoint.save) if cfg.checkpoint.save else None
+    held = holder_of(cfg.checkpoint.save) if check_lock and cfg.checkpoint.save else None
     return (f"checkpoint error: {held}", EXIT_USER_ERROR) if held else None
 
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 
-    stop = nothing_to_do(cfg)
+    stop = nothing_to_do(cfg, check_lock=False)  # the lock is taken collectively, in the run's checkpoint manager
     if stop:
         if rank == 0:
             print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)

@@ -3,6 +3,7 @@ aside, a failed save leaves nothing behind, retention keeps what it should. One 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -80,6 +81,22 @@ def test_of_two_runs_started_together_on_one_directory_one_is_refused(tmp_path):
     errors = [line for line in refused.splitlines() if "checkpoint error" in line]
     assert len(errors) == 1 and f"checkpoint.save={ckpt} is in use by another run (pid " in errors[0], refused
     assert latest_iteration(ckpt) == 60 and not (ckpt / RUN_LOCK).exists()
+
+
+def test_the_launcher_refuses_a_directory_held_by_a_live_run_before_any_rank_starts(tmp_path):
+    from megatron_ext.checkpoint.run_lock import RunLock
+
+    lock = RunLock(tmp_path / "ckpt")  # held by this test process: alive, on this host
+    lock.acquire()
+    try:
+        proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.save={tmp_path / 'ckpt'}"),
+                            launcher="recipes.launch", check=False)
+    finally:
+        lock.release()
+    assert proc.returncode == 2 and not proc.stdout.strip(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"checkpoint error: checkpoint.save={tmp_path / 'ckpt'} is in use by another run (pid {os.getpid()} on "), lines
 
 
 def test_config_differences_are_listed_and_shape_changes_refused(run, tmp_path):
