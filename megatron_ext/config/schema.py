@@ -187,7 +187,8 @@ class LoggingConfig:
     log_dir: Optional[str] = None  # per-rank tracebacks and hang stacks (rank-N.log); null = runs/<recipe.name>/logs
     loss_spike_factor: Optional[float] = 1.5  # warn when a loss exceeds this × the rolling median; null = off
     loss_spike_window: int = 50  # steps in that median
-    straggler_factor: Optional[float] = 1.2  # warn about a rank computing this × slower than the others; null = off
+    # warn about a rank (TP group) computing this × slower than its pipeline stage's others, or than it did; null = off
+    straggler_factor: Optional[float] = 1.2
     straggler_intervals: int = 3  # a rank is named a straggler after this many slow log intervals in a row
 
 

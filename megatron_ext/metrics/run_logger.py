@@ -24,7 +24,7 @@ import torch
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.hardware import peak_bf16_tflops
-from megatron_ext.resilience.stragglers import spread_scalars, warn_stragglers
+from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")
 
@@ -161,10 +161,11 @@ class RunLogger:
                         f"the previous steps; the step trained on samples {samples[0]}..{samples[1]} of the "
                         f"training dataset (in megatron-core's shuffled sample order)")
 
-    def stragglers(self, iteration: int, times: list[float], named: list[int]) -> None:
+    def stragglers(self, iteration: int, named: list[Straggler]) -> None:
         """Warn about the ranks the straggler detector named."""
         if self.enabled:
-            warn_stragglers(named, times, self.straggler_factor, self.straggler_intervals, iteration)
+            warn_stragglers(named, self.straggler_factor, self.straggler_intervals, iteration,
+                            torch.cuda.is_available())
 
     def checkpoint_stall(self, iteration: int, seconds: float) -> None:
         """How long a checkpoint save held training up (the whole write, or its start when asynchronous)."""

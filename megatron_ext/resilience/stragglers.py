@@ -1,20 +1,22 @@
 """Stragglers: every rank's own compute time per step, gathered each log interval; the spread goes to the console
-and TensorBoard, and a rank slower than the median of the others by ``logging.straggler_factor`` for
-``logging.straggler_intervals`` intervals in a row is named in a warning.
+and TensorBoard, and a rank (a tensor-parallel group) slower by ``logging.straggler_factor`` than the ranks doing
+the same work, or than it was itself, for ``logging.straggler_intervals`` intervals in a row is named in a warning.
 
 Wall-clock step times are the same on every rank of a synchronous job (the fast ranks wait for the slow one in
 the step's collectives), so what is compared is the time inside megatron-core's forward and backward compute,
 which it reports through the ``config.timers`` hook of its schedules. On a GPU the timer records CUDA events (no
 synchronisation) read after the step's own sync. Tensor-parallel peers share their in-layer collectives, so a
-slow GPU drags its TP group's numbers with it: the warning names ranks, which narrows it to one TP group.
+slow GPU drags its TP group's numbers with it: the unit compared and named is the TP group.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,26 +84,91 @@ def gather_times(seconds: float, device: torch.device) -> list[float]:
     return [t.item() for t in out]
 
 
+@dataclass(frozen=True)
+class WorkUnit:
+    """Ranks that do the same work and are timed as one: a tensor-parallel group (its members wait for each other
+    inside every layer, so a slow GPU drags the whole group), on one pipeline stage."""
+
+    ranks: tuple[int, ...]
+    stage: int
+
+    def __str__(self) -> str:
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else \
+            f"ranks {', '.join(map(str, self.ranks))} (one tensor-parallel group)"
+        return f"{who} on pipeline stage {self.stage}"
+
+
+def work_units(stage_of_rank: list[int], tp_group_of_rank: list[int]) -> list[WorkUnit]:
+    """The job's units from each rank's pipeline stage and tensor-parallel group (any id shared by its members)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, (stage, group) in enumerate(zip(stage_of_rank, tp_group_of_rank)):
+        groups.setdefault((stage, group), []).append(rank)
+    return [WorkUnit(tuple(ranks), stage) for (stage, _), ranks in sorted(groups.items(), key=lambda kv: kv[1])]
+
+
+@dataclass(frozen=True)
+class Straggler:
+    unit: WorkUnit
+    seconds: float  # its compute per step in this interval
+    reference: float  # what it is compared with
+    against: Literal["peers", "itself"]  # its stage's other units, or its own earlier intervals
+
+
 class StragglerDetector:
-    """Counts, per rank, consecutive intervals slower than `factor` × the median of the other ranks."""
+    """Names a work unit slower than `factor` × its reference for `intervals` log intervals in a row.
 
-    def __init__(self, factor: Optional[float], intervals: int):
-        self.factor, self.intervals = factor, intervals
-        self.streak: dict[int, int] = {}
+    Two references, as NVRx's relative and individual scores: the median of the other units of the same pipeline
+    stage (which do the same work; the last stage also runs the output layer and the loss, so stages are never
+    compared with each other), and the unit's own median over its earlier intervals, scaled by how much every
+    unit slowed down (a slower step for everyone, such as a longer sequence of micro batches, is nobody's fault).
+    The second finds a degraded device where a stage has no peers (DP 1). The first interval is warm-up and only
+    starts the history."""
 
-    def update(self, times: list[float]) -> list[int]:
-        """The ranks to warn about now: those whose streak just reached `intervals` (again every `intervals`)."""
-        if not self.factor or len(times) < 2:
+    def __init__(self, factor: Optional[float], intervals: int, units: list[WorkUnit], history: int = 10):
+        self.factor, self.intervals, self.units = factor, intervals, units
+        self.past: dict[WorkUnit, collections.deque[float]] = {u: collections.deque(maxlen=history) for u in units}
+        self.seen = 0
+        self.streak: dict[WorkUnit, int] = {}
+
+    def _against_peers(self, unit: WorkUnit, now: dict[WorkUnit, float]) -> Optional[float]:
+        peers = [now[u] for u in self.units if u.stage == unit.stage and u != unit]
+        return statistics.median(peers) if peers else None
+
+    def _baseline(self, unit: WorkUnit) -> Optional[float]:
+        past = self.past[unit]
+        median = statistics.median(past) if len(past) >= 2 else 0.0
+        return median if median > 0 else None
+
+    def _against_itself(self, unit: WorkUnit, now: dict[WorkUnit, float]) -> Optional[float]:
+        base = self._baseline(unit)
+        if base is None:
+            return None
+        slowdown = statistics.median(now[u] / b for u in self.units if (b := self._baseline(u)))
+        return base * max(slowdown, 1.0)
+
+    def update(self, times: list[float]) -> list[Straggler]:
+        """Each rank's compute per step in this interval (by rank) → the units to warn about now: those whose
+        streak just reached `intervals` (and again every `intervals`)."""
+        if not self.factor:
             return []
+        now = {u: max(times[r] for r in u.ranks) for u in self.units}
+        self.seen += 1
         named = []
-        for rank, t in enumerate(times):
-            others = statistics.median(times[:rank] + times[rank + 1:])
-            if others > 0 and t > self.factor * others:
-                self.streak[rank] = self.streak.get(rank, 0) + 1
-                if self.streak[rank] % self.intervals == 0:
-                    named.append(rank)
-            else:
-                self.streak.pop(rank, None)
+        if self.seen > 1:  # the first interval holds the first step (allocations, compilation)
+            for unit in self.units:
+                slow = [Straggler(unit, now[unit], ref, against)
+                        for against, ref in (("peers", self._against_peers(unit, now)),
+                                             ("itself", self._against_itself(unit, now)))
+                        if ref and now[unit] > self.factor * ref]
+                if slow:
+                    self.streak[unit] = self.streak.get(unit, 0) + 1
+                    if self.streak[unit] % self.intervals == 0:
+                        named.append(slow[0])
+                else:
+                    self.streak.pop(unit, None)
+            for unit in self.units:
+                if not self.streak.get(unit):  # a unit's baseline is what it does when it is not straggling
+                    self.past[unit].append(now[unit])
         return named
 
 
@@ -112,10 +179,13 @@ def spread_scalars(times: list[float]) -> dict[str, float]:
             "perf/slowest_rank": float(slowest)}
 
 
-def warn_stragglers(named: list[int], times: list[float], factor: float, intervals: int, iteration: int) -> None:
-    for rank in named:
-        others = statistics.median(times[:rank] + times[rank + 1:])
-        log.warning(f"straggler: rank {rank} computed {times[rank] * 1000:.0f} ms per step at iteration {iteration}, "
-                    f"{times[rank] / others:.2f}× the other ranks' median {others * 1000:.0f} ms, for "
-                    f"{intervals}+ log intervals in a row (logging.straggler_factor={factor:g}); check that "
-                    f"rank's GPU (clocks, temperature, ECC) and data loading")
+def warn_stragglers(stragglers: list[Straggler], factor: float, intervals: int, iteration: int,
+                    on_gpu: bool) -> None:
+    check = ("that GPU (clocks, temperature, ECC errors: nvidia-smi -q) and its data loading" if on_gpu
+             else "what else runs on that CPU's cores, and its data loading")
+    for s in stragglers:
+        reference = ("the median of its pipeline stage's other ranks" if s.against == "peers"
+                     else "its own earlier log intervals (allowing for the others' slowdown)")
+        log.warning(f"straggler: {s.unit} computed {s.seconds * 1000:.0f} ms per step at iteration {iteration}, "
+                    f"{s.seconds / s.reference:.2f}× {reference} ({s.reference * 1000:.0f} ms), for {intervals}+ log "
+                    f"intervals in a row (logging.straggler_factor={factor:g}); check {check}")

@@ -38,7 +38,7 @@ from megatron_ext.resilience.divergence import (
     local_nonfinite,
 )
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
-from megatron_ext.resilience.stragglers import ComputeTimers, StragglerDetector, gather_times
+from megatron_ext.resilience.stragglers import ComputeTimers, StragglerDetector, gather_times, work_units
 from megatron_ext.resilience.watchdog import HangWatchdog
 
 log = logging.getLogger("megatron_ext")
@@ -207,7 +207,10 @@ class Trainer:
         t, g = self.cfg.train, self.cfg.logging
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
-        self.stragglers = StragglerDetector(g.straggler_factor, g.straggler_intervals)
+        tp_group = min(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
+        units = work_units([int(s) for s in gather_times(parallel_state.get_pipeline_model_parallel_rank(), _device())],
+                           [int(g) for g in gather_times(tp_group, _device())])
+        self.stragglers = StragglerDetector(g.straggler_factor, g.straggler_intervals, units)
         self.compute_timers = self.config.timers = ComputeTimers(self.on_gpu)
         self.compute_seconds = 0.0  # this rank's forward+backward compute since the last log interval
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
@@ -296,6 +299,7 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
+        self.compute_timers.take()  # evaluation's forward passes are not training compute (stragglers)
         return _global_mean_loss(losses)[0]
 
     def _evaluate_if_due(self, result: RunResult) -> None:
@@ -342,7 +346,7 @@ class Trainer:
             self.compute_seconds = 0.0
         self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time, console=log_now, rank_times=rank_times)
         if rank_times:
-            self.run_logger.stragglers(self.iteration, rank_times, self.stragglers.update(rank_times))
+            self.run_logger.stragglers(self.iteration, self.stragglers.update(rank_times))
         spike = self.spikes.check(loss)
         if spike:
             first = self.consumed_samples - self.cfg.train.global_batch_size

@@ -110,6 +110,18 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_pa
         assert "hang watchdog" in stacks and "(most recent call first)" in stacks and "training/trainer.py" in stacks
 
 
+def test_a_rank_slowed_on_purpose_is_named_and_nobody_else(tmp_path):
+    """PP2 × DP2, rank 1 (stage 0) 150 ms slower in every forward pass: the loop's detector names it against its
+    stage's other rank; the last stage, which always computes more, is not named, nor anybody else."""
+    proc = run_pretrain(4, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1",
+                            "parallel.pipeline_model_parallel_size=2", "parallel.sequence_parallel=false",
+                            "train.train_iters=10", "logging.log_interval=2", "logging.straggler_intervals=2"],
+                        module="tests.workers.straggler_worker", env={"SLOW_RANK": "1", "SLOW_MS": "150"})
+    named = [line for line in proc.stdout.splitlines() if "straggler:" in line]
+    assert named and all("straggler: rank 1 on pipeline stage 0 computed" in line for line in named), proc.stdout
+    assert "the median of its pipeline stage's other ranks" in named[0] and "that CPU's cores" in named[0]
+
+
 def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(tmp_path):
     """kill -9 of torchrun (its ranks are in their own sessions, so nothing reached them before): every rank is
     gone within seconds, says why in its log, and no orphan completes the checkpoint due at step 3."""

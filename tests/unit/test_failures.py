@@ -21,7 +21,7 @@ from megatron_ext.errors import (
 )
 from megatron_ext.resilience.divergence import LossSpikeDetector
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
-from megatron_ext.resilience.stragglers import StragglerDetector
+from megatron_ext.resilience.stragglers import StragglerDetector, work_units
 from tests.launch import TINY, read_scalars
 
 
@@ -80,12 +80,35 @@ def test_loss_spike_detector_flags_a_jump_above_the_rolling_median():
     assert detector.check(3.0) is None and LossSpikeDetector(None, 10).check(100.0) is None
 
 
-def test_straggler_detector_names_a_rank_slow_for_several_intervals_in_a_row():
-    detector = StragglerDetector(factor=1.2, intervals=3)
-    fast, slow = [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.5, 1.0]
-    assert detector.update(slow) == [] and detector.update(slow) == [] and detector.update(slow) == [2]
-    assert detector.update(fast) == [] and detector.update(slow) == []  # a fast interval resets the streak
-    assert StragglerDetector(factor=1.2, intervals=1).update([1.0, 1.3]) == [1]
+def _named(detector: StragglerDetector, times: list[float]) -> list[tuple[tuple[int, ...], str]]:
+    return [(s.unit.ranks, s.against) for s in detector.update(times)]
+
+
+def test_a_rank_slower_than_its_stages_peers_for_several_intervals_in_a_row_is_named():
+    """PP2 × DP2 (ranks 0, 1 on stage 0; 2, 3 on stage 1): the last stage always computes more (output layer and
+    loss), which is nobody's fault; rank 1 slower than its peer rank 0 is."""
+    units = work_units([0, 0, 1, 1], [0, 1, 2, 3])
+    detector = StragglerDetector(factor=1.2, intervals=3, units=units)
+    fast, slow = [1.0, 1.0, 1.6, 1.6], [1.0, 1.5, 1.6, 1.6]
+    assert _named(detector, slow) == []  # the first interval is warm-up
+    assert _named(detector, slow) == [] and _named(detector, slow) == [] and _named(detector, slow) == [((1,), "peers")]
+    assert _named(detector, fast) == [] and _named(detector, slow) == []  # a fast interval resets the streak
+    assert StragglerDetector(factor=None, intervals=1, units=units).update(slow) == []
+
+
+def test_a_unit_slower_than_it_was_is_named_where_its_stage_has_no_peers():
+    """TP2 × PP2 at DP 1: each stage is one TP group. Everyone slowing together is nobody's fault; stage 0's group
+    slowing alone is named, as one group."""
+    units = work_units([0, 0, 1, 1], [0, 0, 2, 2])
+    assert [u.ranks for u in units] == [(0, 1), (2, 3)] and str(units[0]) == \
+        "ranks 0, 1 (one tensor-parallel group) on pipeline stage 0"
+    detector = StragglerDetector(factor=1.2, intervals=2, units=units)
+    for times in ([3.0, 3.0, 3.0, 3.0], [1.0, 1.0, 1.4, 1.4], [1.1, 1.0, 1.4, 1.4], [1.0, 1.0, 1.5, 1.4]):
+        assert _named(detector, times) == []  # warm-up, then the baseline; stage 1 computes more, always
+    for times in ([1.5, 1.5, 2.1, 2.1], [1.6, 1.6, 2.2, 2.2]):  # everyone 1.5× slower
+        assert _named(detector, times) == []
+    slow = [2.4, 2.4, 1.4, 1.4]
+    assert _named(detector, slow) == [] and _named(detector, slow) == [((0, 1), "itself")]
 
 
 def test_run_logger_writes_loss_spikes_and_the_rank_spread_to_tensorboard(tmp_path, caplog):
