@@ -24,9 +24,9 @@ def _tree() -> dict[str, int]:
         for name in names:
             path = os.path.join(top, name)
             relative = os.path.relpath(path, ROOT)
-            # megatron-core's GPTDataset index cache, which it writes next to a dataset unless data.path_to_cache
-            # says otherwise (as `make pretrain` does too): derived files, not the tree
-            if relative.startswith("data" + os.sep) and f"{os.sep}cache{os.sep}GPTDataset_indices{os.sep}" in relative:
+            # the caches next to a dataset unless data.path_to_cache says otherwise (megatron-core's GPTDataset
+            # indices, the largest token id), as `make pretrain` writes them too: derived files, not the tree
+            if relative.startswith("data" + os.sep) and f"{os.sep}cache{os.sep}" in relative:
                 continue
             files[relative] = os.stat(path, follow_symlinks=False).st_mtime_ns
     return files

@@ -1,10 +1,14 @@
 """The data a recipe names, checked before any process starts: each blend prefix's files exist, the split is
-valid, the tokenizer loads, and every token id in the data fits the model's vocabulary."""
+valid, the tokenizer loads, and every token id in the data fits the model's vocabulary (one read of each .bin, then
+remembered per file so a restart pays nothing)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Optional
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -63,8 +67,41 @@ def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
         return
     d = cfg.data
     for key, prefix in _blend_prefixes(cfg):
-        top = max_token_id(IndexedDataset(prefix))
+        top = cached_max_token_id(prefix, d.path_to_cache)
         require(top < vocab, key, prefix,
                 f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
                 f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "
                 "preprocess it with this one, or point data.tokenizer_model at the one that wrote it")
+
+
+def _cache_file(prefix: str, cache_root: Optional[str]) -> Path:
+    """Where the largest token id of `prefix` is remembered: data.path_to_cache, else the ``cache/`` directory
+    next to the data, as megatron-core's own dataset index cache."""
+    name = Path(prefix).name
+    if cache_root is None:
+        return Path(prefix).parent / "cache" / "max_token_id" / f"{name}.json"
+    digest = hashlib.sha1(str(Path(prefix).resolve()).encode()).hexdigest()[:12]
+    return Path(cache_root) / "max_token_id" / f"{name}-{digest}.json"
+
+
+def cached_max_token_id(prefix: str, cache_root: Optional[str] = None) -> int:
+    """The largest token id of the dataset at `prefix`: read from the cache while its .bin and .idx have the size
+    and modification time they had when it was computed, else computed (one pass over the .bin) and remembered.
+    A cache that cannot be written (a read-only data directory) only costs the pass again next time."""
+    stamp = {suffix: [(st := os.stat(prefix + suffix)).st_size, st.st_mtime_ns] for suffix in (".bin", ".idx")}
+    cache = _cache_file(prefix, cache_root)
+    try:
+        saved = json.loads(cache.read_text())
+        if saved["files"] == stamp:
+            return int(saved["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    top = max_token_id(IndexedDataset(prefix))
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"prefix": str(Path(prefix).resolve()), "files": stamp, "max_token_id": top}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return top

@@ -318,3 +318,33 @@ def test_synthetic_corpus_is_deterministic_and_size_independent():
     assert any("def " in d for d in a) and any(". " in d for d in a)
 
 
+
+
+def test_the_largest_token_id_is_remembered_per_file_and_recomputed_when_the_file_changes(tmp_path, monkeypatch):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_ext.data import checks
+    from megatron_ext.data.datasets import max_token_id
+
+    prefix, cache = str(tmp_path / "d_text_document"), str(tmp_path / "index_cache")
+
+    def write(top: int) -> None:
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+        builder.add_document(torch.tensor([1, top, 3]), [3])
+        builder.finalize(f"{prefix}.idx")
+
+    passes = []
+
+    def counting_scan(dataset) -> int:
+        passes.append(dataset)
+        return max_token_id(dataset)
+
+    monkeypatch.setattr(checks, "max_token_id", counting_scan)
+    write(700)
+    assert checks.cached_max_token_id(prefix, cache) == 700 and len(passes) == 1
+    assert checks.cached_max_token_id(prefix, cache) == 700 and len(passes) == 1  # remembered: no pass
+    write(900)  # rewritten: same sizes, another modification time
+    assert checks.cached_max_token_id(prefix, cache) == 900 and len(passes) == 2
+    assert checks.cached_max_token_id(prefix, None) == 900 and len(passes) == 3  # next to the data by default
+    assert (tmp_path / "cache" / "max_token_id" / "d_text_document.json").is_file()
