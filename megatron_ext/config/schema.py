@@ -190,6 +190,12 @@ class LoggingConfig:
     # warn about a rank (TP group) computing this × slower than its pipeline stage's others, or than it did; null = off
     straggler_factor: Optional[float] = 1.2
     straggler_intervals: int = 3  # a rank is named a straggler after this many slow log intervals in a row
+    # [first, last]: torch.profiler traces (Chrome/Perfetto JSON) of these iterations, into <run dir>/profile/
+    profile_steps: Optional[list[int]] = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks that write a trace
+    profile_with_stack: bool = False  # Python stacks in the trace (larger files, slower steps)
+    # GPU: a torch.cuda.memory snapshot (allocations with their stacks) at the end of the profiled iterations
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -267,6 +273,11 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
 def log_dir(cfg: RecipeConfig) -> str:
     """Where each rank writes its tracebacks and hang stacks."""
     return cfg.logging.log_dir or f"runs/{cfg.recipe.name}/logs"
+
+
+def profile_dir(cfg: RecipeConfig) -> Path:
+    """Where profiler traces and memory snapshots go: beside the rank logs, in the run directory."""
+    return Path(log_dir(cfg)).parent / "profile"
 
 
 def resume_dir(cfg: RecipeConfig) -> Optional[str]:
@@ -356,7 +367,8 @@ def config_keys() -> Iterator[KeyHelp]:
         for f in dataclasses.fields(cls):
             allowed = allowed_values(hints[f.name])
             kind = " / ".join(map(shown_value, allowed)) if allowed else str(f.type)
-            yield KeyHelp(f"{section.name}.{f.name}", kind, f.default, help_of[f.name])
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            yield KeyHelp(f"{section.name}.{f.name}", kind, default, help_of[f.name])
 
 
 def keys_table() -> str:

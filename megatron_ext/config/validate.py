@@ -38,7 +38,7 @@ def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8
     """Every config rule: the model shape and 4D layout for `world_size` processes, checkpointing, monitoring."""
     validate_layout(cfg, world_size, te_available, fp8_capable)
     _validate_checkpoint(cfg)
-    _validate_monitoring(cfg)
+    _validate_monitoring(cfg, world_size)
 
 
 def _validate_checkpoint(cfg: RecipeConfig) -> None:
@@ -50,7 +50,7 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
             "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
 
 
-def _validate_monitoring(cfg: RecipeConfig) -> None:
+def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
     t, g = cfg.train, cfg.logging
     collective_timeout_s = cfg.parallel.distributed_timeout_minutes * 60
     require(t.hang_timeout_s is None or 0 < t.hang_timeout_s < collective_timeout_s, "train.hang_timeout_s",
@@ -62,6 +62,14 @@ def _validate_monitoring(cfg: RecipeConfig) -> None:
         require(value is None or value > 1, f"logging.{key}", value, "must be above 1, or null (off)")
     require(g.loss_spike_window >= 5, "logging.loss_spike_window", g.loss_spike_window, "must be >= 5")
     require(g.straggler_intervals >= 1, "logging.straggler_intervals", g.straggler_intervals, "must be >= 1")
+    steps = g.profile_steps
+    require(steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.train_iters),
+            "logging.profile_steps", steps, f"must be [first, last] iterations with 1 <= first <= last <= "
+            f"train.train_iters ({t.train_iters}), or null (off)")
+    require(all(0 <= r < world_size for r in g.profile_ranks), "logging.profile_ranks", g.profile_ranks,
+            f"must be ranks of this job (0..{world_size - 1})")
+    require(not g.memory_snapshot or steps is not None, "logging.memory_snapshot", True,
+            "is taken at the end of logging.profile_steps: set those iterations too")
 
 
 def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,

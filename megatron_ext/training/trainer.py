@@ -29,6 +29,7 @@ from megatron_ext.data.datasets import build_datasets, microbatch_iterator
 from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger
 from megatron_ext.model.build import build_model
 from megatron_ext.resilience.divergence import (
@@ -203,7 +204,7 @@ class Trainer:
         self._build_monitors()
 
     def _build_monitors(self) -> None:
-        """Divergence, loss spikes, stragglers and hangs (each off when its setting is null)."""
+        """Divergence, loss spikes, stragglers, hangs (each off when its setting is null) and the profiler."""
         t, g = self.cfg.train, self.cfg.logging
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
@@ -214,6 +215,7 @@ class Trainer:
         self.compute_timers = self.config.timers = ComputeTimers(self.on_gpu)
         self.compute_seconds = 0.0  # this rank's forward+backward compute since the last log interval
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
+        self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
     def _optimizer_config(self) -> OptimizerConfig:
         o, cfg = self.cfg.optimizer, self.cfg
@@ -367,7 +369,8 @@ class Trainer:
             self.where = f"iteration {self.iteration + 1}"
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             start = time.perf_counter()
-            stepped = self.train_step(data)
+            with self.profiler.step(self.iteration + 1):
+                stepped = self.train_step(data)
             step_time = time.perf_counter() - start
             if (cfg.train.compile or cfg.train.cuda_graphs) and not result.step_times:
                 work = "compiling the decoder layers" if cfg.train.compile else "capturing their CUDA graphs"
@@ -389,6 +392,7 @@ class Trainer:
                 result.stopped_early = True
                 break
         self.watchdog.close()
+        self.profiler.close()
         bar.close()
         if t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self._checkpoint(stopping=False)

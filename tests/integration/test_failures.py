@@ -207,3 +207,20 @@ def test_a_skipped_nonfinite_step_leaves_weights_optimizer_state_and_schedule_un
     result = json.loads(out.read_text())
     assert result["skipped"] and result["next_step_finite"], result
     assert all(result["unchanged"].values()), result["unchanged"]
+
+
+def test_the_profiler_writes_a_trace_of_the_chosen_iterations_on_the_chosen_rank(tmp_path):
+    """2 processes (DP2), iterations 2-3 on rank 1 only: one Chrome trace with both steps' regions and the
+    forward/backward work in them, its path in the log."""
+    logs = tmp_path / "run" / "logs"
+    proc = run_pretrain(2, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1",
+                            "parallel.pipeline_model_parallel_size=1", "parallel.sequence_parallel=false",
+                            "train.train_iters=4", "logging.profile_steps=[2,3]", "logging.profile_ranks=[1]",
+                            f"logging.log_dir={logs}"])
+    traces = sorted((tmp_path / "run" / "profile").iterdir())
+    assert [t.name for t in traces] == ["rank-1.iter_2-3.json"], traces
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"step 2", "step 3"} <= names and "step 1" not in names and "step 4" not in names
+    assert any(str(n).startswith("aten::mm") for n in names), sorted(map(str, names))[:50]
+    assert f"rank 1: profiled iterations 2-3: {traces[0]} (open in https://ui.perfetto.dev" in proc.stdout

@@ -66,6 +66,21 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, fragment", [
+    (["logging.profile_steps=[3,2]"], "logging.profile_steps=[3, 2] is invalid: must be [first, last]"),
+    (["logging.profile_steps=[1,500]"], "<= train.train_iters (120)"),
+    (["logging.profile_steps=[1,2]", "logging.profile_ranks=[4]"], "logging.profile_ranks=[4] is invalid"),
+    (["logging.memory_snapshot=true"], "is taken at the end of logging.profile_steps"),
+])
+def test_invalid_profiler_settings_name_the_key(overrides, fragment):
+    from megatron_ext.config.validate import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(tiny(*overrides), world_size=4)
+    assert fragment in str(err.value)
+    validate(tiny("logging.profile_steps=[2,2]", "logging.profile_ranks=[0,3]"), world_size=4)
+
+
 def test_fp8_needs_an_fp8_gpu_and_bf16_even_with_te():
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         validate_layout(tiny("train.fp8=tensorwise", "train.precision=bf16"), 4, te_available=True)
