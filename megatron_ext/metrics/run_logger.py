@@ -1,4 +1,4 @@
-"""Throughput accounting and run logging: FLOPs/MFU, the per-step console line, TensorBoard scalars.
+"""Throughput accounting and run logging: FLOPs/MFU, the per-step console line, TensorBoard (and W&B) scalars.
 
 Model FLOPs per token, as current Megatron-LM counts them (``num_floating_point_operations``):
 ``6·N + 6·L·q·s`` where N counts every matmul weight (attention, MLP and output layer; not the input
@@ -13,6 +13,7 @@ MFU = achieved / peak dense BF16.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import math
 import statistics
@@ -21,7 +22,7 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
@@ -81,6 +82,20 @@ class TimeLeft:
         return statistics.median(self.recent) * max(self.train_iters - iteration, 0) if self.recent else 0.0
 
 
+def _start_wandb(cfg: RecipeConfig):
+    """A W&B run with the resolved config, in the run directory. Its id comes from the checkpoint directory (else the
+    recipe name), so a relaunch that resumes the training run appends to the same W&B run."""
+    import wandb
+
+    g = cfg.logging
+    identity = str(Path(cfg.checkpoint.save).resolve()) if cfg.checkpoint.save else cfg.recipe.name
+    run_dir = Path(log_dir(cfg)).parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=g.wandb_project, entity=g.wandb_entity, name=g.wandb_run_name or cfg.recipe.name,
+                      id=hashlib.sha1(identity.encode()).hexdigest()[:16], resume="allow", config=cfg.to_dict(),
+                      dir=str(run_dir))
+
+
 class RunLogger:
     """Rank-0 console lines and TensorBoard scalars; the TensorBoard step is the training iteration."""
 
@@ -100,6 +115,7 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
+        self.wandb = _start_wandb(cfg) if enabled and cfg.logging.wandb_project else None
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
              console: bool, rank_times: Optional[list[float]] = None) -> dict[str, float]:
@@ -176,10 +192,14 @@ class RunLogger:
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=iteration)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def read_scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:

@@ -81,6 +81,17 @@ def test_invalid_profiler_settings_name_the_key(overrides, fragment):
     validate(tiny("logging.profile_steps=[2,2]", "logging.profile_ranks=[0,3]"), world_size=4)
 
 
+def test_wandb_without_its_package_is_one_line_before_launch(monkeypatch):
+    import importlib.util
+
+    from megatron_ext.config.validate import validate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="logging.wandb_project='p' is invalid: needs the wandb package here: pip "):
+        validate(tiny("logging.wandb_project=p"), world_size=4)
+
+
 def test_fp8_needs_an_fp8_gpu_and_bf16_even_with_te():
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         validate_layout(tiny("train.fp8=tensorwise", "train.precision=bf16"), 4, te_available=True)
