@@ -42,6 +42,8 @@ def _summary(cfg, result) -> str:
         lines.append(f"  validation loss: {result.val_losses[step]:.4f} (step {step})")
     if result.test_loss is not None:
         lines.append(f"  test loss: {result.test_loss:.4f} (perplexity {math.exp(min(result.test_loss, 50.0)):,.2f})")
+    if result.startup:
+        lines.append(f"  start-up: {result.startup}")
     if len(result.step_times) > 1:
         lines.append(f"  step time: median {statistics.median(result.step_times[1:]) * 1000:.0f} ms "
                      f"(first step {result.step_times[0] * 1000:.0f} ms)")
@@ -51,6 +53,17 @@ def _summary(cfg, result) -> str:
         lines.append(f"  TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _startup_clock():
+    """The start-up timer, from this process's start: what came before main() is the imports."""
+    import psutil
+
+    from megatron_ext.metrics.run_logger import StartupClock
+
+    clock = StartupClock(psutil.Process().create_time())
+    clock.mark("imports")
+    return clock
 
 
 def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int, gpus_per_node: int):
@@ -115,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is None:
         parser.error("--config is required")
     orphan_guard_missing = guard_training_rank()  # first: a launcher may die while this rank still imports
+    startup = _startup_clock()
     _setup_logging()
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if orphan_guard_missing and rank == 0:
@@ -137,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
+    startup.mark("megatron-core imports, config and data checks")
 
     from megatron_ext.training.trainer import RunFailed, pretrain
 
     try:
-        result = pretrain(cfg)
+        result = pretrain(cfg, startup)
     except RunFailed as e:  # already said once for the job, traceback in the rank's log
         return e.exit_code
     if rank == 0:

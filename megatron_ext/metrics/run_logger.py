@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import statistics
+import time
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -50,6 +51,25 @@ def gpu_scalars() -> dict[str, float]:
     except (ModuleNotFoundError, RuntimeError, AttributeError):
         pass
     return scalars
+
+
+class StartupClock:
+    """Where the time to the first step goes: each start-up phase's seconds, from the process's start (the imports)
+    to the end of the first training step."""
+
+    def __init__(self, since: Optional[float] = None):
+        self.start = self.last = since if since is not None else time.time()
+        self.phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        """`phase` ended now (it began where the previous one ended)."""
+        now = time.time()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.phases)
+        return f"{self.last - self.start:.1f} s to the end of the first step: {parts}"
 
 
 def format_duration(seconds: float) -> str:

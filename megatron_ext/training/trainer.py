@@ -30,7 +30,7 @@ from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.metrics.profiler import StepProfiler
-from megatron_ext.metrics.run_logger import RunLogger
+from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.model.build import build_model
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
@@ -55,6 +55,7 @@ class RunResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     test_loss: Optional[float] = None  # on the test split after the last iteration (where there is one)
     step_times: list[float] = field(default_factory=list)
+    startup: str = ""  # the time to the first step and its parts
     checkpoint: Optional[Path] = None
     stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
 
@@ -165,11 +166,13 @@ def _describe_grad_sync(model: list, optimizer: MegatronOptimizer) -> str:
 class Trainer:
     """Builds the model, optimizer, schedule and data for one rank, then trains."""
 
-    def __init__(self, cfg: RecipeConfig):
+    def __init__(self, cfg: RecipeConfig, startup: Optional[StartupClock] = None):
         self.cfg = cfg
         self.where = "start-up"  # what this rank is doing, for failure messages
+        self.startup = startup or StartupClock()
         self.on_gpu = not cpu_backend.install()
         init_distributed(cfg, self.on_gpu)
+        self.startup.mark("process groups")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.dp_size = data_parallel_size(cfg, self.world_size)
@@ -190,6 +193,7 @@ class Trainer:
             override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         self._wire_schedule_hooks()
+        self.startup.mark("model and optimizer")
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu)
         try:
             self.iteration, self.consumed_samples = self.checkpointer.load()
@@ -198,8 +202,10 @@ class Trainer:
             raise
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
+        self.startup.mark("checkpoint load")
         self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
+        self.startup.mark("dataset indices")
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
         self._build_monitors()
 
@@ -372,9 +378,11 @@ class Trainer:
             with self.profiler.step(self.iteration + 1):
                 stepped = self.train_step(data)
             step_time = time.perf_counter() - start
-            if (cfg.train.compile or cfg.train.cuda_graphs) and not result.step_times:
-                work = "compiling the decoder layers" if cfg.train.compile else "capturing their CUDA graphs"
-                self._info(f"first step {step_time:.1f} s, including {work}")
+            if not result.startup:
+                self.startup.mark("first step" + (" (compiling the decoder layers)" if cfg.train.compile else
+                                                  " (capturing CUDA graphs)" if cfg.train.cuda_graphs else ""))
+                result.startup = self.startup.summary()
+                self._info(f"start-up: {result.startup}")
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if stepped is not None:
@@ -402,11 +410,12 @@ class Trainer:
         return result
 
 
-def pretrain(cfg: RecipeConfig) -> RunResult:
-    """Train `cfg` on this process's rank; collective over all ranks started by torchrun."""
+def pretrain(cfg: RecipeConfig, startup: Optional[StartupClock] = None) -> RunResult:
+    """Train `cfg` on this process's rank; collective over all ranks started by torchrun. `startup` has timed what
+    came before (imports, checks)."""
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, startup)
         return trainer.train()
     except BaseException as exc:
         if trainer is not None:

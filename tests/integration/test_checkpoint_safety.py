@@ -53,6 +53,11 @@ def test_the_runs_own_empty_save_directory_starts_fresh(tmp_path):
     own = tmp_path / "own"
     proc = run_pretrain(1, _overrides(tmp_path, "tb", "train.train_iters=1", f"checkpoint.save={own}"))
     assert f"no checkpoint in {own} yet" in proc.stdout and latest_iteration(own) == 1
+    # the time to the first step, in parts, in the log and the summary
+    assert re.search(r"start-up: [\d.]+ s to the end of the first step: imports [\d.]+ s, megatron-core imports, "
+                     r"config and data checks [\d.]+ s, process groups [\d.]+ s, model and optimizer [\d.]+ s, "
+                     r"checkpoint load [\d.]+ s, dataset indices [\d.]+ s, first step [\d.]+ s", proc.stdout)
+    assert proc.stdout.count("start-up: ") == 2, proc.stdout
 
 
 def test_a_relaunch_resumes_by_default_and_a_finished_run_says_so_before_any_rank_starts(run, tmp_path):

@@ -60,3 +60,15 @@ def test_time_left_is_the_recent_median_step_times_the_steps_to_go():
     assert [format_duration(s) for s in (0, 12.4, 250, 3 * 3600 + 12 * 60 + 5, 2 * 86400 + 3 * 3600 + 59)] == \
         ["0 s", "12 s", "4 min 10 s", "3 h 12 min", "2 d 3 h"]
     assert TimeLeft(10).seconds(0) == 0.0 and left.seconds(60_000) == 0.0
+
+
+def test_the_startup_clock_splits_the_time_to_the_first_step_into_its_phases(monkeypatch):
+    from megatron_ext.metrics import run_logger
+
+    now = iter([100.0, 102.5, 103.0, 110.0])
+    monkeypatch.setattr(run_logger.time, "time", lambda: next(now))
+    clock = run_logger.StartupClock(since=98.0)
+    for phase in ("imports", "process groups", "model and optimizer", "first step"):
+        clock.mark(phase)
+    assert clock.summary() == ("12.0 s to the end of the first step: imports 2.0 s, process groups 2.5 s, "
+                               "model and optimizer 0.5 s, first step 7.0 s")
