@@ -26,6 +26,7 @@ import torch
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.hardware import peak_bf16_tflops
+from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")
@@ -51,6 +52,18 @@ def gpu_scalars() -> dict[str, float]:
     except (ModuleNotFoundError, RuntimeError, AttributeError):
         pass
     return scalars
+
+
+def breakdown_scalars(breakdown: dict[str, float]) -> dict[str, float]:
+    """time/<part>_s per step, and time/other_s: what the parts leave of the step (Python between regions)."""
+    parts = {f"time/{part}_s": seconds for part, seconds in breakdown.items() if part in PARTS}
+    return {**parts, "time/other_s": breakdown["step"] - sum(parts.values())}
+
+
+def breakdown_shares(breakdown: dict[str, float]) -> dict[str, float]:
+    """Each part's share of the step, `other` included."""
+    return {name.removeprefix("time/").removesuffix("_s"): seconds / breakdown["step"]
+            for name, seconds in breakdown_scalars(breakdown).items()}
 
 
 class StartupClock:
@@ -138,9 +151,12 @@ class RunLogger:
         self.wandb = _start_wandb(cfg) if enabled and cfg.logging.wandb_project else None
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
-             console: bool, rank_times: Optional[list[float]] = None) -> dict[str, float]:
+             console: bool, rank_times: Optional[list[float]] = None,
+             breakdown: Optional[dict[str, float]] = None) -> dict[str, float]:
         """One step's scalars; `rank_times`, each rank's compute per step over the last log interval, adds their
-        spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line."""
+        spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line; `breakdown`,
+        this rank's seconds per step in each part of the step over that interval (metrics.step_time), adds
+        time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line."""
         self.time_left.add(step_time)
         scalars = {
             "train/lm_loss": loss,
@@ -160,6 +176,8 @@ class RunLogger:
                 scalars.update(gpu_scalars())
         if rank_times:
             scalars.update(spread_scalars(rank_times))
+        if breakdown:
+            scalars.update(breakdown_scalars(breakdown))
         if not self.enabled:
             return scalars
         self._write(scalars, iteration)
@@ -176,6 +194,10 @@ class RunLogger:
                 line += (f" | compute {scalars['perf/step_time_min_s'] * 1000:.0f}-"
                          f"{scalars['perf/step_time_max_s'] * 1000:.0f} ms (slowest rank "
                          f"{scalars['perf/slowest_rank']:.0f})")
+            if breakdown:
+                shares = breakdown_shares(breakdown)
+                line += " | " + " ".join(f"{part.replace('_', ' ')} {100 * share:.0f}%" for part, share in shares.items()
+                                         if round(100 * share))
             if iteration < self.train_iters:
                 line += f" | {format_duration(self.time_left.seconds(iteration))} left"
             log.info(line)

@@ -4,8 +4,8 @@ the same work, or than it was itself, for ``logging.straggler_intervals`` interv
 
 Wall-clock step times are the same on every rank of a synchronous job (the fast ranks wait for the slow one in
 the step's collectives), so what is compared is the time inside megatron-core's forward and backward compute,
-which it reports through the ``config.timers`` hook of its schedules. On a GPU the timer records CUDA events (no
-synchronisation) read after the step's own sync. Tensor-parallel peers share their in-layer collectives, so a
+which it reports through the ``config.timers`` hook of its schedules (:mod:`megatron_ext.metrics.step_time`
+collects it). Tensor-parallel peers share their in-layer collectives, so a
 slow GPU drags its TP group's numbers with it: the unit compared and named is the TP group.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import logging
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -22,58 +21,6 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("megatron_ext")
-
-
-class _Interval:
-    """One timed region: CUDA events on a GPU, the host clock on CPU."""
-
-    def __init__(self, on_gpu: bool, spans: list):
-        self.on_gpu, self.spans = on_gpu, spans
-
-    def start(self, barrier: bool = False) -> None:  # megatron-core passes barrier=...; none is wanted here
-        if self.on_gpu:
-            self._begin = torch.cuda.Event(enable_timing=True)
-            self._begin.record()
-        else:
-            self._begin = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.on_gpu:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans.append((self._begin, end))
-        else:
-            self.spans.append(time.perf_counter() - self._begin)
-
-
-class _Untimed:
-    def start(self, barrier: bool = False) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-class ComputeTimers:
-    """What megatron-core's schedules call as ``config.timers(name, log_level).start()/stop()``: sums the forward
-    and backward compute regions; every other region (sends, receives, grad sync) is ignored."""
-
-    TIMED = ("forward-compute", "backward-compute")
-
-    def __init__(self, on_gpu: bool):
-        self.on_gpu = on_gpu
-        self._spans: list = []
-        self._timers = {name: _Interval(on_gpu, self._spans) for name in self.TIMED}
-
-    def __call__(self, name: str, log_level: Optional[int] = None):
-        return self._timers.get(name, _Untimed())
-
-    def take(self) -> float:
-        """Seconds of compute since the last call (call after the step has synchronised with the device)."""
-        spans, self._spans[:] = list(self._spans), []
-        if self.on_gpu:
-            return sum(begin.elapsed_time(end) for begin, end in spans) / 1000.0
-        return float(sum(spans))
 
 
 def gather_times(seconds: float, device: torch.device) -> list[float]:

@@ -31,6 +31,7 @@ from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
+from megatron_ext.metrics.step_time import StepTimers
 from megatron_ext.model.build import build_model
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
@@ -39,7 +40,7 @@ from megatron_ext.resilience.divergence import (
     local_nonfinite,
 )
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
-from megatron_ext.resilience.stragglers import ComputeTimers, StragglerDetector, gather_times, work_units
+from megatron_ext.resilience.stragglers import StragglerDetector, gather_times, work_units
 from megatron_ext.resilience.watchdog import HangWatchdog
 
 log = logging.getLogger("megatron_ext")
@@ -218,8 +219,8 @@ class Trainer:
         units = work_units([int(s) for s in gather_times(parallel_state.get_pipeline_model_parallel_rank(), _device())],
                            [int(g) for g in gather_times(tp_group, _device())])
         self.stragglers = StragglerDetector(g.straggler_factor, g.straggler_intervals, units)
-        self.compute_timers = self.config.timers = ComputeTimers(self.on_gpu)
-        self.compute_seconds = 0.0  # this rank's forward+backward compute since the last log interval
+        self.step_timers = self.config.timers = StepTimers(self.on_gpu)
+        self.interval_parts: dict[str, float] = {}  # this rank's seconds per part of the step since the last log
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
@@ -257,12 +258,15 @@ class Trainer:
         t = self.cfg.train
         return t.global_batch_size // (t.micro_batch_size * self.dp_size)
 
-    def _iterators(self, dataset, consumed_samples: int) -> list[Iterator] | Iterator:
-        """One iterator per model chunk: the interleaved schedule reads each chunk's data separately."""
+    def _iterators(self, dataset, consumed_samples: int, timed: bool = False) -> list[Iterator] | Iterator:
+        """One iterator per model chunk: the interleaved schedule reads each chunk's data separately. `timed`: the
+        wait for each batch counts as the step's data time."""
         t = self.cfg.train
         dp_rank = parallel_state.get_data_parallel_rank()
         its = [microbatch_iterator(dataset, consumed_samples, t.micro_batch_size, dp_rank, self.dp_size,
                                    self.cfg.data.num_workers) for _ in self.model]
+        if timed:
+            its = [self.step_timers.timed_batches(it) for it in its]
         return its[0] if len(its) == 1 else its
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict[str, torch.Tensor]]:
@@ -279,17 +283,20 @@ class Trainer:
     def train_step(self, data_iterator) -> Optional[tuple[float, float]]:
         """One global batch: forward/backward through the pipeline schedule, then one optimizer step; None when
         the loss or gradients were non-finite and the step was skipped (train.skip_nonfinite_steps)."""
-        for chunk in self.model:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with self.step_timers.region("optimizer"):
+            for chunk in self.model:
+                chunk.train()
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
-        flags = local_nonfinite(losses, self.model, _device())
-        loss, nonfinite = _global_mean_loss(losses, flags)
+        with self.step_timers.region("loss_sync"):
+            flags = local_nonfinite(losses, self.model, _device())
+            loss, nonfinite = _global_mean_loss(losses, flags)
         if nonfinite:
             self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
             return None
-        ok, grad_norm, _ = self.optimizer.step()
+        with self.step_timers.region("optimizer"):
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # a grad scaler's overflow; bf16 and fp32 have none
             self.nonfinite.skip_or_raise(f"the optimizer found non-finite gradients at iteration {self.iteration + 1}")
             return None
@@ -307,7 +314,7 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
-        self.compute_timers.take()  # evaluation's forward passes are not training compute (stragglers)
+        self.step_timers.take()  # evaluation's forward passes are not part of a training step
         return _global_mean_loss(losses)[0]
 
     def _evaluate_if_due(self, result: RunResult) -> None:
@@ -342,17 +349,22 @@ class Trainer:
         return path
 
     def _record_step(self, result: RunResult, loss: float, grad_norm: float, lr: float, step_time: float) -> None:
-        """Results, console/TensorBoard, loss spikes, and each log interval the ranks' compute-time spread."""
+        """Results, console/TensorBoard, loss spikes, and each log interval where this rank's steps spent their time
+        and the ranks' compute-time spread."""
         result.train_losses[self.iteration] = loss
         result.grad_norms[self.iteration] = grad_norm
         result.step_times.append(step_time)
-        self.compute_seconds += self.compute_timers.take()
+        parts = self.interval_parts
+        for part, seconds in [*self.step_timers.take().items(), ("step", step_time), ("steps", 1.0)]:
+            parts[part] = parts.get(part, 0.0) + seconds
         log_now = self.iteration % self.cfg.logging.log_interval == 0
-        rank_times = None
+        rank_times = breakdown = None
         if log_now:  # one small all-gather per log interval
-            rank_times = [s / self.cfg.logging.log_interval for s in gather_times(self.compute_seconds, _device())]
-            self.compute_seconds = 0.0
-        self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time, console=log_now, rank_times=rank_times)
+            breakdown = {part: seconds / parts["steps"] for part, seconds in parts.items() if part != "steps"}
+            rank_times = gather_times(breakdown["compute"], _device())
+            self.interval_parts = {}
+        self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time, console=log_now, rank_times=rank_times,
+                             breakdown=breakdown)
         if rank_times:
             self.run_logger.stragglers(self.iteration, self.stragglers.update(rank_times))
         spike = self.spikes.check(loss)
@@ -364,7 +376,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         result = RunResult(iteration=self.iteration)
         exit_signal = _ExitSignal(t.exit_signal_handler)
-        data = self._iterators(self.train_ds, self.consumed_samples)
+        data = self._iterators(self.train_ds, self.consumed_samples, timed=True)
         self._info(f"training iterations {self.iteration + 1}..{t.train_iters}: global batch {t.global_batch_size} "
                    f"= micro batch {t.micro_batch_size} × DP {self.dp_size} × {self.num_microbatches} micro batches, "
                    f"seq {cfg.model.seq_length}")

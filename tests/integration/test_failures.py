@@ -224,3 +224,22 @@ def test_the_profiler_writes_a_trace_of_the_chosen_iterations_on_the_chosen_rank
     assert {"step 2", "step 3"} <= names and "step 1" not in names and "step 4" not in names
     assert any(str(n).startswith("aten::mm") for n in names), sorted(map(str, names))[:50]
     assert f"rank 1: profiled iterations 2-3: {traces[0]} (open in https://ui.perfetto.dev" in proc.stdout
+
+
+def test_the_step_time_breakdown_accounts_for_the_step(tmp_path):
+    """PP2, 2 processes: each log interval's parts (megatron-core's compute, pipeline and grad-sync regions, and the
+    loop's data, optimizer and loss sync) add up to the interval's step time within 5 %, and a pipeline spends
+    time in its sends and receives."""
+    proc = run_pretrain(2, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1",
+                            "parallel.pipeline_model_parallel_size=2", "parallel.sequence_parallel=false",
+                            "train.train_iters=8", "logging.log_interval=2", f"logging.tensorboard_dir={tmp_path}"])
+    step = read_scalars(tmp_path, "train/step_time_s")
+    parts = {p: read_scalars(tmp_path, f"time/{p}_s") for p in
+             ("compute", "pipeline", "grad_sync", "optimizer", "loss_sync", "data", "other")}
+    assert sorted(parts["compute"]) == [2, 4, 6, 8], parts
+    for logged in (4, 6, 8):  # after the first interval (the first step's allocations)
+        interval = (step[logged - 1] + step[logged]) / 2
+        named = sum(parts[p][logged] for p in parts if p != "other")
+        assert abs(interval - named) <= 0.05 * interval, (logged, interval, {p: v[logged] for p, v in parts.items()})
+        assert parts["pipeline"][logged] > 0 and parts["compute"][logged] > 0
+    assert re.search(r"step +4/8 \| .*\| compute \d+% pipeline \d+%", proc.stdout), proc.stdout

@@ -1,0 +1,107 @@
+"""Where a step's time goes, from megatron-core's own timers: its schedules and grad finalisation call
+``config.timers(name).start()/stop()`` around each region, and this object is that hook. Regions are summed into
+parts of the step — compute (forward and backward), pipeline (sends and receives: the P2P transfers and the waits
+of the pipeline bubble), grad sync (the data-parallel reduce and the embedding/norm all-reduces left exposed after
+the backward pass) — plus what the loop times itself: data (waiting for the next micro batch, which megatron-core
+counts inside forward compute), the optimizer (zeroing the grads, the step) and the loss sync (the all-reduce of
+the loss and the non-finite flags). Whatever is left of the step is ``other`` (Python between regions).
+
+On a GPU each region records CUDA events (no synchronisation), read after the step's own sync; on CPU the host
+clock. Nested regions (``forward-backward`` around the whole schedule) are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator, Literal, Optional
+
+import torch
+
+Part = Literal["compute", "pipeline", "grad_sync", "optimizer", "loss_sync", "data"]
+PARTS: tuple[Part, ...] = ("compute", "pipeline", "grad_sync", "optimizer", "loss_sync", "data")
+_P2P = ("forward-recv", "forward-send", "backward-recv", "backward-send", "forward-send-backward-recv",
+        "backward-send-forward-recv", "forward-send-forward-recv", "backward-send-backward-recv",
+        "forward-backward-send-forward-backward-recv")
+# megatron-core 0.16.1's region names (pipeline_parallel/schedules.py, p2p_communication.py,
+# distributed/finalize_model_grads.py) → the part of the step they belong to.
+REGIONS: dict[str, Part] = {
+    "forward-compute": "compute", "backward-compute": "compute",
+    **{name: "pipeline" for name in _P2P},
+    "all-grads-sync": "grad_sync", "conditional-embedder-grads-all-reduce": "grad_sync",
+    "non-tensor-parallel-grads-all-reduce": "grad_sync", "embedding-grads-all-reduce": "grad_sync",
+}
+
+
+class _Region:
+    """One timed region: CUDA events on a GPU, the host clock on CPU."""
+
+    def __init__(self, on_gpu: bool, spans: list):
+        self.on_gpu, self.spans = on_gpu, spans
+
+    def start(self, barrier: bool = False) -> None:  # megatron-core passes barrier=...; none is wanted here
+        if self.on_gpu:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+        else:
+            self._begin = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.on_gpu:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.append((self._begin, end))
+        else:
+            self.spans.append(time.perf_counter() - self._begin)
+
+
+class _Untimed:
+    def start(self, barrier: bool = False) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class StepTimers:
+    """megatron-core's ``config.timers`` hook, plus the loop's own regions (:meth:`region`, :meth:`data`)."""
+
+    def __init__(self, on_gpu: bool):
+        self.on_gpu = on_gpu
+        self._spans: dict[str, list] = {part: [] for part in PARTS}
+        self._regions = {name: _Region(on_gpu, self._spans[part]) for name, part in REGIONS.items()}
+        self._data_s = 0.0
+
+    def __call__(self, name: str, log_level: Optional[int] = None):
+        return self._regions.get(name, _Untimed())
+
+    @contextlib.contextmanager
+    def region(self, part: Part) -> Iterator[None]:
+        timer = _Region(self.on_gpu, self._spans[part])
+        timer.start()
+        yield
+        timer.stop()
+
+    def timed_batches(self, batches: Iterator) -> Iterator:
+        """`batches` with the time spent waiting for each counted as data (host time: the loader runs there)."""
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self._data_s += time.perf_counter() - start
+            yield batch
+
+    def take(self) -> dict[Part, float]:
+        """Seconds per part since the last call (after the step has synchronised with the device). Data waits
+        happen inside megatron-core's forward-compute region, so they are taken out of compute."""
+        seconds = {}
+        for part, spans in self._spans.items():
+            taken, spans[:] = list(spans), []
+            seconds[part] = (sum(begin.elapsed_time(end) for begin, end in taken) / 1000.0 if self.on_gpu
+                             else float(sum(taken)))
+        seconds["data"] = self._data_s
+        seconds["compute"] = max(seconds["compute"] - self._data_s, 0.0)
+        self._data_s = 0.0
+        return seconds
