@@ -26,6 +26,7 @@ import torch
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.hardware import peak_bf16_tflops
+from megatron_ext.metrics.advice import Advisor
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
@@ -149,6 +150,7 @@ class RunLogger:
 
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
         self.wandb = _start_wandb(cfg) if enabled and cfg.logging.wandb_project else None
+        self.advisor = Advisor(cfg, world_size)
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
              console: bool, rank_times: Optional[list[float]] = None,
@@ -201,6 +203,11 @@ class RunLogger:
             if iteration < self.train_iters:
                 line += f" | {format_duration(self.time_left.seconds(iteration))} left"
             log.info(line)
+        if breakdown:
+            used = (torch.cuda.max_memory_allocated() / torch.cuda.get_device_properties(0).total_memory
+                    if torch.cuda.is_available() else None)
+            for advice in self.advisor.check(breakdown_shares(breakdown), used):
+                log.info(f"advice: {advice}")
         return scalars
 
     def evaluation(self, split: Literal["val", "test"], iteration: int, loss: float) -> None:

@@ -2,12 +2,13 @@
 ``config.timers(name).start()/stop()`` around each region, and this object is that hook. Regions are summed into
 parts of the step — compute (forward and backward), pipeline (sends and receives: the P2P transfers and the waits
 of the pipeline bubble), grad sync (the data-parallel reduce and the embedding/norm all-reduces left exposed after
-the backward pass) — plus what the loop times itself: data (waiting for the next micro batch, which megatron-core
-counts inside forward compute), the optimizer (zeroing the grads, the step) and the loss sync (the all-reduce of
-the loss and the non-finite flags). Whatever is left of the step is ``other`` (Python between regions).
+the backward pass), schedule (the rest of megatron-core's ``forward-backward`` region: its own bookkeeping between
+those) — plus what the loop times itself: data (waiting for the next micro batch, which megatron-core counts inside
+forward compute), the optimizer (zeroing the grads, the step) and the loss sync (the all-reduce of the loss and the
+non-finite flags). Whatever is left of the step is ``other`` (Python between regions).
 
 On a GPU each region records CUDA events (no synchronisation), read after the step's own sync; on CPU the host
-clock. Nested regions (``forward-backward`` around the whole schedule) are not counted.
+clock.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Iterator, Literal, Optional
 
 import torch
 
-Part = Literal["compute", "pipeline", "grad_sync", "optimizer", "loss_sync", "data"]
-PARTS: tuple[Part, ...] = ("compute", "pipeline", "grad_sync", "optimizer", "loss_sync", "data")
+Part = Literal["compute", "pipeline", "grad_sync", "schedule", "optimizer", "loss_sync", "data"]
+PARTS: tuple[Part, ...] = ("compute", "pipeline", "grad_sync", "schedule", "optimizer", "loss_sync", "data")
+_WHOLE_SCHEDULE = "forward-backward"  # megatron-core's region around the whole schedule, grad finalisation included
 _P2P = ("forward-recv", "forward-send", "backward-recv", "backward-send", "forward-send-backward-recv",
         "backward-send-forward-recv", "forward-send-forward-recv", "backward-send-backward-recv",
         "forward-backward-send-forward-backward-recv")
@@ -68,8 +70,9 @@ class StepTimers:
 
     def __init__(self, on_gpu: bool):
         self.on_gpu = on_gpu
-        self._spans: dict[str, list] = {part: [] for part in PARTS}
-        self._regions = {name: _Region(on_gpu, self._spans[part]) for name, part in REGIONS.items()}
+        self._spans: dict[str, list] = {part: [] for part in (*PARTS, _WHOLE_SCHEDULE)}
+        self._regions = {name: _Region(on_gpu, self._spans[part])
+                         for name, part in (*REGIONS.items(), (_WHOLE_SCHEDULE, _WHOLE_SCHEDULE))}
         self._data_s = 0.0
 
     def __call__(self, name: str, log_level: Optional[int] = None):
@@ -101,6 +104,8 @@ class StepTimers:
             taken, spans[:] = list(spans), []
             seconds[part] = (sum(begin.elapsed_time(end) for begin, end in taken) / 1000.0 if self.on_gpu
                              else float(sum(taken)))
+        whole = seconds.pop(_WHOLE_SCHEDULE)
+        seconds["schedule"] = max(whole - seconds["compute"] - seconds["pipeline"] - seconds["grad_sync"], 0.0)
         seconds["data"] = self._data_s
         seconds["compute"] = max(seconds["compute"] - self._data_s, 0.0)
         self._data_s = 0.0

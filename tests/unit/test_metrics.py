@@ -72,3 +72,21 @@ def test_the_startup_clock_splits_the_time_to_the_first_step_into_its_phases(mon
         clock.mark(phase)
     assert clock.summary() == ("12.0 s to the end of the first step: imports 2.0 s, process groups 2.5 s, "
                                "model and optimizer 0.5 s, first step 7.0 s")
+
+
+def test_each_bottleneck_rule_gives_its_advice_once_and_a_healthy_run_none():
+    from megatron_ext.metrics.advice import Advisor, advise
+
+    pp2 = load_config(TINY)  # TP2 × PP2, global batch 16, micro batch 4: m = 4 on 4 processes
+    healthy = {"compute": 0.85, "pipeline": 0.08, "grad_sync": 0.03, "optimizer": 0.03, "data": 0.01}
+    assert advise(pp2, 4, healthy, memory_used=0.8) == {}
+    slow = {"compute": 0.5, "pipeline": 0.25, "grad_sync": 0.12, "optimizer": 0.03, "data": 0.08}
+    said = advise(pp2, 4, slow, memory_used=0.5)
+    assert "train.micro_batch_size (now m = 4 per pipeline), or interleave stages" in said["pipeline"]
+    assert "parallel.overlap_grad_reduce=true" in said["grad_sync"] and "data.num_workers=2" in said["data"]
+    assert "uses 50% of the GPU's memory: a larger train.micro_batch_size" in said["memory"]
+    overlapped = load_config(TINY, ["parallel.overlap_grad_reduce=true"])
+    assert "a larger global batch per DP rank" in advise(overlapped, 4, slow)["grad_sync"]
+    advisor = Advisor(pp2, 4)
+    assert advisor.check(slow) == []  # the first interval holds the first step
+    assert len(advisor.check(slow)) == 3 and advisor.check(slow) == []  # each once per run
