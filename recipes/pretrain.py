@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import statistics
 import sys
@@ -12,6 +11,7 @@ import sys
 from megatron_ext.config.schema import keys_table, load_config
 from megatron_ext.config.validate import validate
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
+from megatron_ext.metrics.run_logger import perplexity
 from megatron_ext.resilience.process_guard import guard_training_rank
 
 
@@ -41,7 +41,7 @@ def _summary(cfg, result) -> str:
         step = max(result.val_losses)
         lines.append(f"  validation loss: {result.val_losses[step]:.4f} (step {step})")
     if result.test_loss is not None:
-        lines.append(f"  test loss: {result.test_loss:.4f} (perplexity {math.exp(min(result.test_loss, 50.0)):,.2f})")
+        lines.append(f"  test loss: {result.test_loss:.4f} (perplexity {perplexity(result.test_loss):,.2f})")
     if result.startup:
         lines.append(f"  start-up: {result.startup}")
     if len(result.step_times) > 1:

@@ -5,22 +5,12 @@ on a GPU more than 30 % of its memory unused at the peak."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size
 
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    threshold: float
-
-
-PIPELINE = Rule("pipeline", 0.15)
-GRAD_SYNC = Rule("grad_sync", 0.10)
-DATA = Rule("data", 0.05)
-MEMORY_HEADROOM = Rule("memory", 0.30)
+# The share of the step (of the GPU's memory, for "memory": unused at the peak) above which each rule speaks.
+THRESHOLDS = {"pipeline": 0.15, "grad_sync": 0.10, "data": 0.05, "memory": 0.30}
 
 
 def advise(cfg: RecipeConfig, world_size: int, shares: dict[str, float],
@@ -29,29 +19,29 @@ def advise(cfg: RecipeConfig, world_size: int, shares: dict[str, float],
     the peak allocated fraction of the GPU's memory (None on CPU)."""
     p, t = cfg.parallel, cfg.train
     out = {}
-    if shares.get("pipeline", 0.0) > PIPELINE.threshold and p.pipeline_model_parallel_size > 1:
+    if shares.get("pipeline", 0.0) > THRESHOLDS['pipeline'] and p.pipeline_model_parallel_size > 1:
         m = t.global_batch_size // (t.micro_batch_size * data_parallel_size(cfg, world_size))
         vpp = "" if p.virtual_pipeline_model_parallel_size else \
             ", or interleave stages (parallel.virtual_pipeline_model_parallel_size=2)"
-        out[PIPELINE.name] = (f"pipeline sends, receives and bubble take {100 * shares['pipeline']:.0f}% of the step "
-                              f"(above {100 * PIPELINE.threshold:.0f}%): more micro batches per step shrink the "
-                              f"bubble, (PP-1)/(VPP·m) — raise train.global_batch_size or lower "
-                              f"train.micro_batch_size (now m = {m} per pipeline){vpp}")
-    if shares.get("grad_sync", 0.0) > GRAD_SYNC.threshold:
+        out["pipeline"] = (f"pipeline sends, receives and bubble take {100 * shares['pipeline']:.0f}% of the step "
+                           f"(above {100 * THRESHOLDS['pipeline']:.0f}%): more micro batches per step shrink the "
+                           f"bubble, (PP-1)/(VPP·m) — raise train.global_batch_size or lower "
+                           f"train.micro_batch_size (now m = {m} per pipeline){vpp}")
+    if shares.get("grad_sync", 0.0) > THRESHOLDS['grad_sync']:
         fix = ("parallel.overlap_grad_reduce=true (and parallel.overlap_param_gather=true with the distributed "
                "optimizer) to hide it behind the backward pass" if not p.overlap_grad_reduce else
                "a larger global batch per DP rank (more backward pass to hide it behind), or less DP")
-        out[GRAD_SYNC.name] = (f"exposed gradient sync takes {100 * shares['grad_sync']:.0f}% of the step (above "
-                               f"{100 * GRAD_SYNC.threshold:.0f}%): {fix}")
-    if shares.get("data", 0.0) > DATA.threshold:
-        out[DATA.name] = (f"waiting for data takes {100 * shares['data']:.0f}% of the step (above "
-                          f"{100 * DATA.threshold:.0f}%): data.num_workers={max(2, 2 * cfg.data.num_workers)} "
-                          f"loads batches in the background; check the storage's read speed")
-    if memory_used is not None and 1 - memory_used > MEMORY_HEADROOM.threshold:
+        out["grad_sync"] = (f"exposed gradient sync takes {100 * shares['grad_sync']:.0f}% of the step (above "
+                            f"{100 * THRESHOLDS['grad_sync']:.0f}%): {fix}")
+    if shares.get("data", 0.0) > THRESHOLDS['data']:
+        out["data"] = (f"waiting for data takes {100 * shares['data']:.0f}% of the step (above "
+                       f"{100 * THRESHOLDS['data']:.0f}%): data.num_workers={max(2, 2 * cfg.data.num_workers)} "
+                       f"loads batches in the background; check the storage's read speed")
+    if memory_used is not None and 1 - memory_used > THRESHOLDS['memory']:
         recompute = f" or drop train.recompute_granularity={t.recompute_granularity}" if t.recompute_granularity else ""
-        out[MEMORY_HEADROOM.name] = (f"the peak uses {100 * memory_used:.0f}% of the GPU's memory: a larger "
-                                     f"train.micro_batch_size{recompute} would use the rest (python -m recipes.plan "
-                                     f"estimates each)")
+        out["memory"] = (f"the peak uses {100 * memory_used:.0f}% of the GPU's memory: a larger "
+                         f"train.micro_batch_size{recompute} would use the rest (python -m recipes.plan "
+                         f"estimates each)")
     return out
 
 

@@ -67,6 +67,11 @@ def breakdown_shares(breakdown: dict[str, float]) -> dict[str, float]:
             for name, seconds in breakdown_scalars(breakdown).items()}
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), capped where a diverged loss would overflow it."""
+    return math.exp(min(loss, 50.0))
+
+
 class StartupClock:
     """Where the time to the first step goes: each start-up phase's seconds, from the process's start (the imports)
     to the end of the first training step."""
@@ -178,6 +183,7 @@ class RunLogger:
                 scalars.update(gpu_scalars())
         if rank_times:
             scalars.update(spread_scalars(rank_times))
+        shares = breakdown_shares(breakdown) if breakdown else None
         if breakdown:
             scalars.update(breakdown_scalars(breakdown))
         if not self.enabled:
@@ -196,24 +202,23 @@ class RunLogger:
                 line += (f" | compute {scalars['perf/step_time_min_s'] * 1000:.0f}-"
                          f"{scalars['perf/step_time_max_s'] * 1000:.0f} ms (slowest rank "
                          f"{scalars['perf/slowest_rank']:.0f})")
-            if breakdown:
-                shares = breakdown_shares(breakdown)
-                line += " | " + " ".join(f"{part.replace('_', ' ')} {100 * share:.0f}%" for part, share in shares.items()
-                                         if round(100 * share))
+            if shares:
+                line += " | " + " ".join(f"{part.replace('_', ' ')} {100 * share:.0f}%"
+                                         for part, share in shares.items() if round(100 * share))
             if iteration < self.train_iters:
                 line += f" | {format_duration(self.time_left.seconds(iteration))} left"
             log.info(line)
-        if breakdown:
+        if shares:
             used = (torch.cuda.max_memory_allocated() / torch.cuda.get_device_properties(0).total_memory
                     if torch.cuda.is_available() else None)
-            for advice in self.advisor.check(breakdown_shares(breakdown), used):
+            for advice in self.advisor.check(shares, used):
                 log.info(f"advice: {advice}")
         return scalars
 
     def evaluation(self, split: Literal["val", "test"], iteration: int, loss: float) -> None:
         """A validation (every train.eval_interval) or test (after the last step) loss, and its perplexity."""
         if self.enabled:
-            ppl = math.exp(min(loss, 50.0))
+            ppl = perplexity(loss)
             self._write({f"{split}/lm_loss": loss, f"{split}/ppl": ppl}, iteration)
             name = "validation" if split == "val" else "test split"
             log.info(f"{name} at step {iteration}: loss {loss:.4f} | perplexity {ppl:,.2f}")
