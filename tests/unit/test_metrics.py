@@ -90,3 +90,37 @@ def test_each_bottleneck_rule_gives_its_advice_once_and_a_healthy_run_none():
     advisor = Advisor(pp2, 4)
     assert advisor.check(slow) == []  # the first interval holds the first step
     assert len(advisor.check(slow)) == 3 and advisor.check(slow) == []  # each once per run
+
+
+def test_step_timers_split_megatron_cores_regions_and_take_the_data_wait_out_of_compute():
+    import time
+
+    from megatron_ext.metrics.step_time import StepTimers
+
+    def slow_batches():
+        while True:
+            time.sleep(0.05)
+            yield {}
+
+    timers = StepTimers(on_gpu=False)
+    batches = timers.timed_batches(slow_batches())
+    timers("forward-backward").start()
+    timers("forward-compute").start()
+    next(batches)  # megatron-core reads the batch inside its forward-compute region
+    time.sleep(0.02)
+    timers("forward-compute").stop()
+    timers("forward-recv").start()
+    time.sleep(0.03)
+    timers("forward-recv").stop()
+    timers("all-grads-sync").start()
+    timers("all-grads-sync").stop()
+    timers("forward-backward").stop()
+    with timers.region("optimizer"):
+        time.sleep(0.01)
+    timers("some-region-we-do-not-count").start()
+    parts = timers.take()
+    # upper bounds allow for a busy machine's late wake-ups, not for the 0.05 s of data counted twice
+    assert 0.05 <= parts["data"] < 0.065 and 0.02 <= parts["compute"] < 0.045, parts
+    assert 0.03 <= parts["pipeline"] < 0.045 and 0.01 <= parts["optimizer"] < 0.025, parts
+    assert parts["schedule"] < 0.01 and parts["grad_sync"] < 0.01, parts
+    assert all(v == 0 for v in timers.take().values())  # taken: the next interval starts from zero
