@@ -64,34 +64,43 @@ class Straggler:
 class StragglerDetector:
     """Names a work unit slower than `factor` × its reference for `intervals` log intervals in a row.
 
-    Two references, as NVRx's relative and individual scores: the median of the other units of the same pipeline
-    stage (which do the same work; the last stage also runs the output layer and the loss, so stages are never
-    compared with each other), and the unit's own median over its earlier intervals, scaled by how much every
-    unit slowed down (a slower step for everyone, such as a longer sequence of micro batches, is nobody's fault).
-    The second finds a degraded device where a stage has no peers (DP 1). The first interval is warm-up and only
-    starts the history."""
+    Two references, in the spirit of NVRx's relative and individual scores but against medians of like work: the
+    median of the other units of the same pipeline stage (the last stage also runs the output layer and the loss,
+    so stages are never compared with each other), and the unit's own median over its earlier intervals, scaled by
+    how much every unit slowed down (a slower step for everyone is nobody's fault). The second finds a degraded
+    device where a stage has no peers (DP 1). The first interval is warm-up and is skipped."""
 
     def __init__(self, factor: Optional[float], intervals: int, units: list[WorkUnit], history: int = 10):
         self.factor, self.intervals, self.units = factor, intervals, units
+        self.stage_units: dict[int, list[WorkUnit]] = {}
+        for unit in units:
+            self.stage_units.setdefault(unit.stage, []).append(unit)
         self.past: dict[WorkUnit, collections.deque[float]] = {u: collections.deque(maxlen=history) for u in units}
         self.seen = 0
         self.streak: dict[WorkUnit, int] = {}
 
-    def _against_peers(self, unit: WorkUnit, now: dict[WorkUnit, float]) -> Optional[float]:
-        peers = [now[u] for u in self.units if u.stage == unit.stage and u != unit]
-        return statistics.median(peers) if peers else None
+    def _peer_references(self, now: dict[WorkUnit, float]) -> dict[WorkUnit, float]:
+        """Each unit's median of the other units of its stage: one sort per stage, then the median of the list with
+        that unit's entry left out (indices past it shift by one)."""
+        out = {}
+        for units in self.stage_units.values():
+            if len(units) < 2:
+                continue
+            order = sorted(units, key=now.__getitem__)
+            values = [now[u] for u in order]
+            k = len(values) - 1  # peers of each unit
+            for i, unit in enumerate(order):
+                at = [j if j < i else j + 1 for j in ((k - 1) // 2, k // 2)]
+                out[unit] = (values[at[0]] + values[at[1]]) / 2
+        return out
 
-    def _baseline(self, unit: WorkUnit) -> Optional[float]:
-        past = self.past[unit]
-        median = statistics.median(past) if len(past) >= 2 else 0.0
-        return median if median > 0 else None
-
-    def _against_itself(self, unit: WorkUnit, now: dict[WorkUnit, float]) -> Optional[float]:
-        base = self._baseline(unit)
-        if base is None:
-            return None
-        slowdown = statistics.median(now[u] / b for u in self.units if (b := self._baseline(u)))
-        return base * max(slowdown, 1.0)
+    def _own_references(self, now: dict[WorkUnit, float]) -> dict[WorkUnit, float]:
+        """Each unit's median over its earlier intervals (two at least) × everyone's median slowdown against theirs."""
+        base = {u: m for u, past in self.past.items() if len(past) >= 2 and (m := statistics.median(past)) > 0}
+        if not base:
+            return {}
+        slowdown = max(statistics.median(now[u] / b for u, b in base.items()), 1.0)
+        return {u: b * slowdown for u, b in base.items()}
 
     def update(self, times: list[float]) -> list[Straggler]:
         """Each rank's compute per step in this interval (by rank) → the units to warn about now: those whose
@@ -102,10 +111,10 @@ class StragglerDetector:
         self.seen += 1
         named = []
         if self.seen > 1:  # the first interval holds the first step (allocations, compilation)
+            peers, own = self._peer_references(now), self._own_references(now)
             for unit in self.units:
                 slow = [Straggler(unit, now[unit], ref, against)
-                        for against, ref in (("peers", self._against_peers(unit, now)),
-                                             ("itself", self._against_itself(unit, now)))
+                        for against, ref in (("peers", peers.get(unit)), ("itself", own.get(unit)))
                         if ref and now[unit] > self.factor * ref]
                 if slow:
                     self.streak[unit] = self.streak.get(unit, 0) + 1

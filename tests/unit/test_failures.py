@@ -124,3 +124,19 @@ def test_run_logger_writes_loss_spikes_and_the_rank_spread_to_tensorboard(tmp_pa
     assert read_scalars(tmp_path, "perf/slowest_rank") == {3: 1.0}
     assert read_scalars(tmp_path, "perf/step_time_max_s") == {3: pytest.approx(0.3)}
     assert "loss spike at iteration 4: 6.0000 is 2.40× the median 2.5000" in caplog.text and "48..63" in caplog.text
+
+
+def test_the_peer_reference_is_the_median_of_the_stages_other_units():
+    """The one-sort-per-stage median equals the plain median of each unit's peers (odd and even peer counts)."""
+    import random
+    import statistics
+
+    detector = StragglerDetector(factor=1.2, intervals=3, units=work_units([0] * 7 + [1] * 6 + [2], list(range(14))))
+    rng = random.Random(0)
+    for _ in range(20):
+        times = [rng.random() for _ in range(14)]
+        now = {u: times[u.ranks[0]] for u in detector.units}
+        got = detector._peer_references(now)
+        want = {u: statistics.median([now[v] for v in detector.units if v.stage == u.stage and v != u])
+                for u in detector.units if u.stage != 2}  # stage 2 has one unit: no peers
+        assert got == pytest.approx(want)
