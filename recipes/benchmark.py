@@ -54,6 +54,8 @@ PRESETS = {
 # The recipe's kernel choices, each a variant, so one run measures which of them pays off.
 MEGATRON_VARIANTS = {
     "megatron-eager": ["train.compile=false"],
+    # the same without the per-step breakdown's timers: what timing every region costs
+    "megatron-untimed": ["train.compile=false", "logging.step_breakdown=false"],
     "megatron-compile": ["model.attention_backend=local", "train.compile=true"],
     "megatron-fp8": ["model.attention_backend=te", "train.compile=false", "train.fp8=delayed"],
     "megatron-cudagraph": ["model.attention_backend=local", "train.compile=false", "train.cuda_graphs=true"],
@@ -268,6 +270,14 @@ def comparisons(results: list[Result]) -> list[dict]:
     return rows
 
 
+def timer_overhead(results: list[Result]) -> dict[int, float]:
+    """Per micro batch: how much longer a step takes with the step-breakdown timers (megatron-eager) than without
+    (megatron-untimed), as a fraction."""
+    times = {(r.variant, r.micro_batch_size): r.step_time_s for r in results}
+    return {mbs: times["megatron-eager", mbs] / times["megatron-untimed", mbs] - 1
+            for variant, mbs in times if variant == "megatron-untimed" and ("megatron-eager", mbs) in times}
+
+
 def _chart(results: list[Result], path: Path, title: str) -> None:
     import matplotlib
 
@@ -359,9 +369,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                  (("same_regime", "vs the fastest peer of its master-weight regime"), ("overall", "vs the fastest peer"))
                  if row[key]]
         print(f"micro batch {row['micro_batch_size']}: {row['recipe']} " + "; ".join(parts))
+    overhead = timer_overhead(results)
+    for mbs, fraction in overhead.items():
+        print(f"micro batch {mbs}: the step-breakdown timers cost {100 * fraction:+.1f}% step time "
+              f"(megatron-eager vs megatron-untimed)")
     record = {"title": title, "shape": shape, "micro_batch_sizes": sizes, "precision": args.precision,
               "versions": versions(), "results": [asdict(r) for r in results], "skipped": skipped,
-              "comparisons": compared}
+              "comparisons": compared, "timer_overhead": overhead}
     (out_dir / "benchmark.json").write_text(json.dumps(record, indent=1) + "\n")
     _chart(results, out_dir / "benchmark.png", title)
     print(f"wrote {out_dir / 'benchmark.json'} and {out_dir / 'benchmark.png'}")

@@ -47,6 +47,7 @@ def _summary(cfg, result) -> str:
     if len(result.step_times) > 1:
         lines.append(f"  step time: median {statistics.median(result.step_times[1:]) * 1000:.0f} ms "
                      f"(first step {result.step_times[0] * 1000:.0f} ms)")
+    lines += [f"  {line}" for line in result.plan_check]
     if result.checkpoint:
         lines.append(f"  checkpoint: {result.checkpoint}")
     if cfg.logging.tensorboard_dir:

@@ -190,6 +190,9 @@ class LoggingConfig:
     # warn about a rank (TP group) computing this × slower than its pipeline stage's others, or than it did; null = off
     straggler_factor: Optional[float] = 1.2
     straggler_intervals: int = 3  # a rank is named a straggler after this many slow log intervals in a row
+    # time each step's parts (megatron-core's regions; CUDA events on a GPU): the time/ breakdown, advice, the
+    # summary's check against the planner, and the straggler check need it; false = no timers at all
+    step_breakdown: bool = True
     # [first, last]: torch.profiler traces (Chrome/Perfetto JSON) of these iterations, into <run dir>/profile/
     profile_steps: Optional[list[int]] = None
     profile_ranks: list[int] = field(default_factory=lambda: [0])  # the ranks that write a trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,14 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_from_ranks(values: Sequence[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, indexed by rank: one all-gather (collective)."""
+    mine = torch.tensor(list(values), dtype=torch.float64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [row.tolist() for row in out]
 
 
 def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: RecipeConfig

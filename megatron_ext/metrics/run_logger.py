@@ -26,7 +26,6 @@ import torch
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.hardware import peak_bf16_tflops
-from megatron_ext.metrics.advice import Advisor
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
@@ -155,14 +154,13 @@ class RunLogger:
 
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
         self.wandb = _start_wandb(cfg) if enabled and cfg.logging.wandb_project else None
-        self.advisor = Advisor(cfg, world_size)
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
              console: bool, rank_times: Optional[list[float]] = None,
              breakdown: Optional[dict[str, float]] = None) -> dict[str, float]:
         """One step's scalars; `rank_times`, each rank's compute per step over the last log interval, adds their
         spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line; `breakdown`,
-        this rank's seconds per step in each part of the step over that interval (metrics.step_time), adds
+        the ranks' mean seconds per step in each part of the step over that interval (metrics.step_time), adds
         time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line."""
         self.time_left.add(step_time)
         scalars = {
@@ -208,12 +206,13 @@ class RunLogger:
             if iteration < self.train_iters:
                 line += f" | {format_duration(self.time_left.seconds(iteration))} left"
             log.info(line)
-        if shares:
-            used = (torch.cuda.max_memory_allocated() / torch.cuda.get_device_properties(0).total_memory
-                    if torch.cuda.is_available() else None)
-            for advice in self.advisor.check(shares, used):
-                log.info(f"advice: {advice}")
         return scalars
+
+    def advice(self, lines: list[str]) -> None:
+        """Bottleneck advice (metrics.advice), each on its own line."""
+        if self.enabled:
+            for line in lines:
+                log.info(f"advice: {line}")
 
     def evaluation(self, split: Literal["val", "test"], iteration: int, loss: float) -> None:
         """A validation (every train.eval_interval) or test (after the last step) loss, and its perplexity."""

@@ -66,20 +66,24 @@ class _Untimed:
 
 
 class StepTimers:
-    """megatron-core's ``config.timers`` hook, plus the loop's own regions (:meth:`region`, :meth:`data`)."""
+    """megatron-core's ``config.timers`` hook, plus the loop's own regions (:meth:`region`, :meth:`timed_batches`);
+    with `enabled` False nothing is timed (megatron-core is then given no hook) and every part reads 0."""
 
-    def __init__(self, on_gpu: bool):
-        self.on_gpu = on_gpu
+    def __init__(self, on_gpu: bool, enabled: bool = True):
+        self.on_gpu, self.enabled = on_gpu, enabled
         self._spans: dict[str, list] = {part: [] for part in (*PARTS, _WHOLE_SCHEDULE)}
         self._regions = {name: _Region(on_gpu, self._spans[part])
                          for name, part in (*REGIONS.items(), (_WHOLE_SCHEDULE, _WHOLE_SCHEDULE))}
         self._data_s = 0.0
 
     def __call__(self, name: str, log_level: Optional[int] = None):
-        return self._regions.get(name, _Untimed())
+        return self._regions.get(name, _Untimed()) if self.enabled else _Untimed()
 
     @contextlib.contextmanager
     def region(self, part: Part) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
         timer = _Region(self.on_gpu, self._spans[part])
         timer.start()
         yield
@@ -87,6 +91,9 @@ class StepTimers:
 
     def timed_batches(self, batches: Iterator) -> Iterator:
         """`batches` with the time spent waiting for each counted as data (host time: the loader runs there)."""
+        if not self.enabled:
+            yield from batches
+            return
         while True:
             start = time.perf_counter()
             try:

@@ -17,18 +17,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-import torch
-import torch.distributed as dist
-
 log = logging.getLogger("megatron_ext")
-
-
-def gather_times(seconds: float, device: torch.device) -> list[float]:
-    """Every rank's value, indexed by rank (collective)."""
-    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.item() for t in out]
 
 
 @dataclass(frozen=True)

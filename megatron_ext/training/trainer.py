@@ -31,7 +31,7 @@ from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
 from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
-from megatron_ext.metrics.step_time import StepTimers
+from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model.build import build_model
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
@@ -40,7 +40,6 @@ from megatron_ext.resilience.divergence import (
     local_nonfinite,
 )
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
-from megatron_ext.resilience.stragglers import StragglerDetector, gather_times, work_units
 from megatron_ext.resilience.watchdog import HangWatchdog
 
 log = logging.getLogger("megatron_ext")
@@ -57,6 +56,7 @@ class RunResult:
     test_loss: Optional[float] = None  # on the test split after the last iteration (where there is one)
     step_times: list[float] = field(default_factory=list)
     startup: str = ""  # the time to the first step and its parts
+    plan_check: list[str] = field(default_factory=list)  # the measured step breakdown beside the planner's (rank 0)
     checkpoint: Optional[Path] = None
     stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
 
@@ -215,12 +215,8 @@ class Trainer:
         t, g = self.cfg.train, self.cfg.logging
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
-        tp_group = min(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
-        units = work_units([int(s) for s in gather_times(parallel_state.get_pipeline_model_parallel_rank(), _device())],
-                           [int(g) for g in gather_times(tp_group, _device())])
-        self.stragglers = StragglerDetector(g.straggler_factor, g.straggler_intervals, units)
-        self.step_timers = self.config.timers = StepTimers(self.on_gpu)
-        self.interval_parts: dict[str, float] = {}  # this rank's seconds per part of the step since the last log
+        self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
+        self.config.timers = self.metrics.timers if self.cfg.logging.step_breakdown else None
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
@@ -266,7 +262,7 @@ class Trainer:
         its = [microbatch_iterator(dataset, consumed_samples, t.micro_batch_size, dp_rank, self.dp_size,
                                    self.cfg.data.num_workers) for _ in self.model]
         if timed:
-            its = [self.step_timers.timed_batches(it) for it in its]
+            its = [self.metrics.timers.timed_batches(it) for it in its]
         return its[0] if len(its) == 1 else its
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict[str, torch.Tensor]]:
@@ -283,19 +279,19 @@ class Trainer:
     def train_step(self, data_iterator) -> Optional[tuple[float, float]]:
         """One global batch: forward/backward through the pipeline schedule, then one optimizer step; None when
         the loss or gradients were non-finite and the step was skipped (train.skip_nonfinite_steps)."""
-        with self.step_timers.region("optimizer"):
+        with self.metrics.timers.region("optimizer"):
             for chunk in self.model:
                 chunk.train()
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
-        with self.step_timers.region("loss_sync"):
+        with self.metrics.timers.region("loss_sync"):
             flags = local_nonfinite(losses, self.model, _device())
             loss, nonfinite = _global_mean_loss(losses, flags)
         if nonfinite:
             self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
             return None
-        with self.step_timers.region("optimizer"):
+        with self.metrics.timers.region("optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # a grad scaler's overflow; bf16 and fp32 have none
             self.nonfinite.skip_or_raise(f"the optimizer found non-finite gradients at iteration {self.iteration + 1}")
@@ -314,7 +310,7 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
-        self.step_timers.take()  # evaluation's forward passes are not part of a training step
+        self.metrics.discard()  # evaluation's forward passes are not part of a training step
         return _global_mean_loss(losses)[0]
 
     def _evaluate_if_due(self, result: RunResult) -> None:
@@ -349,24 +345,11 @@ class Trainer:
         return path
 
     def _record_step(self, result: RunResult, loss: float, grad_norm: float, lr: float, step_time: float) -> None:
-        """Results, console/TensorBoard, loss spikes, and each log interval where this rank's steps spent their time
-        and the ranks' compute-time spread."""
+        """Results, the step's metrics (console, TensorBoard, breakdown, stragglers, advice) and loss spikes."""
         result.train_losses[self.iteration] = loss
         result.grad_norms[self.iteration] = grad_norm
         result.step_times.append(step_time)
-        parts = self.interval_parts
-        for part, seconds in [*self.step_timers.take().items(), ("step", step_time), ("steps", 1.0)]:
-            parts[part] = parts.get(part, 0.0) + seconds
-        log_now = self.iteration % self.cfg.logging.log_interval == 0
-        rank_times = breakdown = None
-        if log_now:  # one small all-gather per log interval
-            breakdown = {part: seconds / parts["steps"] for part, seconds in parts.items() if part != "steps"}
-            rank_times = gather_times(breakdown["compute"], _device())
-            self.interval_parts = {}
-        self.run_logger.step(self.iteration, loss, lr, grad_norm, step_time, console=log_now, rank_times=rank_times,
-                             breakdown=breakdown)
-        if rank_times:
-            self.run_logger.stragglers(self.iteration, self.stragglers.update(rank_times))
+        self.metrics.record(self.iteration, loss, lr, grad_norm, step_time)
         spike = self.spikes.check(loss)
         if spike:
             first = self.consumed_samples - self.cfg.train.global_batch_size
@@ -418,6 +401,7 @@ class Trainer:
             result.checkpoint = self._checkpoint(stopping=False)
         self.checkpointer.close()  # the last checkpoint is complete before the run reports it
         result.iteration = self.iteration
+        result.plan_check = self.metrics.plan_check()
         self.run_logger.close()
         return result
 

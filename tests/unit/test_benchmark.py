@@ -9,17 +9,24 @@ from megatron_ext.config.validate import validate_layout
 from recipes import benchmark
 
 
-def test_peers_are_compared_within_their_master_weight_regime():
-    def result(variant: str, mbs: int, tokens_per_sec: float) -> benchmark.Result:
-        master, regime = benchmark.regime(variant, "bf16")
-        return benchmark.Result(variant, mbs, 4096, master, regime, "gpu", tokens_per_sec, 1.0, None, None, None,
-                                1.0, 1)
+def result(variant: str, mbs: int, tokens_per_sec: float, step_time_s: float = 1.0) -> benchmark.Result:
+    master, regime = benchmark.regime(variant, "bf16")
+    return benchmark.Result(variant, mbs, 4096, master, regime, "gpu", tokens_per_sec, 1.0, None, None, None,
+                            step_time_s, 1)
 
+
+def test_peers_are_compared_within_their_master_weight_regime():
     rows = benchmark.comparisons([result("megatron-eager", 1, 40), result("megatron-compile", 1, 45),
                                   result("hf", 1, 46), result("hf-amp-compile", 1, 42), result("hf-amp", 1, 34)])
     assert rows == [{"micro_batch_size": 1, "recipe": "megatron-compile",
                      "same_regime": {"peer": "hf-amp-compile", "ratio": 45 / 42},
                      "overall": {"peer": "hf", "ratio": 45 / 46}}]
+
+
+def test_the_timers_cost_is_the_timed_over_the_untimed_step_time():
+    assert benchmark.timer_overhead([result("megatron-eager", 1, 40, 1.02), result("megatron-untimed", 1, 41, 1.0),
+                                     result("megatron-eager", 2, 40, 2.0), result("hf", 1, 40, 0.5)]) == \
+        pytest.approx({1: 0.02})
 
 
 @pytest.mark.parametrize("te_available", [False, True])

@@ -1,6 +1,9 @@
-"""Throughput accounting: the FLOPs formula (config.shape) against a hand count, the MFU peak table (hardware)."""
+"""Throughput accounting: the FLOPs formula (config.shape) against a hand count, the MFU peak table (hardware); the
+run log's time-left, start-up clock, step timers, bottleneck advice and the breakdown set beside the planner's."""
 
 from __future__ import annotations
+
+import re
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
@@ -74,22 +77,90 @@ def test_the_startup_clock_splits_the_time_to_the_first_step_into_its_phases(mon
                                "model and optimizer 0.5 s, first step 7.0 s")
 
 
-def test_each_bottleneck_rule_gives_its_advice_once_and_a_healthy_run_none():
-    from megatron_ext.metrics.advice import Advisor, advise
+def test_each_bottleneck_rule_gives_its_advice_with_the_planners_gain_once_and_a_healthy_run_none():
+    from megatron_ext.metrics.advice import Advisor, Machine, advise
 
     pp2 = load_config(TINY)  # TP2 × PP2, global batch 16, micro batch 4: m = 4 on 4 processes
+    h100 = Machine("h100-80gb", 4)
     healthy = {"compute": 0.85, "pipeline": 0.08, "grad_sync": 0.03, "optimizer": 0.03, "data": 0.01}
-    assert advise(pp2, 4, healthy, memory_used=0.8) == {}
+    assert advise(pp2, 4, healthy, h100, memory_used=0.8) == {}
     slow = {"compute": 0.5, "pipeline": 0.25, "grad_sync": 0.12, "optimizer": 0.03, "data": 0.08}
-    said = advise(pp2, 4, slow, memory_used=0.5)
-    assert "train.micro_batch_size (now m = 4 per pipeline), or interleave stages" in said["pipeline"]
-    assert "parallel.overlap_grad_reduce=true" in said["grad_sync"] and "data.num_workers=2" in said["data"]
-    assert "uses 50% of the GPU's memory: a larger train.micro_batch_size" in said["memory"]
+    said = advise(pp2, 4, slow, h100, memory_used=0.5, stage_compute={0: 1.0, 1: 1.1})
+    # balanced stages: the bubble 1/(1·4) = 0.25 of the compute, 0.125 at m = 8: 1.25 / 1.125 = +11 % tokens/s
+    assert "the bubble is (PP−1)/(VPP·m) = 1/(1·4) = 0.25 of the compute: m = 8 micro batches per pipeline " \
+           "(train.global_batch_size=32) makes it 0.12, +11% tokens/s (planner)" in said["pipeline"]
+    assert "interleaving (parallel.virtual_pipeline_model_parallel_size=2)" in said["pipeline"]
+    assert "unbalanced" not in said["pipeline"]
+    assert re.search(r"parallel.overlap_grad_reduce=true and parallel.overlap_param_gather=true hide it behind the "
+                     r"backward pass — the planner expects \d+% of it hidden on h100-80gb, \+\d+% tokens/s",
+                     said["grad_sync"]), said["grad_sync"]
+    assert "data.num_workers=2 loads batches in the background, up to +9% tokens/s" in said["data"]  # 1 / 0.92
+    recomputing = load_config(TINY, ["train.recompute_granularity=full"])
+    assert re.fullmatch(r"the peak uses 50% of the GPU's memory: train.micro_batch_size=8: the planner estimates "
+                        r"[\d.]+ GiB \(fits\), \+\d+% tokens/s; train.recompute_granularity=null \(now full\): the "
+                        r"planner estimates [\d.]+ GiB \(fits\), \+\d+% tokens/s",
+                        advise(recomputing, 4, slow, h100, memory_used=0.5)["memory"])
     overlapped = load_config(TINY, ["parallel.overlap_grad_reduce=true"])
-    assert "a larger global batch per DP rank" in advise(overlapped, 4, slow)["grad_sync"]
-    advisor = Advisor(pp2, 4)
+    assert "a larger global batch per DP rank" in advise(overlapped, 4, slow, h100)["grad_sync"]
+    assert "the planner expects" not in advise(pp2, 4, slow, None)["grad_sync"]  # a GPU it has no entry for
+
+    advisor = Advisor(pp2, 4, h100)
     assert advisor.check(slow) == []  # the first interval holds the first step
-    assert len(advisor.check(slow)) == 3 and advisor.check(slow) == []  # each once per run
+    assert advisor.check(slow) == []  # one interval is not yet a trend
+    assert len(advisor.check(slow)) == 3 and advisor.check(slow) == []  # each once per run (no GPU memory here)
+    noisy = Advisor(pp2, 4, h100)
+    for shares in (slow, healthy, {**healthy, "data": 0.09}, healthy, healthy):
+        assert noisy.check(shares) == [], shares  # one interval above 5 % data, the window's mean below
+
+
+def test_unbalanced_stages_are_told_from_the_bubble_and_the_layers_to_move_are_named():
+    from megatron_ext.metrics.advice import stage_imbalance, stage_layers
+
+    pp2 = load_config(TINY)  # 4 layers on 2 stages
+    assert stage_imbalance(pp2, {0: 1.0, 1: 1.2}) is None
+    # 1 s per layer; the last stage's extra 1.8 s (output layer, loss) is 1.8 layers: one layer moved makes it
+    # 1 + 1.8 = 2.8 s against the first stage's 3 s, from 3.8 s: 3.8 / 3 = 27 % faster
+    said = stage_imbalance(pp2, {0: 2.0, 1: 3.8})
+    assert said == ("pipeline stages are unbalanced: stage 1 computes 1.9× stage 0 per step, and the others wait "
+                    "for it; the last stage also runs the output layer and the loss, about 1.8 layers' worth: "
+                    "parallel.num_layers_in_last_pipeline_stage=1 moves 1 off it (about 27% faster steps)")
+    assert "moves" not in stage_imbalance(pp2, {0: 2.0, 1: 2.8})  # 0.8 layers: moving one would not help
+    assert stage_imbalance(pp2, {0: 3.0, 1: 2.0}).endswith("and the others wait for it")  # not the last stage
+    pp4 = load_config(TINY, ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=4",
+                             "model.num_layers=16", "parallel.num_layers_in_last_pipeline_stage=4"])
+    assert stage_layers(pp4) == [4, 4, 4, 4]
+    # 2.4 layers' worth on the last stage → 3 layers off it, one onto each other stage: max(1 + 2.4, 5) = 5 from 6.4
+    assert "num_layers_in_last_pipeline_stage=1 moves 3 off it (about 28% faster steps)" in \
+        stage_imbalance(pp4, {0: 4.0, 1: 4.0, 2: 4.0, 3: 6.4})
+
+
+def test_the_run_summary_sets_the_measured_breakdown_beside_the_planners_and_names_what_disagrees():
+    from megatron_ext.metrics.plan_check import PartCheck, check_against_plan, planned_parts
+    from megatron_ext.planner.layouts import GIB, NON_TORCH_RESERVE_GIB, model_vocab_size, stage_peak_bytes
+
+    pp2 = load_config(TINY)
+    on_cpu = planned_parts(pp2, 4, 4, "h100-80gb", on_gpu=False, slowest_compute_s=2.0)
+    assert on_cpu["compute"] is None and on_cpu["grad_sync"] is None
+    assert 0.25 * 2.0 <= on_cpu["pipeline"] <= 0.3 * 2.0  # (p−1)/(v·m) = 1/4 of the compute, plus the p2p sends
+    stage = {"compute": 2.0, "pipeline": 0.5, "grad_sync": 0.1, "optimizer": 0.2, "step": 3.0}
+    lines = check_against_plan(pp2, 4, 4, "h100-80gb", False, {0: stage, 1: stage})
+    assert lines[1].startswith("  compute: 2000 ms (67% of the step), measured only")
+    assert re.match(r"  pipeline: 500 ms \(17% of the step\), planned 5\d\d ms \(1\d% of the step\): agrees",
+                    lines[2]), lines
+    assert not any("differs" in line for line in lines)
+    waiting = {**stage, "pipeline": 2.0, "compute": 1.4, "step": 3.5}
+    lines = check_against_plan(pp2, 4, 4, "h100-80gb", False, {0: waiting, 1: {**stage, "step": 3.5}})
+    assert "DISAGREES" in lines[2] and lines[-2] == "  differs from the plan by more than 2×: pipeline"
+    assert lines[-1].startswith("  pipeline stages are unbalanced: stage 1 computes 1.4× stage 0")
+    # a part under 5 % of the step on both sides is not judged; 2× either way is the bound
+    assert not PartCheck("grad_sync", 0.04, 0.01, 1.0).disagrees and PartCheck("grad_sync", 0.3, 0.1, 1.0).disagrees
+    assert not PartCheck("grad_sync", 0.2, 0.1, 1.0).disagrees and PartCheck("pipeline", 0.0, 0.1, 1.0).disagrees
+    # on a GPU every part is planned, and each stage's peak memory is checked within 15 %
+    vocab = model_vocab_size(pp2)
+    plan = [stage_peak_bytes(pp2, vocab, 4, s) - NON_TORCH_RESERVE_GIB * GIB for s in (0, 1)]
+    lines = check_against_plan(pp2, 4, 4, "h100-80gb", True, {0: stage, 1: stage}, {0: plan[0], 1: 2 * plan[1]})
+    assert "planned for h100-80gb" in lines[0] and all("measured only" not in line for line in lines)
+    assert lines[5].endswith(": agrees") and lines[6].endswith(": DISAGREES"), lines
 
 
 def test_step_timers_split_megatron_cores_regions_and_take_the_data_wait_out_of_compute():
@@ -124,3 +195,15 @@ def test_step_timers_split_megatron_cores_regions_and_take_the_data_wait_out_of_
     assert 0.03 <= parts["pipeline"] < 0.045 and 0.01 <= parts["optimizer"] < 0.025, parts
     assert parts["schedule"] < 0.01 and parts["grad_sync"] < 0.01, parts
     assert all(v == 0 for v in timers.take().values())  # taken: the next interval starts from zero
+
+
+def test_step_timers_switched_off_time_nothing_and_pass_batches_through():
+    from megatron_ext.metrics.step_time import StepTimers
+
+    timers = StepTimers(on_gpu=False, enabled=False)
+    assert list(timers.timed_batches(iter([1, 2]))) == [1, 2]
+    with timers.region("optimizer"):
+        pass
+    timers("forward-compute").start()
+    timers("forward-compute").stop()
+    assert set(timers.take().values()) == {0.0}

@@ -1,0 +1,119 @@
+"""The loop's one metrics call per step, as torchtitan's metrics processor: megatron-core's timers on this rank
+(:mod:`megatron_ext.metrics.step_time`), and each log interval one all-gather of every rank's breakdown, peak memory
+and compute, from which rank 0 writes the console line and scalars (the mean over ranks: a pipeline's stages spend
+their steps differently), warns about stragglers, gives advice, and at the end sets the run's breakdown beside the
+planner's prediction (:mod:`megatron_ext.metrics.plan_check`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.distributed.parallel import gather_from_ranks
+from megatron_ext.errors import ConfigError
+from megatron_ext.metrics.advice import Advisor, Machine
+from megatron_ext.metrics.plan_check import check_against_plan
+from megatron_ext.metrics.run_logger import RunLogger
+from megatron_ext.metrics.step_time import PARTS, StepTimers
+from megatron_ext.planner.layouts import detect_gpu
+from megatron_ext.resilience.stragglers import StragglerDetector, work_units
+
+_GATHERED = (*PARTS, "step", "peak_bytes")  # what each rank contributes per log interval
+
+
+def planner_gpu(cfg: RecipeConfig) -> Optional[str]:
+    """The planner's entry for this machine's GPU (parallel.auto_gpu, else detected; CPU rehearsal plans for an
+    H100); None for a GPU the planner has no entry for (its estimates are then left out)."""
+    try:
+        return cfg.parallel.auto_gpu or detect_gpu()
+    except ConfigError:
+        return None
+
+
+class StepMetrics:
+    """Owns the step timers (``timers`` is megatron-core's ``config.timers`` hook) and what is made of them."""
+
+    def __init__(self, cfg: RecipeConfig, logger: RunLogger, device: torch.device):
+        """Collective: learns every rank's pipeline stage and tensor-parallel group."""
+        self.cfg, self.logger, self.device = cfg, logger, device
+        self.on_gpu = device.type == "cuda"
+        tp_group = min(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
+        ranks = gather_from_ranks([parallel_state.get_pipeline_model_parallel_rank(), tp_group], device)
+        self.stage_of_rank = [int(stage) for stage, _ in ranks]
+        self.world_size = len(ranks)
+        self.gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.gpu = planner_gpu(cfg)
+        self.timed = cfg.logging.step_breakdown
+        self.timers = StepTimers(self.on_gpu, self.timed)
+        self.stragglers = StragglerDetector(cfg.logging.straggler_factor, cfg.logging.straggler_intervals,
+                                            work_units(self.stage_of_rank, [int(group) for _, group in ranks]))
+        self.advisor = Advisor(cfg, self.world_size, Machine(self.gpu, self.gpus_per_node) if self.gpu else None)
+        self._interval: dict[str, float] = {}  # this rank's seconds per part since the last log, and "steps"
+        self._intervals = 0
+        self._run: dict[int, dict[str, float]] = {}  # stage → part → seconds, summed over steps after interval 1
+        self._run_steps = 0.0
+        self._peaks: dict[int, float] = {}  # stage → peak allocated bytes of its fullest rank (GPU)
+
+    def discard(self) -> None:
+        """Forget what the timers saw since the last step (an evaluation's forward passes)."""
+        self.timers.take()
+
+    def record(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float) -> None:
+        """One training step (collective on log-interval steps)."""
+        parts = self._interval
+        for part, seconds in [*self.timers.take().items(), ("step", step_time), ("steps", 1.0)]:
+            parts[part] = parts.get(part, 0.0) + seconds
+        if iteration % self.cfg.logging.log_interval:
+            self.logger.step(iteration, loss, lr, grad_norm, step_time, console=False)
+            return
+        steps, self._interval = parts["steps"], {}
+        if not self.timed:
+            self.logger.step(iteration, loss, lr, grad_norm, step_time, console=True)
+            return
+        peak = float(torch.cuda.max_memory_allocated()) if self.on_gpu else 0.0
+        rows = [dict(zip(_GATHERED, row)) for row in
+                gather_from_ranks([parts.get(p, 0.0) / steps for p in _GATHERED[:-1]] + [peak], self.device)]
+        breakdown = {part: sum(row[part] for row in rows) / len(rows) for part in (*PARTS, "step")}
+        compute = [row["compute"] for row in rows]
+        self.logger.step(iteration, loss, lr, grad_norm, step_time, console=True, rank_times=compute,
+                         breakdown=breakdown)
+        self.logger.stragglers(iteration, self.stragglers.update(compute))
+        stages = self._by_stage(rows)
+        self._intervals += 1
+        if self._intervals > 1:  # the first interval holds the first step (allocations, compilation)
+            for stage, seconds in stages.items():
+                total = self._run.setdefault(stage, {})
+                for part, value in seconds.items():
+                    total[part] = total.get(part, 0.0) + value * steps
+            self._run_steps += steps
+        if self.on_gpu:
+            for rank, row in enumerate(rows):
+                stage = self.stage_of_rank[rank]
+                self._peaks[stage] = max(self._peaks.get(stage, 0.0), row["peak_bytes"])
+        memory_used = (max(row["peak_bytes"] for row in rows) / torch.cuda.get_device_properties(0).total_memory
+                       if self.on_gpu else None)
+        shares = {part: seconds / breakdown["step"] for part, seconds in breakdown.items() if part != "step"}
+        shares["other"] = 1 - sum(shares.values())
+        self.logger.advice(self.advisor.check(shares, memory_used, {s: v["compute"] for s, v in stages.items()}))
+
+    def _by_stage(self, rows: list[dict[str, float]]) -> dict[int, dict[str, float]]:
+        """Each pipeline stage's mean over its ranks, per part (and "step")."""
+        out: dict[int, dict[str, float]] = {}
+        for stage in sorted(set(self.stage_of_rank)):
+            mine = [row for rank, row in enumerate(rows) if self.stage_of_rank[rank] == stage]
+            out[stage] = {part: sum(row[part] for row in mine) / len(mine) for part in (*PARTS, "step")}
+        return out
+
+    def plan_check(self) -> list[str]:
+        """The run's breakdown beside the planner's, for the summary (rank 0; empty before two log intervals)."""
+        if not self.logger.enabled or not self._run_steps or self.gpu is None:
+            return []
+        stages = {stage: {part: total / self._run_steps for part, total in parts.items()}
+                  for stage, parts in self._run.items()}
+        return check_against_plan(self.cfg, self.world_size, self.gpus_per_node, self.gpu, self.on_gpu, stages,
+                                  self._peaks or None)

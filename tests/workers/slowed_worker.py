@@ -1,0 +1,37 @@
+"""The recipe's entry point made slow on purpose: on rank SLOW_RANK every forward pass first sleeps SLOW_MS
+milliseconds, inside megatron-core's timed forward-compute region, as a throttled GPU would be slower; with
+SLOW_DATA_MS every rank waits that long for each micro batch, as a slow data loader would make it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from megatron_ext.training import trainer
+from recipes.pretrain import main
+
+
+def _slowed(forward_step):
+    def forward_step_after_a_sleep(data_iterator, model):
+        time.sleep(float(os.environ["SLOW_MS"]) / 1000)
+        return forward_step(data_iterator, model)
+
+    return forward_step_after_a_sleep
+
+
+def _slow_loader(microbatch_iterator):
+    def batches_after_a_sleep(*args, **kwargs):
+        for batch in microbatch_iterator(*args, **kwargs):
+            time.sleep(float(os.environ["SLOW_DATA_MS"]) / 1000)
+            yield batch
+
+    return batches_after_a_sleep
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
+    if os.environ.get("RANK") == os.environ.get("SLOW_RANK"):
+        trainer._forward_step = _slowed(trainer._forward_step)
+    if os.environ.get("SLOW_DATA_MS"):
+        trainer.microbatch_iterator = _slow_loader(trainer.microbatch_iterator)
+    sys.exit(main())
