@@ -28,7 +28,7 @@ from megatron_ext.errors import ConfigError
 AUTO = "auto"  # a kernel option decided for the machine it runs on (config.kernels.resolve_kernel_options)
 AutoBool = Literal[True, False, "auto"]
 AttentionBackend = Literal["auto", "te", "local"]
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["fp32", "bf16", "fp16"]
 FP8Recipe = Literal["delayed", "tensorwise"]
 RecomputeGranularity = Literal["selective", "full"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
@@ -101,7 +101,13 @@ class TrainConfig:
     seed: int = 1234  # base seed (megatron-core derives per-rank streams from it)
     eval_interval: int = 50  # validation every this many steps
     eval_iters: int = 4  # validation batches per evaluation
-    precision: Precision = "fp32"  # parameters and compute: fp32 or bf16 (fp32 main weights in the optimizer)
+    # parameters and compute: fp32, bf16, or fp16 with dynamic loss scaling (GPUs without bf16: V100, T4); fp32 main
+    # weights in the optimizer for both 16-bit ones
+    precision: Precision = "fp32"
+    initial_loss_scale: float = 65536.0  # fp16: the first loss scale (megatron-core's DynamicGradScaler)
+    min_loss_scale: float = 1.0  # fp16: the scale's floor; an overflow with the scale there stops the run
+    loss_scale_window: int = 1000  # fp16: steps without an overflow before the scale doubles
+    hysteresis: int = 2  # fp16: overflows before the scale halves
     fp8: Optional[FP8Recipe] = None  # TransformerEngine FP8 recipe (hybrid E4M3/E5M2); null = off
     recompute_granularity: Optional[RecomputeGranularity] = None  # activation recompute; null = off
     fused_swiglu: bool = False  # megatron-core's fused SwiGLU (bias_activation_fusion, torch.compile'd)

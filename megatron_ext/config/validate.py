@@ -218,6 +218,12 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
         require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
                 "Ada, Hopper, Blackwell) — or set train.fp8=null")
         require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
+    if t.precision == "fp16":
+        require(t.min_loss_scale > 0, "train.min_loss_scale", t.min_loss_scale, "must be > 0")
+        require(t.initial_loss_scale >= t.min_loss_scale, "train.initial_loss_scale", t.initial_loss_scale,
+                f"must be >= train.min_loss_scale ({t.min_loss_scale:g})")
+        require(t.loss_scale_window >= 1, "train.loss_scale_window", t.loss_scale_window, "must be >= 1")
+        require(t.hysteresis >= 1, "train.hysteresis", t.hysteresis, "must be >= 1")
 
 
 def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:

@@ -157,11 +157,12 @@ class RunLogger:
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
              console: bool, rank_times: Optional[list[float]] = None,
-             breakdown: Optional[dict[str, float]] = None) -> dict[str, float]:
+             breakdown: Optional[dict[str, float]] = None, loss_scale: Optional[float] = None) -> dict[str, float]:
         """One step's scalars; `rank_times`, each rank's compute per step over the last log interval, adds their
         spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line; `breakdown`,
         the ranks' mean seconds per step in each part of the step over that interval (metrics.step_time), adds
-        time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line."""
+        time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line; `loss_scale`
+        (fp16) adds train/loss_scale."""
         self.time_left.add(step_time)
         scalars = {
             "train/lm_loss": loss,
@@ -172,6 +173,8 @@ class RunLogger:
             "progress/fraction_done": iteration / max(self.train_iters, 1),
             "progress/hours_left": self.time_left.seconds(iteration) / 3600,
         }
+        if loss_scale is not None:
+            scalars["train/loss_scale"] = loss_scale
         if torch.cuda.is_available():
             tflops = self.flops_per_step / step_time / self.world_size / 1e12
             scalars["train/tflops_per_gpu"] = tflops
@@ -190,6 +193,7 @@ class RunLogger:
         if console:
             line = (f"step {iteration:>6,}/{self.train_iters:,} | loss {loss:.4f} | lr {lr:.3e} | "
                     f"grad-norm {grad_norm:.3f} | "
+                    + (f"loss scale {loss_scale:,.0f} | " if loss_scale is not None else "") +
                     f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
             if "train/tflops_per_gpu" in scalars:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"
@@ -235,6 +239,15 @@ class RunLogger:
         if self.enabled:
             warn_stragglers(named, self.straggler_factor, self.straggler_intervals, iteration,
                             torch.cuda.is_available())
+
+    def overflow(self, iteration: int, before: float, after: float) -> None:
+        """fp16: the grad scaler skipped this step's update (an overflow) and the scale went from `before` to `after`
+        (it halves after train.hysteresis overflows)."""
+        if self.enabled:
+            self._write({"train/loss_scale": after, "train/overflow_skipped": 1.0}, iteration)
+            scale = (f"loss scale {before:,.0f} -> {after:,.0f}" if after != before else
+                     f"loss scale stays {after:,.0f} (it halves after train.hysteresis overflows)")
+            log.info(f"fp16 overflow at iteration {iteration}: step skipped, {scale}")
 
     def checkpoint_stall(self, iteration: int, seconds: float) -> None:
         """How long a checkpoint save held training up (the whole write, or its start when asynchronous)."""

@@ -116,10 +116,13 @@ def _liger_kernels(chunks: list[GPTModel]) -> list[str]:
     ] if on]
 
 
+PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # by train.precision
+
+
 def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> TransformerConfig:
     """megatron-core TransformerConfig for a Llama-style decoder under `cfg`'s parallel layout."""
     m, p = cfg.model, cfg.parallel
-    bf16 = cfg.train.precision == "bf16"
+    dtype = PARAMETER_DTYPES[cfg.train.precision]
     vpp = p.virtual_pipeline_model_parallel_size
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -151,9 +154,10 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         batch_p2p_comm=vpp is None,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         fp8="hybrid" if cfg.train.fp8 else None,
         fp8_recipe=cfg.train.fp8 or "delayed",
         calculate_per_token_loss=True,
@@ -182,7 +186,7 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
     else:
         spec = "megatron-core local"
         attention = "ring attention over CP" if config.context_parallel_size > 1 else "torch SDPA"
-    precision = ("bf16" if config.bf16 else "fp32") + (
+    precision = ("bf16" if config.bf16 else "fp16 with dynamic loss scaling" if config.fp16 else "fp32") + (
         f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE)" if config.fp8 else ", no FP8")
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
     liger = [] if use_te else _liger_kernels(chunks)

@@ -24,16 +24,17 @@ log = logging.getLogger("megatron_ext")
 LOSS_NONFINITE, GRADS_NONFINITE = 1, 2
 
 
-def local_nonfinite(losses_reduced: list[dict[str, torch.Tensor]], model: list, device: torch.device
-                    ) -> torch.Tensor:
+def local_nonfinite(losses_reduced: list[dict[str, torch.Tensor]], model: list, device: torch.device,
+                    check_grads: bool = True) -> torch.Tensor:
     """[loss non-finite, grads non-finite] on this rank as a float tensor on `device`: no host sync, so it can
-    ride along the step's loss all-reduce. Loss sums exist only on the last pipeline stage."""
+    ride along the step's loss all-reduce. Loss sums exist only on the last pipeline stage. `check_grads` False
+    (fp16: overflowing scaled gradients are the grad scaler's to skip) leaves the gradients unchecked."""
     loss_bad = torch.zeros((), device=device)
     if losses_reduced:
         sums = torch.stack([item["lm loss"][0] for item in losses_reduced]).to(device)
         loss_bad = (~torch.isfinite(sums)).any().to(loss_bad.dtype)
     grad_sums = [buffer.grad_data.sum(dtype=torch.float32)
-                 for chunk in model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+                 for chunk in model for buffer in chunk.buffers + chunk.expert_parallel_buffers] if check_grads else []
     grads_bad = ((~torch.isfinite(torch.stack(grad_sums))).any().to(loss_bad.dtype) if grad_sums
                  else torch.zeros_like(loss_bad))
     return torch.stack([loss_bad, grads_bad])
@@ -85,6 +86,17 @@ class NonFiniteSteps:
             f"{description}{used}. Resume from the last checkpoint (checkpoint.load) with a lower optimizer.lr "
             f"(now {self.lr:g}), a longer optimizer.lr_warmup_iters or a lower optimizer.clip_grad; "
             f"train.skip_nonfinite_steps=N skips up to N such steps instead of stopping")
+
+
+def check_loss_scale_floor(iteration: int, scale: float, min_scale: float, lr: float) -> None:
+    """fp16: an overflow is the grad scaler's business (the step is skipped, the scale backs off) unless the scale
+    was already at train.min_loss_scale — then the gradients overflow fp16 however they are scaled, and the run
+    stops."""
+    if scale <= min_scale:
+        raise DivergenceError(
+            f"fp16 gradients overflow at iteration {iteration} with the loss scale already at train.min_loss_scale="
+            f"{min_scale:g}: train in bf16 (train.precision=bf16, on Ampere or newer) or fp32, or resume from the last "
+            f"checkpoint (checkpoint.load) with a lower optimizer.lr (now {lr:g})")
 
 
 class LossSpikeDetector:

@@ -33,7 +33,9 @@ from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model.build import build_model
+from megatron_ext.model.llama import PARAMETER_DTYPES
 from megatron_ext.resilience.divergence import (
+    check_loss_scale_floor,
     LossSpikeDetector,
     NonFiniteSteps,
     describe_nonfinite,
@@ -205,6 +207,9 @@ class Trainer:
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self.startup.mark("checkpoint load")
         self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
+        if cfg.train.precision == "fp16" and self.on_gpu and torch.cuda.is_bf16_supported():
+            self._info(f"note: {torch.cuda.get_device_name()} supports bf16, which needs no loss scaling and is "
+                       f"preferred there (train.precision=bf16); fp16 is for GPUs without it (V100, T4)")
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
         self.startup.mark("dataset indices")
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
@@ -221,15 +226,20 @@ class Trainer:
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
     def _optimizer_config(self) -> OptimizerConfig:
-        o, cfg = self.cfg.optimizer, self.cfg
-        bf16 = cfg.train.precision == "bf16"
+        o, cfg, t = self.cfg.optimizer, self.cfg, self.cfg.train
         return OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-            bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            bf16=t.precision == "bf16", fp16=t.precision == "fp16", params_dtype=PARAMETER_DTYPES[t.precision],
+            initial_loss_scale=t.initial_loss_scale, min_loss_scale=t.min_loss_scale,
+            loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
             overlap_param_gather=cfg.parallel.overlap_param_gather,
         )
+
+    def loss_scale(self) -> Optional[float]:
+        """fp16's current loss scale; None without one (bf16, fp32)."""
+        return self.optimizer.get_loss_scale().item() if self.cfg.train.precision == "fp16" else None
 
     def _wire_schedule_hooks(self) -> None:
         """The callbacks megatron-core's schedules use for grad sync, param gather and grad finalisation."""
@@ -286,15 +296,18 @@ class Trainer:
             self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
         with self.metrics.timers.region("loss_sync"):
-            flags = local_nonfinite(losses, self.model, _device())
+            # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
+            flags = local_nonfinite(losses, self.model, _device(), check_grads=self.cfg.train.precision != "fp16")
             loss, nonfinite = _global_mean_loss(losses, flags)
         if nonfinite:
             self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
             return None
+        scale = self.loss_scale()
         with self.metrics.timers.region("optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
-        if not ok:  # a grad scaler's overflow; bf16 and fp32 have none
-            self.nonfinite.skip_or_raise(f"the optimizer found non-finite gradients at iteration {self.iteration + 1}")
+        if not ok:  # the fp16 grad scaler found an overflow and skipped the step (bf16 and fp32 have no scaler)
+            check_loss_scale_floor(self.iteration + 1, scale, self.cfg.train.min_loss_scale, self.cfg.optimizer.lr)
+            self.run_logger.overflow(self.iteration + 1, scale, self.loss_scale())
             return None
         self.scheduler.step(increment=1)
         return loss, float(grad_norm)
@@ -349,7 +362,7 @@ class Trainer:
         result.train_losses[self.iteration] = loss
         result.grad_norms[self.iteration] = grad_norm
         result.step_times.append(step_time)
-        self.metrics.record(self.iteration, loss, lr, grad_norm, step_time)
+        self.metrics.record(self.iteration, loss, lr, grad_norm, step_time, self.loss_scale())
         spike = self.spikes.check(loss)
         if spike:
             first = self.consumed_samples - self.cfg.train.global_batch_size
@@ -383,6 +396,8 @@ class Trainer:
             if stepped is not None:
                 self._record_step(result, *stepped, lr, step_time)
                 bar.set_postfix(loss=f"{stepped[0]:.3f}")
+            else:  # a skipped step's time is not a training step's
+                self.metrics.discard()
             bar.update(1)
             self.watchdog.step_done(self.iteration)
             self._evaluate_if_due(result)
