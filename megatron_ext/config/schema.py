@@ -29,6 +29,7 @@ AUTO = "auto"  # a kernel option decided for the machine it runs on (config.kern
 AutoBool = Literal[True, False, "auto"]
 AttentionBackend = Literal["auto", "te", "local"]
 Precision = Literal["fp32", "bf16", "fp16"]
+ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # megatron-core's ZeRO-1/2/3 names
 FP8Recipe = Literal["delayed", "tensorwise"]
 RecomputeGranularity = Literal["selective", "full"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
@@ -86,6 +87,11 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True  # optimizer state and main weights sharded over DP (ZeRO-1)
     num_layers_in_first_pipeline_stage: Optional[int] = None  # uneven PP: layers of the first stage
     num_layers_in_last_pipeline_stage: Optional[int] = None  # uneven PP: layers of the last stage
+    # shard over DP×CP with megatron-core's Megatron-FSDP instead of DDP (data_parallel_sharding_strategy says what)
+    use_megatron_fsdp: bool = False
+    # with use_megatron_fsdp: optim_grads (ZeRO-2: optimizer state and gradients) or optim_grads_params (ZeRO-3: and
+    # the parameters, gathered layer by layer); ZeRO-1 is use_distributed_optimizer without Megatron-FSDP
+    data_parallel_sharding_strategy: ShardingStrategy = "optim_grads_params"
     overlap_grad_reduce: bool = False  # reduce gradients over DP in buckets during the backward pass
     overlap_param_gather: bool = False  # gather updated parameters during the next forward pass (distributed opt.)
     distributed_timeout_minutes: int = 10  # a collective that waits longer than this fails the job

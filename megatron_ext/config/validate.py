@@ -13,7 +13,7 @@ import importlib.util
 import typing
 from typing import Any
 
-from megatron_ext.config.schema import RecipeConfig, allowed_values, shown_value
+from megatron_ext.config.schema import RecipeConfig, allowed_values, resume_dir, shown_value
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConfigError
 
@@ -197,6 +197,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
         )
     _validate_precision(cfg, te_available, fp8_capable)
     _validate_kernels(cfg, te_available)
+    _validate_megatron_fsdp(cfg, dp * cp)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
     require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
@@ -255,6 +256,35 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
              "pipelining, which eval's different micro-batch count breaks; use it with pipeline size 1"),
         ]:
             require(ok, key, value, why)
+
+
+def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
+    """What parallel.use_megatron_fsdp runs with here: megatron-core 0.16.1's own limits, and what this recipe has
+    verified (each combination below trained 1-process-identical on CPU, or was refused)."""
+    p, t, c = cfg.parallel, cfg.train, cfg.checkpoint
+    if not p.use_megatron_fsdp:
+        return
+    for ok, key, value, why in [
+        (p.data_parallel_sharding_strategy != "optim", "parallel.data_parallel_sharding_strategy", "optim",
+         "ZeRO-1 is the distributed optimizer: set parallel.use_megatron_fsdp=false (with "
+         "parallel.use_distributed_optimizer=true); Megatron-FSDP's optim mode reduces gradients DP times too large "
+         "under this recipe's per-token loss (measured at DP2)"),
+        (p.use_distributed_optimizer, "parallel.use_distributed_optimizer", False,
+         "Megatron-FSDP shards the optimizer state itself and needs megatron-core's distributed optimizer on top"),
+        (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size,
+         "megatron-core 0.16.1's Megatron-FSDP builds its device mesh over TP×CP×DP only: use it with PP=1"),
+        (dp_cp > 1, "parallel.use_megatron_fsdp", True, "there is nothing to shard at DP×CP=1"),
+        (not (p.overlap_grad_reduce or p.overlap_param_gather), "parallel.overlap_grad_reduce",
+         p.overlap_grad_reduce, "Megatron-FSDP overlaps its own gathers and reduce-scatters: leave "
+         "parallel.overlap_grad_reduce and parallel.overlap_param_gather false"),
+        (t.precision != "fp16", "train.precision", "fp16", "fp16 under Megatron-FSDP is not verified here: use bf16 "
+         "or fp32"),
+        (not (c.save or resume_dir(cfg) or c.pretrained_checkpoint), "checkpoint.save",
+         c.save or resume_dir(cfg) or c.pretrained_checkpoint,
+         "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet: "
+         "set checkpoint.save=null (and no load), or shard with ZeRO-1 (parallel.use_megatron_fsdp=false)"),
+    ]:
+        require(ok, key, value, why)
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

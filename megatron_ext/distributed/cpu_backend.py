@@ -10,7 +10,9 @@ land on the CPU:
   to ``cpu``, turns ``Tensor.cuda()``/``pin_memory`` into no-ops and makes ``Tensor.type()``
   report the CUDA type name megatron-core asserts on;
 * ``torch.cuda`` RNG, ``current_device`` and ``synchronize`` are mapped onto the CPU
-  generator / no-ops, and so are megatron-core's private CUDA RNG helpers.
+  generator / no-ops, and so are megatron-core's private CUDA RNG helpers;
+* ``torch.cuda`` streams and events (Megatron-FSDP's side streams for its gathers and reduce-scatters) are
+  stand-ins that run everything in order on the calling thread.
 
 It is applied only when no GPU is present; on a GPU machine :func:`install` does nothing.
 See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch.
@@ -18,8 +20,9 @@ See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements be
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +72,56 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
     torch.set_rng_state(new_state)
 
 
+class _NoEvent:
+    """A CUDA event on the CPU: everything has already happened."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoStream(_NoEvent):
+    """A CUDA stream on the CPU: work runs in order on the calling thread (Megatron-FSDP's side streams)."""
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NoEvent:
+        return _NoEvent()
+
+
+_THE_STREAM = _NoStream()
+
+
+@contextlib.contextmanager
+def integer_current_device() -> Iterator[None]:
+    """``torch.cuda.current_device()`` as the index 0 for a while: Megatron-FSDP builds ``f"cuda:{index}"`` device
+    names at construction (the mode sends index devices to the CPU); outside, it stays a device object (see
+    :func:`install`)."""
+    if _installed_mode is None:
+        yield
+        return
+    saved, torch.cuda.current_device = torch.cuda.current_device, lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
 def needed() -> bool:
     """True when there is no usable GPU, i.e. when training runs as a CPU rehearsal."""
     return not torch.cuda.is_available()
@@ -88,6 +141,10 @@ def install() -> bool:
     # Functions allocate with device=torch.cuda.current_device().
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.Stream, torch.cuda.Event = _NoStream, _NoEvent
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _THE_STREAM
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.get_rng_state = _cpu_get_rng_state
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.random.get_rng_state = _cpu_get_rng_state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from typing import Any, Sequence
@@ -11,10 +12,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.distributed import cpu_backend
 
 
 def _free_port() -> int:
@@ -66,22 +71,79 @@ def gather_from_ranks(values: Sequence[float], device: torch.device) -> list[lis
 
 
 def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: RecipeConfig
-                  ) -> list[DistributedDataParallel]:
-    """megatron-core DDP around each model chunk (grad buckets, optional overlap, distributed optimizer)."""
+                  ) -> list[DistributedDataParallel] | list[FullyShardedDataParallel]:
+    """megatron-core DDP around each model chunk (grad buckets, optional overlap, distributed optimizer), or its
+    Megatron-FSDP with parallel.use_megatron_fsdp (ZeRO-2/3)."""
+    p = cfg.parallel
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        overlap_param_gather=cfg.parallel.overlap_param_gather,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.use_distributed_optimizer,
         # off: megatron_ext/resilience/divergence.py checks the same buffers and names the iteration and rank
         check_for_nan_in_grad=False,
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
+        use_megatron_fsdp=p.use_megatron_fsdp,
+        data_parallel_sharding_strategy=p.data_parallel_sharding_strategy if p.use_megatron_fsdp else "no_shard",
     )
+    if p.use_megatron_fsdp:
+        return _wrap_with_megatron_fsdp(chunks, config, ddp_config)
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                 disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
+
+
+class _NoTELinear:
+    """Matches no module: megatron-core 0.16.1's FSDP adapter tests ``isinstance(m, TELinear)``, and without
+    TransformerEngine that name is a MagicMock, which isinstance refuses."""
+
+
+def _wrap_with_megatron_fsdp(chunks: list[GPTModel], config: TransformerConfig,
+                             ddp_config: DistributedDataParallelConfig) -> list[FullyShardedDataParallel]:
+    """Megatron-FSDP around each chunk: optimizer state and gradients (and, under optim_grads_params, the
+    parameters, gathered per decoder layer) sharded over DP×CP."""
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):
+        mcore_fsdp_adapter.TELinear = _NoTELinear
+    if torch.cuda.is_available():
+        return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+    # CPU rehearsal: on the CPU on purpose, which Megatron-FSDP would warn about on every rank
+    fsdp_log = logging.getLogger(megatron_fsdp.__name__)
+    level = fsdp_log.level
+    fsdp_log.setLevel(logging.ERROR)
+    try:
+        with cpu_backend.integer_current_device():
+            return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                             device=torch.device("cpu")) for chunk in chunks]
+    finally:
+        fsdp_log.setLevel(level)
+
+
+def grad_buffers(chunk: DistributedDataParallel | FullyShardedDataParallel) -> list[torch.Tensor]:
+    """The gradients this rank holds for `chunk`: DDP's flat buffers (padding zeroed with them), or under
+    Megatron-FSDP each parameter's part of this rank's shard (its buffers' padding is never written)."""
+    if isinstance(chunk, FullyShardedDataParallel):
+        return [group.main_grad_buffer.get_item(item) for group in chunk.param_and_grad_buffer.parameter_groups
+                if group.main_grad_buffer is not None for item in group.main_grad_buffer.item_index_map]
+    return [buffer.grad_data for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
+
+def describe_sharding(chunks: list[FullyShardedDataParallel]) -> str:
+    """What this rank holds under Megatron-FSDP, read from its buffers: parameter and gradient elements against
+    the elements of its tensor-parallel part of the model (every parameter's full size in those buffers)."""
+    held, whole = {"parameter": 0, "gradient": 0}, 0
+    for chunk in chunks:
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            whole += sum(index.size for index in group.model_weight_buffer.item_index_map.values())
+            for kind, buffer in (("parameter", group.model_weight_buffer), ("gradient", group.main_grad_buffer)):
+                if buffer is not None:
+                    held[kind] += buffer.data.numel()
+    strategy = chunks[0].ddp_config.data_parallel_sharding_strategy
+    zero = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
+    return (f"Megatron-FSDP {strategy} (ZeRO-{zero}) over DP×CP={parallel_state.get_data_parallel_world_size(True)}: "
+            f"this rank holds {held['parameter']:,} parameter and {held['gradient']:,} gradient elements of its "
+            f"tensor-parallel part's {whole:,}")
 
 
 def _coordinates() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.distributed.parallel import grad_buffers
 from megatron_ext.errors import DivergenceError
 
 log = logging.getLogger("megatron_ext")
@@ -33,8 +34,8 @@ def local_nonfinite(losses_reduced: list[dict[str, torch.Tensor]], model: list, 
     if losses_reduced:
         sums = torch.stack([item["lm loss"][0] for item in losses_reduced]).to(device)
         loss_bad = (~torch.isfinite(sums)).any().to(loss_bad.dtype)
-    grad_sums = [buffer.grad_data.sum(dtype=torch.float32)
-                 for chunk in model for buffer in chunk.buffers + chunk.expert_parallel_buffers] if check_grads else []
+    grad_sums = [buffer.sum(dtype=torch.float32) for chunk in model for buffer in grad_buffers(chunk)
+                 ] if check_grads else []
     grads_bad = ((~torch.isfinite(torch.stack(grad_sums))).any().to(loss_bad.dtype) if grad_sums
                  else torch.zeros_like(loss_bad))
     return torch.stack([loss_bad, grads_bad])

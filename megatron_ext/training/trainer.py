@@ -28,16 +28,21 @@ from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
 from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.distributed import cpu_backend
-from megatron_ext.distributed.parallel import destroy_distributed, init_distributed, wrap_with_ddp
+from megatron_ext.distributed.parallel import (
+    describe_sharding,
+    destroy_distributed,
+    init_distributed,
+    wrap_with_ddp,
+)
 from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model.build import build_model
 from megatron_ext.model.llama import PARAMETER_DTYPES
 from megatron_ext.resilience.divergence import (
-    check_loss_scale_floor,
     LossSpikeDetector,
     NonFiniteSteps,
+    check_loss_scale_floor,
     describe_nonfinite,
     local_nonfinite,
 )
@@ -206,7 +211,9 @@ class Trainer:
         # After any load: it restores the kernel flags the checkpoint was saved with.
         _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self.startup.mark("checkpoint load")
-        self._info(f"optimizer: {_update_kernel(self.optimizer)}; {_describe_grad_sync(self.model, self.optimizer)}")
+        self._info(f"optimizer: {_update_kernel(self.optimizer)}; " + (
+            describe_sharding(self.model) if cfg.parallel.use_megatron_fsdp
+            else _describe_grad_sync(self.model, self.optimizer)))
         if cfg.train.precision == "fp16" and self.on_gpu and torch.cuda.is_bf16_supported():
             self._info(f"note: {torch.cuda.get_device_name()} supports bf16, which needs no loss scaling and is "
                        f"preferred there (train.precision=bf16); fp16 is for GPUs without it (V100, T4)")

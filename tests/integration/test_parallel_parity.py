@@ -8,6 +8,8 @@ TP2×PP2 and the resharded resumes are in test_training.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import PARITY_STEPS, parity_overrides
@@ -26,6 +28,7 @@ PP1 = ["parallel.pipeline_model_parallel_size=1"]
 NO_SP = ["parallel.sequence_parallel=false"]
 DISTOPT2, REPLICATED = "distributed optimizer (state sharded over DP×CP=2)", "replicated optimizer state"
 LOCAL_SDPA, RING = "attention: torch SDPA", "attention: ring attention over CP"
+FSDP = ["parallel.use_megatron_fsdp=true"]
 
 LAYOUTS = {
     # name: (processes, overrides on top of configs/tiny.yaml (TP2×PP2+SP), what the run's start-up log must say:
@@ -54,6 +57,11 @@ LAYOUTS = {
                             [DISTOPT2, "grad sync: overlapped grad reduce, overlapped param gather"]),
     "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"],
                                      ["kernels: sequence parallel, fused SwiGLU, torch.compile per layer"]),
+    "dp2_zero2": (2, [*TP1, *PP1, *FSDP, "parallel.data_parallel_sharding_strategy=optim_grads"],
+                  ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads (ZeRO-2) over DP×CP=2"]),
+    "dp2_zero3": (2, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads_params (ZeRO-3)"]),
+    "dp2_tp2_sp_zero3": (4, [*PP1, *FSDP], ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
+                                          "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=2"]),
     "dp2_tp2_pp2": (8, [], ["TP2 × CP1 × DP2 × PP2", "sequence parallel", DISTOPT2]),
     "dp2_tp2_pp2_cp2": (16, ["parallel.context_parallel_size=2"],
                         ["TP2 × CP2 × DP2 × PP2", RING, "distributed optimizer (state sharded over DP×CP=4)"]),
@@ -64,10 +72,19 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, initial_weights, single_process_reference, tmp_path):
     nproc, layout, expected = LAYOUTS[name]
     tb = tmp_path / "tb"
-    proc = run_pretrain(nproc, [*parity_overrides(initial_weights, tb), *layout], timeout=900)
+    # Megatron-FSDP runs load no checkpoint yet; at PP 1 their seed-initialised weights are the initial weights
+    weights = None if FSDP[0] in layout else initial_weights
+    proc = run_pretrain(nproc, [*parity_overrides(weights, tb), *layout], timeout=900)
     log = proc.stdout + proc.stderr
     missing = [fragment for fragment in expected if fragment not in log]
     assert not missing, f"{name}: the start-up log does not show {missing}:\n{log[:4000]}"
+    held = re.search(r"this rank holds ([\d,]+) parameter and ([\d,]+) gradient elements of its tensor-parallel "
+                     r"part's ([\d,]+)", log)
+    if FSDP[0] in layout:  # the sharding, read from Megatron-FSDP's buffers: 1/DP (+ bucket padding) of its TP part
+        params, grads, model = (int(n.replace(",", "")) for n in held.groups())
+        assert model / 2 <= grads <= 1.01 * model / 2, held[0]
+        sharded_params = "parallel.data_parallel_sharding_strategy=optim_grads" not in layout  # ZeRO-3
+        assert (model / 2 if sharded_params else model) <= params <= 1.01 * (model / 2 if sharded_params else model)
     for tag, tolerance in TOLERANCE.items():
         reference = read_scalars(single_process_reference, tag)
         measured = read_scalars(tb, tag)

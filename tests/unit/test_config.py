@@ -14,6 +14,8 @@ from megatron_ext.data.checks import validate_data
 from megatron_ext.errors import ConfigError
 from tests.launch import ROOT, TINY
 
+ZERO3 = ["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1", "checkpoint.save=null"]
+
 
 def tiny(*overrides: str):
     return load_config(TINY, list(overrides))
@@ -60,6 +62,16 @@ def test_overrides_are_typed():
         (["train.precision=fp16", "train.initial_loss_scale=0.5"], 4,
          "train.initial_loss_scale=0.5 is invalid: must be >= train.min_loss_scale (1)"),
         (["train.precision=fp16", "train.hysteresis=0"], 4, "train.hysteresis=0 is invalid: must be >= 1"),
+        # Megatron-FSDP (TP2 × PP2 recipe made TP2 × DP2 unless a case says otherwise)
+        ([*ZERO3, "parallel.data_parallel_sharding_strategy=optim"], 4, "ZeRO-1 is the distributed optimizer"),
+        ([*ZERO3, "parallel.use_distributed_optimizer=false"], 4, "needs megatron-core's distributed optimizer"),
+        (["parallel.use_megatron_fsdp=true", "checkpoint.save=null"], 4, "device mesh over TP×CP×DP only: use it "
+         "with PP=1"),
+        ([*ZERO3, "parallel.tensor_model_parallel_size=4"], 4, "there is nothing to shard at DP×CP=1"),
+        ([*ZERO3, "parallel.overlap_grad_reduce=true"], 4, "Megatron-FSDP overlaps its own gathers"),
+        ([*ZERO3, "train.precision=fp16"], 4, "fp16 under Megatron-FSDP is not verified"),
+        (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1"], 4,
+         "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet"),
         (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
     ],
