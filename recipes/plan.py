@@ -7,6 +7,7 @@ Estimates per-GPU memory and step time for every TP/PP/VPP/CP/DP layout the reci
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -101,6 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides.append(f"train.global_batch_size={args.global_batch_size}")
     try:
         cfg = load_config(args.config, overrides)
+        fsdp = cfg.parallel.use_megatron_fsdp  # not modelled: planned as the ZeRO-1 layout it shards further
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, use_megatron_fsdp=False))
         ranked = plan(cfg, args.gpus, args.gpus_per_node, args.gpu, args.mfu, not args.bf16_grads)
         current = None
         try:
@@ -133,6 +136,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{cfg.train.global_batch_size}, precision {cfg.train.precision} on {args.gpus}× {gpu.name} "
           f"({args.gpus_per_node}/node); layer kernels at {100 * (args.mfu or kernel_efficiency(cfg)):.1f} % of peak "
           + ("(--mfu)" if args.mfu else f"(calibrated, {'compiled' if compiled_layers(cfg) else 'eager'} layers)"))
+    if fsdp:
+        print("note: the planner does not model Megatron-FSDP yet: every estimate below is DDP or ZeRO-1 "
+              "(parallel.use_distributed_optimizer); ZeRO-2/3 hold less per GPU (docs/memory.md)")
     print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.memory_gib:.0f} GiB "
           f"(with {100 * FRAGMENTATION:.0f} % allocator slack)\n")
     if not fitting:

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
+from megatron_ext.errors import ConfigError
 from megatron_ext.planner import layouts as planner
 from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, plan
 from tests.launch import ROOT
@@ -98,6 +99,9 @@ def test_cli_table_explains_the_best(capsys):
     assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "5", "--seq-length", "4096"]) == 0
     out = capsys.readouterr().out
     assert "fastest layouts that fit" in out and "1. TP" in out and "to use the best:" in out
+    assert "does not model Megatron-FSDP" not in out
+    assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "1", "parallel.use_megatron_fsdp=true"]) == 0
+    assert "note: the planner does not model Megatron-FSDP yet" in capsys.readouterr().out
 
 
 def test_llama3_8b_on_8_h100_matches_published_layouts():
@@ -192,6 +196,9 @@ def test_recipe_auto_layout_is_the_planners_best_and_valid():
                                     expected["parallel.pipeline_model_parallel_size"],
                                     expected["parallel.context_parallel_size"], expected["train.micro_batch_size"])
     validate_layout(cfg, 8, te_available=True, fp8_capable=True)
+    with pytest.raises(ConfigError, match="parallel.auto=True is invalid: the planner does not model Megatron-FSDP"):
+        fsdp = [*overrides, "parallel.use_megatron_fsdp=true"]
+        _with_planned_layout(config, fsdp, load_config(config, fsdp), world_size=8, gpus_per_node=8)
 
 
 # Measured on one H100 80GB, torch 2.11, megatron-core 0.16.1, no TE (docs/measurements/h100-2026-11-23.md §3):
