@@ -7,7 +7,6 @@ Estimates per-GPU memory and step time for every TP/PP/VPP/CP/DP layout the reci
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Optional
@@ -102,8 +101,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides.append(f"train.global_batch_size={args.global_batch_size}")
     try:
         cfg = load_config(args.config, overrides)
-        fsdp = cfg.parallel.use_megatron_fsdp  # not modelled: planned as the ZeRO-1 layout it shards further
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, use_megatron_fsdp=False))
         ranked = plan(cfg, args.gpus, args.gpus_per_node, args.gpu, args.mfu, not args.bf16_grads)
         current = None
         try:
@@ -136,9 +133,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{cfg.train.global_batch_size}, precision {cfg.train.precision} on {args.gpus}× {gpu.name} "
           f"({args.gpus_per_node}/node); layer kernels at {100 * (args.mfu or kernel_efficiency(cfg)):.1f} % of peak "
           + ("(--mfu)" if args.mfu else f"(calibrated, {'compiled' if compiled_layers(cfg) else 'eager'} layers)"))
-    if fsdp:
-        print("note: the planner does not model Megatron-FSDP yet: every estimate below is DDP or ZeRO-1 "
-              "(parallel.use_distributed_optimizer); ZeRO-2/3 hold less per GPU (docs/memory.md)")
+    if cfg.parallel.use_megatron_fsdp:
+        print("note: the search leaves Megatron-FSDP out while its checkpoints are not wired (docs/memory.md): the "
+              "ranked layouts are DDP or ZeRO-1; your layout's own estimate includes its ZeRO-2/3 sharding")
     print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.memory_gib:.0f} GiB "
           f"(with {100 * FRAGMENTATION:.0f} % allocator slack)\n")
     if not fitting:
@@ -156,7 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         verdict = "fits" if current.fits else "does NOT fit"
         print(f"the config's own layout {Layout.of(cfg, args.gpus).label()}: "
               f"{current.time['step']:.2f} s/step, "
-              f"{current.memory['total'] / GIB:.1f} GiB ({verdict}; rank {rank} of {len(ranked)})")
+              f"{current.memory['total'] / GIB:.1f} GiB ({verdict}; "
+              + (f"rank {rank} of {len(ranked)})" if rank else "outside the search)"))
     t = cfg.train
     tokens = t.train_iters * t.global_batch_size * m.seq_length
     print(f"\ntime to train train.train_iters={t.train_iters:,} × {t.global_batch_size:,} samples "

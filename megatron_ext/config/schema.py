@@ -30,6 +30,7 @@ AutoBool = Literal[True, False, "auto"]
 AttentionBackend = Literal["auto", "te", "local"]
 Precision = Literal["fp32", "bf16", "fp16"]
 ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # megatron-core's ZeRO-1/2/3 names
+ZERO_LEVEL: dict[str, int] = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 FP8Recipe = Literal["delayed", "tensorwise"]
 RecomputeGranularity = Literal["selective", "full"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]

@@ -49,6 +49,10 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
         require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
     require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
             "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
+    where = c.save or resume_dir(cfg) or c.pretrained_checkpoint
+    require(not (cfg.parallel.use_megatron_fsdp and where), "checkpoint.save", where,
+            "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet: set checkpoint.save=null "
+            "(and no load), or shard with ZeRO-1 (parallel.use_megatron_fsdp=false)")
 
 
 def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
@@ -261,7 +265,7 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
 def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
     """What parallel.use_megatron_fsdp runs with here: megatron-core 0.16.1's own limits, and what this recipe has
     verified (each combination below trained 1-process-identical on CPU, or was refused)."""
-    p, t, c = cfg.parallel, cfg.train, cfg.checkpoint
+    p, t = cfg.parallel, cfg.train
     if not p.use_megatron_fsdp:
         return
     for ok, key, value, why in [
@@ -279,10 +283,6 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
          "parallel.overlap_grad_reduce and parallel.overlap_param_gather false"),
         (t.precision != "fp16", "train.precision", "fp16", "fp16 under Megatron-FSDP is not verified here: use bf16 "
          "or fp32"),
-        (not (c.save or resume_dir(cfg) or c.pretrained_checkpoint), "checkpoint.save",
-         c.save or resume_dir(cfg) or c.pretrained_checkpoint,
-         "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet: "
-         "set checkpoint.save=null (and no load), or shard with ZeRO-1 (parallel.use_megatron_fsdp=false)"),
     ]:
         require(ok, key, value, why)
 

@@ -18,7 +18,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig
 from megatron_ext.distributed import cpu_backend
 
 
@@ -140,8 +140,8 @@ def describe_sharding(chunks: list[FullyShardedDataParallel]) -> str:
                 if buffer is not None:
                     held[kind] += buffer.data.numel()
     strategy = chunks[0].ddp_config.data_parallel_sharding_strategy
-    zero = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
-    return (f"Megatron-FSDP {strategy} (ZeRO-{zero}) over DP×CP={parallel_state.get_data_parallel_world_size(True)}: "
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return (f"Megatron-FSDP {strategy} (ZeRO-{ZERO_LEVEL[strategy]}) over DP×CP={dp_cp}: "
             f"this rank holds {held['parameter']:,} parameter and {held['gradient']:,} gradient elements of its "
             f"tensor-parallel part's {whole:,}")
 

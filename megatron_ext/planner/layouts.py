@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from megatron_ext.config.kernels import compiles_layers
-from megatron_ext.config.schema import RecipeConfig, data_parallel_size
+from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig, ShardingStrategy, data_parallel_size
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
@@ -86,10 +86,15 @@ class Layout:
     distopt: bool
     recompute: Optional[str]
     mbs: int
+    # Megatron-FSDP's strategy (ZeRO-2/3) on top of the distributed optimizer; None = DDP. Estimated when a config
+    # asks for it; the search leaves it out while its checkpoints are not wired (docs/memory.md).
+    sharding: Optional[ShardingStrategy] = None
 
     def overrides(self) -> dict[str, Any]:
         """The config values of this layout, as ``section.key`` → value."""
-        return {
+        fsdp = ({"parallel.use_megatron_fsdp": True, "parallel.data_parallel_sharding_strategy": self.sharding}
+                if self.sharding else {})
+        return {**fsdp,
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,
@@ -106,6 +111,8 @@ class Layout:
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
             sequence_parallel=self.sp, use_distributed_optimizer=self.distopt,
+            use_megatron_fsdp=self.sharding is not None,
+            data_parallel_sharding_strategy=self.sharding or cfg.parallel.data_parallel_sharding_strategy,
             overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt,
             num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
         )
@@ -119,12 +126,14 @@ class Layout:
         dp = data_parallel_size(cfg, world_size)
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                    p.virtual_pipeline_model_parallel_size, p.context_parallel_size, dp, p.sequence_parallel,
-                   p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size)
+                   p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
+                   p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None)
 
     def label(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
         return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} DP{self.dp}"
                 f"{' SP' if self.sp else ''}{' distopt' if self.distopt else ''}"
+                f"{f' ZeRO-{ZERO_LEVEL[self.sharding]}' if self.sharding else ''}"
                 f" mbs{self.mbs} recompute={self.recompute or 'none'}")
 
 
@@ -277,16 +286,37 @@ def _stage_static(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int, dp: 
     return param_elems, grad_elems, tuple(owned)
 
 
+def _model_elements(shape: _Shape) -> int:
+    """Parameter elements of one TP rank's part of the whole model (PP 1)."""
+    return sum(n for n, _ in _chunk_params(shape, 1, shape.layers, True, True))
+
+
+def sharded_static(shape: _Shape, dp_cp: int, sharding: ShardingStrategy) -> tuple[int, int, int, int]:
+    """Megatron-FSDP at PP 1: (parameter elements held, fp32 gradient elements held, optimizer-owned elements,
+    parameter elements unsharded at once). Each rank holds 1/(DP×CP) of the gradients (and, optim_grads_params,
+    of the parameters, two decoder layers of which are gathered at a time: the one computing and the one
+    prefetched). Bucket padding (under 1 % on the tiny model) is left out."""
+    whole = _model_elements(shape)
+    shard = -(-whole // dp_cp)
+    if sharding == "optim_grads_params":
+        return shard, shard, shard, 2 * sum(shape.layer_params())
+    return whole, shard, shard, 0
+
+
 def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,
                       vocab_size: int) -> dict[str, int]:
-    """Exact bytes of parameters, DDP grad buffers and optimizer state on one rank (fp32 grad buffers,
-    as ``wrap_with_ddp`` configures them)."""
+    """Bytes of parameters, grad buffers and optimizer state on one rank (fp32 grad buffers, as ``wrap_with_ddp``
+    configures them): exact under DDP, without Megatron-FSDP's bucket padding under it."""
     p = cfg.parallel
     shape = _Shape.of(cfg, vocab_size)
     dp = data_parallel_size(cfg, world_size)
-    params, grads, owned = _stage_static(shape, p.pipeline_model_parallel_size,
-                                         p.virtual_pipeline_model_parallel_size, pp_rank, dp,
-                                         p.use_distributed_optimizer, p.overlap_grad_reduce)
+    if p.use_megatron_fsdp:
+        params, grads, shard, _ = sharded_static(shape, dp * shape.cp, p.data_parallel_sharding_strategy)
+        owned: tuple[int, ...] = (shard,) * (dp * shape.cp)
+    else:
+        params, grads, owned = _stage_static(shape, p.pipeline_model_parallel_size,
+                                             p.virtual_pipeline_model_parallel_size, pp_rank, dp,
+                                             p.use_distributed_optimizer, p.overlap_grad_reduce)
     return {"params": params * shape.bytes_per_value, "grads": grads * 4,
             "optimizer": owned[dp_cp_rank] * _optimizer_bytes_per_element(shape)}
 
@@ -466,12 +496,18 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     d_bytes = shape.bytes_per_value
     params, grads, owned = _stage_static(shape, layout.pp, layout.vpp, pp_rank, layout.dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
+    gathered = 0
+    if layout.sharding:
+        params, grads, shard, gathered = sharded_static(shape, layout.dp * layout.cp, layout.sharding)
+        owned = (shard,)
     tokens = layout.mbs * shape.seq // layout.cp
     no_recompute = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
     # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
     buffers = layer_activation_bytes(no_recompute) * (2 if layout.recompute == "full" else 1)
     if layout.sp:
         buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
+    if layout.sharding:  # gathered layers, and one layer's unsharded gradients before their reduce-scatter
+        buffers += (gathered + sum(shape.layer_params())) * d_bytes
     if _stage_chunks(shape, layout.pp, layout.vpp, pp_rank)[-1][2]:
         buffers += _output_loss_bytes(cfg, shape, tokens)[1]
     # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
@@ -553,15 +589,23 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
     bubble = per_microbatch * (pp - 1) / v
 
     bw, lat = link(tp * cp * dp)
-    if layout.distopt:
-        reduce = _ring(grads * grad_bytes, dp * cp, bw, lat)
-        gather = _ring(params * d_bytes, dp * cp, bw, lat)
+    if layout.sharding:  # Megatron-FSDP: per micro batch, overlapped layer by layer with compute (uncalibrated)
+        whole = _model_elements(shape)
+        traffic = _ring(whole * grad_bytes, dp * cp, bw, lat)  # the gradients' reduce-scatter
+        if layout.sharding == "optim_grads_params":
+            traffic += 2 * _ring(whole * d_bytes, dp * cp, bw, lat)  # parameters gathered for forward and backward
+        reduce = m * max(traffic - compute, traffic / max(layers, 1))
+        gather = 0.0 if layout.sharding == "optim_grads_params" else _ring(whole * d_bytes, dp * cp, bw, lat)
     else:
-        reduce, gather = _ring(grads * grad_bytes, dp * cp, bw, lat, 2.0), 0.0
-    if cfg.parallel.overlap_grad_reduce:
-        reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
-    if cfg.parallel.overlap_param_gather and layout.distopt:
-        gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
+        if layout.distopt:
+            reduce = _ring(grads * grad_bytes, dp * cp, bw, lat)
+            gather = _ring(params * d_bytes, dp * cp, bw, lat)
+        else:
+            reduce, gather = _ring(grads * grad_bytes, dp * cp, bw, lat, 2.0), 0.0
+        if cfg.parallel.overlap_grad_reduce:
+            reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
+        if cfg.parallel.overlap_param_gather and layout.distopt:
+            gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
     optimizer = max(owned) * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
     time = {"compute": compute * m, "overhead": overhead * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m, "pp_p2p": p2p * m,
             "pp_bubble": bubble, "dp_comm": reduce + gather, "optimizer": optimizer}
@@ -681,6 +725,10 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
         parts.append(f"CP{L.cp} splits each sequence in {L.cp}; the K/V ring costs {t['cp_comm']:.2f} s "
                      "beyond what attention hides.")
     shard = f"sharded over DP×CP={L.dp * L.cp}" if L.distopt and L.dp * L.cp > 1 else "replicated"
+    if L.sharding:
+        shard += (f"; Megatron-FSDP ZeRO-{ZERO_LEVEL[L.sharding]} shards the gradients"
+                  + (" and the parameters, gathering two layers at a time," if ZERO_LEVEL[L.sharding] == 3 else "")
+                  + " over it too")
     parts.append(f"Optimizer state {mem['optimizer'] / GIB:.1f} GiB ({shard}); "
                  f"params {mem['params'] / GIB:.1f}, "
                  f"grads {mem['grads'] / GIB:.1f}, activations {mem['activations'] / GIB:.1f} GiB "

@@ -12,8 +12,10 @@ import re
 
 import pytest
 
+from megatron_ext.config.schema import load_config
+from megatron_ext.planner.layouts import model_vocab_size, rank_static_bytes
 from tests.conftest import PARITY_STEPS, parity_overrides
-from tests.launch import max_relative_difference, read_scalars, run_pretrain
+from tests.launch import TINY, max_relative_difference, read_scalars, run_pretrain
 
 # fp32 on CPU: layouts change only the order of sums (TP all-reduces, DP/CP grad reduction, split
 # softmax in ring attention); a real bug (wrong reduction, a layer missing on a stage, unmarked SP
@@ -82,6 +84,11 @@ def test_layout_matches_single_process(name, initial_weights, single_process_ref
                      r"part's ([\d,]+)", log)
     if FSDP[0] in layout:  # the sharding, read from Megatron-FSDP's buffers: 1/DP (+ bucket padding) of its TP part
         params, grads, model = (int(n.replace(",", "")) for n in held.groups())
+        # and the planner's estimate of it (fp32: 4 bytes an element) within 10 %
+        cfg = load_config(TINY, [*parity_overrides(None, tb), *layout])
+        planned = rank_static_bytes(cfg, nproc, 0, 0, model_vocab_size(cfg))
+        assert abs(planned["params"] / 4 - params) <= 0.1 * params, (planned, held[0])
+        assert abs(planned["grads"] / 4 - grads) <= 0.1 * grads, (planned, held[0])
         assert model / 2 <= grads <= 1.01 * model / 2, held[0]
         sharded_params = "parallel.data_parallel_sharding_strategy=optim_grads" not in layout  # ZeRO-3
         assert (model / 2 if sharded_params else model) <= params <= 1.01 * (model / 2 if sharded_params else model)

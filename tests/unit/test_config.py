@@ -70,8 +70,7 @@ def test_overrides_are_typed():
         ([*ZERO3, "parallel.tensor_model_parallel_size=4"], 4, "there is nothing to shard at DP×CP=1"),
         ([*ZERO3, "parallel.overlap_grad_reduce=true"], 4, "Megatron-FSDP overlaps its own gathers"),
         ([*ZERO3, "train.precision=fp16"], 4, "fp16 under Megatron-FSDP is not verified"),
-        (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1"], 4,
-         "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet"),
+
         (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
     ],
@@ -87,8 +86,10 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["logging.profile_steps=[1,500]"], "<= train.train_iters (120)"),
     (["logging.profile_steps=[1,2]", "logging.profile_ranks=[4]"], "logging.profile_ranks=[4] is invalid"),
     (["logging.memory_snapshot=true"], "is taken at the end of logging.profile_steps"),
+    (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1"],
+     "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet"),
 ])
-def test_invalid_profiler_settings_name_the_key(overrides, fragment):
+def test_invalid_run_settings_name_the_key(overrides, fragment):
     from megatron_ext.config.validate import validate
 
     with pytest.raises(ConfigError) as err:

@@ -99,9 +99,12 @@ def test_cli_table_explains_the_best(capsys):
     assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "5", "--seq-length", "4096"]) == 0
     out = capsys.readouterr().out
     assert "fastest layouts that fit" in out and "1. TP" in out and "to use the best:" in out
-    assert "does not model Megatron-FSDP" not in out
-    assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "1", "parallel.use_megatron_fsdp=true"]) == 0
-    assert "note: the planner does not model Megatron-FSDP yet" in capsys.readouterr().out
+    assert "leaves Megatron-FSDP out" not in out
+    assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "1", "parallel.use_megatron_fsdp=true",
+                 "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the search leaves Megatron-FSDP out while its checkpoints are not wired" in out
+    assert "the config's own layout TP2 PP1 CP1 DP4 SP distopt ZeRO-3 mbs1" in out and "outside the search" in out
 
 
 def test_llama3_8b_on_8_h100_matches_published_layouts():
@@ -196,7 +199,7 @@ def test_recipe_auto_layout_is_the_planners_best_and_valid():
                                     expected["parallel.pipeline_model_parallel_size"],
                                     expected["parallel.context_parallel_size"], expected["train.micro_batch_size"])
     validate_layout(cfg, 8, te_available=True, fp8_capable=True)
-    with pytest.raises(ConfigError, match="parallel.auto=True is invalid: the planner does not model Megatron-FSDP"):
+    with pytest.raises(ConfigError, match="parallel.auto=True is invalid: the planner's search leaves Megatron-FSDP"):
         fsdp = [*overrides, "parallel.use_megatron_fsdp=true"]
         _with_planned_layout(config, fsdp, load_config(config, fsdp), world_size=8, gpus_per_node=8)
 
@@ -246,3 +249,26 @@ def test_the_readme_recipe_table_gives_each_recipes_checkpoint_size_and_retentio
         assert f"{gb:,.{2 if gb < 1 else 0}f}" == size and format_duration(gb / 10) == write_time, (path, gb, size)
         ck = cfg.checkpoint
         assert kept.strip() == (f"newest {ck.keep_last} + every {ck.keep_every:,}th" if ck.keep_last else "all"), path
+
+
+def test_megatron_fsdp_is_estimated_as_asked_and_left_out_of_the_search():
+    """ZeRO-2 shards the gradients, ZeRO-3 the parameters too (two layers gathered at a time); the optimizer state
+    is ZeRO-1's; the search keeps to DDP/ZeRO-1 layouts while Megatron-FSDP's checkpoints are not wired."""
+    base = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]
+    zero = {level: load_config(LLAMA3_8B, [*base, *extra]) for level, extra in [
+        (1, []), (2, ["parallel.use_megatron_fsdp=true", "parallel.data_parallel_sharding_strategy=optim_grads"]),
+        (3, ["parallel.use_megatron_fsdp=true"])]}
+    est = {level: planner.estimate(cfg, 8, 8, GPUS["h100-80gb"], planner.model_vocab_size(cfg))
+           for level, cfg in zero.items()}
+    mem = {level: e.memory for level, e in est.items()}
+    dp = est[1].layout.dp  # TP2 × DP4
+    assert mem[2]["grads"] == pytest.approx(mem[1]["grads"] / dp, rel=0.01) and mem[2]["params"] == mem[1]["params"]
+    assert mem[3]["params"] == pytest.approx(mem[1]["params"] / dp, rel=0.01) and mem[3]["grads"] == mem[2]["grads"]
+    assert mem[1]["optimizer"] == pytest.approx(mem[3]["optimizer"], rel=0.01)
+    assert mem[3]["total"] < mem[2]["total"] < mem[1]["total"]
+    assert est[3].layout.label().endswith("distopt ZeRO-3 mbs1 recompute=none")
+    assert "Megatron-FSDP ZeRO-3 shards the gradients and the parameters" in planner.explain(est[3], 8,
+                                                                                             GPUS["h100-80gb"])
+    assert est[3].layout.overrides()["parallel.data_parallel_sharding_strategy"] == "optim_grads_params"
+    assert est[3].time["dp_comm"] > est[2].time["dp_comm"] > 0  # it gathers the parameters twice per micro batch
+    assert all(e.layout.sharding is None for e in plan(zero[3], 8, 8, "h100-80gb"))
