@@ -8,7 +8,7 @@ NPROC ?= 4
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
-.PHONY: pretrain test test-fast data install clean
+.PHONY: pretrain test test-fast gpu-check data install clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: data
 
 test-fast: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests/unit $(ARGS)
+
+# The GPU checklist (recipes/gpu_check.py), with the machine's own CUDA torch and packages, not the CPU venv.
+gpu-check:
+	$(PYTHON) -m recipes.gpu_check $(ARGS)
 
 clean:
 	rm -rf runs
