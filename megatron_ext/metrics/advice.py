@@ -77,11 +77,10 @@ def _gain(before_s: float, after_s: float) -> str:
     return f"{100 * (before_s / after_s - 1):+.0f}% tokens/s"
 
 
-def _with(cfg: RecipeConfig, **changes) -> RecipeConfig:
-    parallel = {k: v for k, v in changes.items() if hasattr(cfg.parallel, k)}
-    train = {k: v for k, v in changes.items() if hasattr(cfg.train, k)}
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel),
-                               train=dataclasses.replace(cfg.train, **train))
+def _with(cfg: RecipeConfig, parallel: Optional[dict] = None, train: Optional[dict] = None) -> RecipeConfig:
+    """`cfg` with some parallel.* and train.* values changed: the what-if the planner estimates."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **(parallel or {})),
+                               train=dataclasses.replace(cfg.train, **(train or {})))
 
 
 def _pipeline(cfg: RecipeConfig, world_size: int, share: float, stage_compute: dict[int, float]) -> str:
@@ -115,8 +114,10 @@ def _grad_sync(cfg: RecipeConfig, world_size: int, share: float, machine: Option
     if machine is None:
         return text + fix
     vocab, spec = model_vocab_size(cfg), GPUS[machine.gpu]
-    exposed = {on: estimate(_with(cfg, overlap_grad_reduce=on, overlap_param_gather=on and distopt), world_size,
-                            machine.gpus_per_node, spec, vocab).time["dp_comm"] for on in (False, True)}
+    overlap = {on: _with(cfg, parallel={"overlap_grad_reduce": on, "overlap_param_gather": on and distopt})
+               for on in (False, True)}
+    exposed = {on: estimate(what_if, world_size, machine.gpus_per_node, spec, vocab).time["dp_comm"]
+               for on, what_if in overlap.items()}
     hidden = 1 - exposed[True] / exposed[False] if exposed[False] else 0.0
     return text + (f"{fix} — the planner expects {100 * hidden:.0f}% of it hidden on {machine.gpu}, "
                    f"{_gain(1, 1 - share * hidden)}")
@@ -128,9 +129,9 @@ def _memory(cfg: RecipeConfig, world_size: int, used: float, machine: Optional[M
     dp = data_parallel_size(cfg, world_size)
     options = []
     if t.global_batch_size % (2 * t.micro_batch_size * dp) == 0:
-        options.append(_with(cfg, micro_batch_size=2 * t.micro_batch_size))
+        options.append(_with(cfg, train={"micro_batch_size": 2 * t.micro_batch_size}))
     if t.recompute_granularity:
-        options.append(_with(cfg, recompute_granularity=None))
+        options.append(_with(cfg, train={"recompute_granularity": None}))
     if machine is None:
         return text + "a larger train.micro_batch_size or less recompute would use the rest"
     vocab, spec = model_vocab_size(cfg), GPUS[machine.gpu]

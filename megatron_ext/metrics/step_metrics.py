@@ -18,7 +18,7 @@ from megatron_ext.distributed.parallel import gather_from_ranks
 from megatron_ext.errors import ConfigError
 from megatron_ext.metrics.advice import Advisor, Machine
 from megatron_ext.metrics.plan_check import check_against_plan
-from megatron_ext.metrics.run_logger import RunLogger
+from megatron_ext.metrics.run_logger import RunLogger, breakdown_shares
 from megatron_ext.metrics.step_time import PARTS, StepTimers
 from megatron_ext.planner.layouts import detect_gpu
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
@@ -85,8 +85,17 @@ class StepMetrics:
                          breakdown=breakdown, loss_scale=loss_scale)
         self.logger.stragglers(iteration, self.stragglers.update(compute))
         stages = self._by_stage(rows)
+        self._add_to_run(stages, rows, steps)
+        memory_used = (max(row["peak_bytes"] for row in rows) / torch.cuda.get_device_properties(0).total_memory
+                       if self.on_gpu else None)
+        self.logger.advice(self.advisor.check(breakdown_shares(breakdown), memory_used,
+                                              {stage: parts["compute"] for stage, parts in stages.items()}))
+
+    def _add_to_run(self, stages: dict[int, dict[str, float]], rows: list[dict[str, float]], steps: float) -> None:
+        """The run-wide totals the summary's check uses: per-stage seconds (after the first interval, which holds the
+        first step's allocations and compilation) and each stage's peak memory."""
         self._intervals += 1
-        if self._intervals > 1:  # the first interval holds the first step (allocations, compilation)
+        if self._intervals > 1:
             for stage, seconds in stages.items():
                 total = self._run.setdefault(stage, {})
                 for part, value in seconds.items():
@@ -96,11 +105,6 @@ class StepMetrics:
             for rank, row in enumerate(rows):
                 stage = self.stage_of_rank[rank]
                 self._peaks[stage] = max(self._peaks.get(stage, 0.0), row["peak_bytes"])
-        memory_used = (max(row["peak_bytes"] for row in rows) / torch.cuda.get_device_properties(0).total_memory
-                       if self.on_gpu else None)
-        shares = {part: seconds / breakdown["step"] for part, seconds in breakdown.items() if part != "step"}
-        shares["other"] = 1 - sum(shares.values())
-        self.logger.advice(self.advisor.check(shares, memory_used, {s: v["compute"] for s, v in stages.items()}))
 
     def _by_stage(self, rows: list[dict[str, float]]) -> dict[int, dict[str, float]]:
         """Each pipeline stage's mean over its ranks, per part (and "step")."""
