@@ -59,6 +59,12 @@ class StepMetrics:
         self._run_steps = 0.0
         self._peaks: dict[int, float] = {}  # stage → peak allocated bytes of its fullest rank (GPU)
 
+    @property
+    def core_timers(self) -> Optional[StepTimers]:
+        """What megatron-core's ``config.timers`` gets: the timers, or None (it then times nothing) with
+        logging.step_breakdown=false."""
+        return self.timers if self.timed else None
+
     def discard(self) -> None:
         """Forget what the timers saw since the last step (an evaluation's forward passes)."""
         self.timers.take()

@@ -228,7 +228,7 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
         self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
-        self.config.timers = self.metrics.timers if self.cfg.logging.step_breakdown else None
+        self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
