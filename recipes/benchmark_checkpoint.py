@@ -103,7 +103,6 @@ def _optimizer_fingerprint(optimizer) -> float:
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint import layout, save_load
     from megatron_ext.config.schema import load_config
@@ -133,7 +132,7 @@ def _worker(args: argparse.Namespace) -> None:
         with torch.no_grad():
             for tensor in _adam_state_tensors(trainer.optimizer):  # a load that skips one must fail the check
                 tensor.zero_()
-        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+        common = layout.read_common(ckpt_dir)
         dist.barrier()
         start = time.perf_counter()
         with _PeakRss() as load_mem:

@@ -18,20 +18,16 @@ from typing import Any, Optional
 from megatron_ext.checkpoint import manifest
 from megatron_ext.checkpoint.layout import (
     COMMON_STATE,
+    DCP_METADATA,
     DIST_METADATA,
     TRACKER,
     has_manifest,
     iteration_dirs,
     latest_iteration,
+    read_common,
 )
 from megatron_ext.config.schema import load_config
 from megatron_ext.errors import CheckpointError, ConfigError
-
-
-def _common(ckpt_dir: Path) -> dict[str, Any]:
-    import torch
-
-    return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=False)
 
 
 def _layout(common: dict[str, Any]) -> str:
@@ -42,6 +38,7 @@ def _layout(common: dict[str, Any]) -> str:
     return (f"TP{p['tensor_model_parallel_size']}×PP{p['pipeline_model_parallel_size']}"
             + (f"×VPP{p['virtual_pipeline_model_parallel_size']}" if p.get("virtual_pipeline_model_parallel_size") else "")
             + f"×CP{p['context_parallel_size']}, {t.get('precision', '?')}" + (f"+FP8 {t['fp8']}" if t.get("fp8") else "")
+            + (f", Megatron-FSDP {p['data_parallel_sharding_strategy']}" if p.get("use_megatron_fsdp") else "")
             + (f", optimizer {common['optimizer_format']}" if p.get("use_distributed_optimizer")
                and "optimizer_format" in common else ""))
 
@@ -59,15 +56,15 @@ def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
         if set_aside:
             state = "corrupt (set aside)"
         elif not has_manifest(path):
-            state = "no manifest (partial, or saved before manifests)" if (path / DIST_METADATA).is_file() \
-                else "partial"
+            written = (path / DIST_METADATA).is_file() or (path / DCP_METADATA).is_file()
+            state = "no manifest (partial, or saved before manifests)" if written else "partial"
         else:
             problem = manifest.verify(path) if verify else None
             state = f"CORRUPT: {problem}" if problem else ("complete, verified" if verify else "complete")
             if not problem:
                 newest = path
         tracker = "  <- tracker" if not set_aside and iteration == tracked else ""
-        layout = _layout(_common(path)) if (path / COMMON_STATE).is_file() else "-"
+        layout = _layout(read_common(path)) if (path / COMMON_STATE).is_file() else "-"
         lines.append(f"{path.name:24} {state:40} {_size(path):>10}  {layout}{tracker}")
     return lines, newest
 
@@ -89,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.config and newest is not None:
             from megatron_ext.checkpoint.resume import config_differences, shape_changes
 
-            saved, current = _common(newest).get("config", {}), load_config(args.config, args.overrides).to_dict()
+            saved, current = read_common(newest).get("config", {}), load_config(args.config, args.overrides).to_dict()
             differences = config_differences(saved, current)
             print(f"\nconfig of {newest.name} → {args.config}" + (" " + " ".join(args.overrides) if args.overrides else "")
                   + ":\n" + ("\n".join(f"  {key}: {old!r} → {new!r}" for key, old, new in differences) or "  no differences"))

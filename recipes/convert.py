@@ -106,7 +106,8 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from megatron_ext.checkpoint import layout
+    from megatron_ext.checkpoint import fsdp_dtensor, layout
+    from megatron_ext.errors import CheckpointError
 
     iteration = layout.latest_iteration(root)
     if iteration is None:
@@ -115,17 +116,23 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     directory = layout.iteration_dir(root, iteration)
     if not directory.is_dir():
         raise ConversionError(f"{directory} not found (named by {root / layout.TRACKER})")
-    common = dist_checkpointing.load_common_state_dict(str(directory))
+    try:
+        common = layout.read_common(directory)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
     if not isinstance(common.get("config"), dict):
         raise ConversionError(f"{directory}: the checkpoint holds no run config (common state key 'config')")
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), common["config"]))
     except OmegaConfBaseException as e:
         raise ConversionError(f"{directory}: saved config: {e.full_key}: {e.msg}") from None
-    metadata = dist_checkpointing.load_tensors_metadata(str(directory))
-    embedding = metadata.get("embedding.word_embeddings.weight")
-    if embedding is None:
-        raise ConversionError(f"{directory}: no embedding.word_embeddings.weight tensor in the checkpoint")
+    if fsdp_dtensor.holds_format(directory):
+        rows = fsdp_dtensor.embedding_rows(directory)
+    else:
+        embedding = dist_checkpointing.load_tensors_metadata(str(directory)).get("embedding.word_embeddings.weight")
+        if embedding is None:
+            raise ConversionError(f"{directory}: no embedding.word_embeddings.weight tensor in the checkpoint")
+        rows = int(embedding.global_shape[0])
     vocab = cfg.model.vocab_size
     if vocab is None:  # the run used its tokenizer's vocabulary
         path = cfg.data.tokenizer_model
@@ -136,7 +143,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
         from megatron_ext.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(path, cfg.data.tokenizer_type).vocab_size
-    return SavedCheckpoint(directory, cfg, vocab, int(embedding.global_shape[0]),
+    return SavedCheckpoint(directory, cfg, vocab, rows,
                            common.get("content", layout.TRAINING_STATE))
 
 
@@ -152,6 +159,7 @@ def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_par
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
     p.sequence_parallel = sequence_parallel
+    p.use_megatron_fsdp = False
     p.virtual_pipeline_model_parallel_size = None
     p.context_parallel_size = 1
     p.num_layers_in_first_pipeline_stage = p.num_layers_in_last_pipeline_stage = None
@@ -160,9 +168,17 @@ def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_par
 
 
 def load_weights(model, saved: SavedCheckpoint) -> None:
-    """The saved weights into `model`, resharded by dist_checkpointing to the current layout."""
-    from megatron.core import dist_checkpointing
+    """The saved weights into `model`, resharded by dist_checkpointing (or DCP) to the current layout."""
+    from megatron.core import dist_checkpointing, parallel_state
 
+    from megatron_ext.checkpoint import fsdp_dtensor
+
+    if fsdp_dtensor.holds_format(saved.iteration_dir):
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            raise ConversionError(f"{saved.iteration_dir} is a Megatron-FSDP checkpoint: it loads here at "
+                                  "tensor_model_parallel_size=1 only")
+        fsdp_dtensor.load_weights_into(model, saved.iteration_dir)
+        return
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(saved.iteration_dir))
     model.load_state_dict(loaded["model"])
 

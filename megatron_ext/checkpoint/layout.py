@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from megatron_ext.errors import CheckpointError
 
@@ -19,12 +19,23 @@ CORRUPT_SUFFIX = ".corrupt"
 MANIFEST = "manifest.json"  # every file's size and CRC32 (checkpoint.manifest); written last: its presence = complete
 COMMON_STATE = "common.pt"  # dist_checkpointing's non-sharded state: iteration, config, content, ...
 DIST_METADATA = "metadata.json"  # dist_checkpointing's own; present once its shards are written
+DCP_METADATA = ".metadata"  # torch DCP's, also inside dist_checkpointing's; alone in an fsdp_dtensor checkpoint
 RUN_LOCK = "run.lock"  # held by the run writing into this directory (checkpoint.run_lock)
 # `content` in a checkpoint's common state: a training run's full state, or model weights only
 # (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
 TRAINING_STATE = "training_state"
 WEIGHTS_ONLY = "weights_only"
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(" + re.escape(CORRUPT_SUFFIX) + r")?")
+
+
+def read_common(ckpt_dir: Path) -> dict[str, Any]:
+    """The non-sharded state of a checkpoint (iteration, config, content, ...) in either format: rank 0's
+    common.pt, which dist_checkpointing and the fsdp_dtensor format both write."""
+    import torch
+
+    if not (ckpt_dir / COMMON_STATE).is_file():
+        raise CheckpointError(f"{ckpt_dir / COMMON_STATE} not found: {ckpt_dir} is not a checkpoint of this recipe")
+    return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=False)
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.checkpoint import save_load
+from megatron_ext.checkpoint import fsdp_dtensor, save_load
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.resume import resume_training
 from megatron_ext.checkpoint.run_lock import RunLock
@@ -115,8 +115,10 @@ def save_due(cfg: RecipeConfig, iteration: int, stopping: bool) -> bool:
 
 def optimizer_format_for(cfg: RecipeConfig, iteration: int) -> str:
     """checkpoint.optimizer_format for the save at `iteration`: `auto` writes the lean dp_reshardable format along
-    the way and the fully reshardable one for the finished run, the one handed on."""
+    the way and the fully reshardable one for the finished run, the one handed on; Megatron-FSDP, fsdp_dtensor."""
     fmt = cfg.checkpoint.optimizer_format
+    if cfg.parallel.use_megatron_fsdp:
+        return fsdp_dtensor.FORMAT
     if not cfg.parallel.use_distributed_optimizer:
         return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
     if fmt != "auto":

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 
 from megatron_ext.checkpoint import layout, manifest, save_load
 from megatron_ext.config.schema import RecipeConfig, resume_dir
@@ -108,12 +107,18 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
     elif load:
         iteration = save_load.intact_iteration(load)
         ckpt_dir = layout.iteration_dir(load, iteration)
-        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+        common = layout.read_common(ckpt_dir)
         if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
+            if cfg.parallel.use_megatron_fsdp:
+                raise CheckpointError(f"{ckpt_dir} holds weights only (an import): starting a Megatron-FSDP run "
+                                      "from weights is not wired; train from it with parallel.use_megatron_fsdp=false")
             save_load.load_pretrained_weights(load, model_chunks, optimizer, iteration)
             _info(f"loaded weights of {load} (iteration {iteration}); training starts at iteration 0")
             start = (0, 0)
         else:
+            problem = save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
+            if problem:
+                raise CheckpointError(problem)
             _check_config(ckpt_dir, common.get("config", {}), cfg)
             start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
                                                   cfg.to_dict())

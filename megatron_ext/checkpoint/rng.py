@@ -11,18 +11,23 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import convert_cuda_rng_state
 
 
-def rng_state() -> ShardedObject:
-    """Per-(PP, TP) rank RNG states; DP replicas hold the same streams, so only DP rank 0 saves."""
-    state = {
+def local_rng_state() -> dict[str, Any]:
+    """This rank's RNG states."""
+    return {
         "random_rng_state": random.getstate(),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "rng_tracker_states": tracker_states_as_tensors(tensor_parallel.get_cuda_rng_tracker().get_states()),
     }
+
+
+def rng_state() -> ShardedObject:
+    """Per-(PP, TP) rank RNG states for dist_checkpointing; DP replicas hold the same streams, so only DP rank 0
+    saves."""
     ps = parallel_state
     return ShardedObject(
         "rng_state",
-        [state],
+        [local_rng_state()],
         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True),

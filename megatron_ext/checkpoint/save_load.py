@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.checkpoint import compat, manifest
+from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, agreed_failure, signals_ignored
 from megatron_ext.checkpoint.layout import (
     TRACKER,
@@ -45,7 +46,7 @@ from megatron_ext.checkpoint.optimizer_format import (
     optimizer_metadata,
 )
 from megatron_ext.checkpoint.retention import apply_retention
-from megatron_ext.checkpoint.rng import rng_state, set_rng_state
+from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_state
 from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,25 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
     if with_rng:
         state["rng_state"] = rng_state()
     return state
+
+
+def _from_every_rank(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def format_mismatch(ckpt_dir: Path, common: dict[str, Any], use_megatron_fsdp: bool) -> Optional[str]:
+    """Why `ckpt_dir`'s training state cannot resume in a run with(out) Megatron-FSDP, or None when it can."""
+    saved_fsdp = common.get("optimizer_format") == fsdp_dtensor.FORMAT
+    if saved_fsdp == use_megatron_fsdp:
+        return None
+    saved, other = (("a Megatron-FSDP run (fsdp_dtensor format)", "true") if saved_fsdp
+                    else ("a run without Megatron-FSDP (torch_dist format)", "false"))
+    return (f"{ckpt_dir} was saved by {saved}, whose optimizer state does not load into this run's "
+            f"{'distributed optimizer' if saved_fsdp else 'Megatron-FSDP'}: resume it with "
+            f"parallel.use_megatron_fsdp={other} (any DP size), or carry its weights over without the optimizer "
+            "state: python -m recipes.convert export-hf, then import-hf, then checkpoint.pretrained_checkpoint")
 
 
 def _save_strategy() -> FullyParallelSaveStrategyWrapper:
@@ -139,12 +159,22 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
             shutil.rmtree(target)
         target.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True,
-                           optimizer_format=optimizer_format)
-    state.update(iteration=iteration, consumed_samples=consumed_samples, config=run_config,
-                 content=TRAINING_STATE, optimizer_format=optimizer_format)
-    if optimizer_format == DP_RESHARDABLE:
-        state["buffer_layouts"] = buffer_layouts(model_chunks)
+    common = dict(iteration=iteration, consumed_samples=consumed_samples, config=run_config, content=TRAINING_STATE,
+                  optimizer_format=optimizer_format)
+    if optimizer_format == fsdp_dtensor.FORMAT:
+        common.update(opt_param_scheduler=scheduler.state_dict(), rng_state=_from_every_rank(local_rng_state()))
+
+        def write(asynchronous: bool) -> Optional[AsyncRequest]:
+            return fsdp_dtensor.save(model_chunks, optimizer, target, common, asynchronous)
+    else:
+        state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True,
+                               optimizer_format=optimizer_format)
+        state.update(common)
+        if optimizer_format == DP_RESHARDABLE:
+            state["buffer_layouts"] = buffer_layouts(model_chunks)
+
+        def write(asynchronous: bool) -> Optional[AsyncRequest]:
+            return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous)
 
     def finish() -> None:
         _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")
@@ -155,14 +185,11 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
         dist.barrier()
 
     if saver is None:
-        _on_every_rank(lambda: dist_checkpointing.save(state, str(target), _save_strategy()), target,
-                      "writing the shards")
+        _on_every_rank(lambda: write(False), target, "writing the shards")
         finish()
         return target
     requests = []
-    _on_every_rank(lambda: requests.append(dist_checkpointing.save(state, str(target), _save_strategy(),
-                                                                    async_sharded_save=True)),
-                   target, "starting the asynchronous write")
+    _on_every_rank(lambda: requests.append(write(True)), target, "starting the asynchronous write")
     saver.schedule(requests[0], target, finish)
     return target
 
@@ -206,6 +233,8 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
     problem = load_problem(ckpt_dir, common, model_chunks, current_config)
     if problem:
         raise CheckpointError(problem)
+    if common["optimizer_format"] == fsdp_dtensor.FORMAT:
+        return _load_fsdp_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler)
     same_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
         parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
     if not same_layout and dist.get_rank() == 0:
@@ -223,6 +252,18 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
     if same_layout:
         set_rng_state(loaded["rng_state"])
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
+
+
+def _load_fsdp_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, optimizer: MegatronOptimizer,
+                               scheduler: OptimizerParamScheduler) -> tuple[int, int]:
+    fsdp_dtensor.load(ckpt_dir, model_chunks, optimizer)
+    scheduler.load_state_dict(common["opt_param_scheduler"])
+    saved_rng = common["rng_state"]
+    if len(saved_rng) == dist.get_world_size():  # same world: rank r continues rank r's streams
+        set_rng_state([saved_rng[dist.get_rank()]])
+    elif dist.get_rank() == 0:
+        log.info(f"{ckpt_dir} was saved by {len(saved_rng)} ranks: RNG states are not restored")
+    return int(common["iteration"]), int(common["consumed_samples"])
 
 
 def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronOptimizer,

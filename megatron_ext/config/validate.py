@@ -13,7 +13,7 @@ import importlib.util
 import typing
 from typing import Any
 
-from megatron_ext.config.schema import RecipeConfig, allowed_values, resume_dir, shown_value
+from megatron_ext.config.schema import RecipeConfig, allowed_values, shown_value
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConfigError
 
@@ -49,10 +49,13 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
         require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
     require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
             "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
-    where = c.save or resume_dir(cfg) or c.pretrained_checkpoint
-    require(not (cfg.parallel.use_megatron_fsdp and where), "checkpoint.save", where,
-            "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet: set checkpoint.save=null "
-            "(and no load), or shard with ZeRO-1 (parallel.use_megatron_fsdp=false)")
+    if cfg.parallel.use_megatron_fsdp:
+        require(c.optimizer_format == "auto", "checkpoint.optimizer_format", c.optimizer_format,
+                "is the distributed optimizer's format; Megatron-FSDP runs write megatron-core's fsdp_dtensor "
+                "format (reshardable across DP sizes and ZeRO-2/3): leave it auto")
+        require(c.pretrained_checkpoint is None, "checkpoint.pretrained_checkpoint", c.pretrained_checkpoint,
+                "starting a Megatron-FSDP run from another checkpoint's weights is not wired: start the run with "
+                "parallel.use_megatron_fsdp=false, or resume a Megatron-FSDP checkpoint with checkpoint.load")
 
 
 def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:

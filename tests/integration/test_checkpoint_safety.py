@@ -202,9 +202,9 @@ def test_a_failed_asynchronous_save_is_one_error_exit_2_and_leaves_the_previous_
 
 
 def _optimizer_format(ckpt_dir: Path) -> str:
-    from megatron.core import dist_checkpointing
+    from megatron_ext.checkpoint.layout import read_common
 
-    return dist_checkpointing.load_common_state_dict(str(ckpt_dir))["optimizer_format"]
+    return read_common(ckpt_dir)["optimizer_format"]
 
 
 def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_only(tmp_path):

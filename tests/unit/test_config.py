@@ -86,8 +86,10 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["logging.profile_steps=[1,500]"], "<= train.train_iters (120)"),
     (["logging.profile_steps=[1,2]", "logging.profile_ranks=[4]"], "logging.profile_ranks=[4] is invalid"),
     (["logging.memory_snapshot=true"], "is taken at the end of logging.profile_steps"),
-    (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1"],
-     "checkpoints of Megatron-FSDP runs (its fsdp_dtensor format) are not wired yet"),
+    (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
+      "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
+    (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
+      "checkpoint.pretrained_checkpoint=/ckpt"], "starting a Megatron-FSDP run from another checkpoint's weights"),
 ])
 def test_invalid_run_settings_name_the_key(overrides, fragment):
     from megatron_ext.config.validate import validate

@@ -1,0 +1,99 @@
+"""Checkpoints of Megatron-FSDP runs (fsdp_dtensor, :mod:`megatron_ext.checkpoint.fsdp_dtensor`) on CPU/gloo: a ZeRO-3
+run stopped and resumed reproduces the uninterrupted one exactly (written in the background); its checkpoint goes on
+under ZeRO-2 at DP4 and under TP2×DP2; retention, manifests and ``recipes.checkpoints`` treat it as any other;
+``recipes.convert export-hf`` reads it; a run without Megatron-FSDP refuses it in one line."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import pytest
+
+from megatron_ext.checkpoint.layout import TRACKER, iteration_dir, latest_iteration, read_common
+from tests.conftest import parity_overrides
+from tests.integration.test_training import RESHARD_TOLERANCE
+from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
+
+STEPS, STOP = 4, 2
+ZERO3 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+         "parallel.sequence_parallel=false", "parallel.use_megatron_fsdp=true"]
+TAGS = ("train/lm_loss", "train/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Any]:
+    """ZeRO-3 at DP2: uninterrupted (saving every STOP steps, keeping the last), and stopped at STOP, then resumed."""
+    root = tmp_path_factory.mktemp("fsdp")
+    run_pretrain(2, [*parity_overrides(None, root / "tb_full", STEPS), *ZERO3, f"checkpoint.save={root / 'full'}",
+                     f"checkpoint.save_interval={STOP}", "checkpoint.keep_last=1"])
+    interrupted = [*parity_overrides(None, root / "tb_resumed", STEPS), *ZERO3, f"checkpoint.save={root / 'ckpt'}"]
+    run_pretrain(2, [*interrupted, f"train.exit_interval={STOP}", "checkpoint.async_save=true"])
+    shutil.copytree(root / "ckpt", root / "at_stop")
+    resumed = run_pretrain(2, interrupted)
+    return {"root": root, "full": root / "tb_full", "resumed": root / "tb_resumed", "at_stop": root / "at_stop",
+            "resumed_log": resumed.stdout + resumed.stderr}
+
+
+def test_zero3_resume_reproduces_the_uninterrupted_run_exactly(runs):
+    assert "resumed from" in runs["resumed_log"]
+    for tag in TAGS:
+        full, resumed = read_scalars(runs["full"], tag), read_scalars(runs["resumed"], tag)
+        assert sorted(resumed) == list(range(1, STEPS + 1)), tag
+        assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == \
+            {k: full[k] for k in range(STOP + 1, STEPS + 1)}, tag
+    common = read_common(iteration_dir(runs["at_stop"], STOP))
+    assert common["optimizer_format"] == "fsdp_dtensor" and common["iteration"] == STOP
+
+
+def test_retention_and_listing_treat_it_as_any_checkpoint(runs):
+    from recipes.checkpoints import describe
+
+    full = runs["root"] / "full"
+    assert latest_iteration(full) == STEPS and not iteration_dir(full, STOP).exists()  # keep_last=1
+    lines, newest = describe(full, verify=True)
+    assert newest == iteration_dir(full, STEPS)
+    assert "complete, verified" in lines[0] and "Megatron-FSDP optim_grads_params" in lines[0], lines
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("dp4_zero2", ["parallel.data_parallel_sharding_strategy=optim_grads"]),
+    ("tp2_sp_dp2_zero3", ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+])
+def test_zero3_checkpoint_continues_under_another_dp_size_sharding_and_tp(runs, name, layout, tmp_path):
+    tb = tmp_path / "tb"
+    run_pretrain(4, [*parity_overrides(None, tb, STEPS), *ZERO3, *layout, f"checkpoint.load={runs['at_stop']}",
+                     f"checkpoint.save={tmp_path / 'ckpt'}"])
+    for tag, tolerance in RESHARD_TOLERANCE.items():
+        full = {k: v for k, v in read_scalars(runs["full"], tag).items() if k > STOP}
+        diff = max_relative_difference(read_scalars(tb, tag), full)
+        print(f"reshard {name} {tag}: max rel diff {diff:.2e}")
+        assert diff <= tolerance, tag
+
+
+def test_run_without_megatron_fsdp_refuses_it_in_one_line(runs, tmp_path):
+    failed = run_pretrain(1, [*parity_overrides(None, tmp_path / "tb", STEPS), *SINGLE_PROCESS,
+                              f"checkpoint.load={runs['at_stop']}", f"checkpoint.save={tmp_path / 'ckpt'}"],
+                          check=False)
+    lines = [line for line in (failed.stdout + failed.stderr).splitlines() if "checkpoint error" in line]
+    assert failed.returncode != 0 and len(lines) == 1, failed.stderr[-2000:]
+    assert "saved by a Megatron-FSDP run (fsdp_dtensor format)" in lines[0]
+    assert "parallel.use_megatron_fsdp=true" in lines[0] and "export-hf" in lines[0]
+
+
+def test_export_hf_reads_it_identically_to_the_same_weights_saved_without_fsdp(initial_weights, tmp_path):
+    """A 0-step ZeRO-3 checkpoint holds the seed's initial weights, as `initial_weights` (1 process, torch_dist)
+    does: both export to the same Hugging Face tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    from recipes.convert import export_hf
+
+    run_pretrain(2, [*SMALL_MODEL, *ZERO3, "train.train_iters=0", f"checkpoint.save={tmp_path / 'zero3'}"])
+    assert (tmp_path / "zero3" / TRACKER).is_file()
+    exported = {}
+    for name, ckpt in (("zero3", tmp_path / "zero3"), ("reference", initial_weights)):
+        export_hf(ckpt, tmp_path / f"hf_{name}")
+        exported[name] = load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
+    assert sorted(exported["zero3"]) == sorted(exported["reference"])
+    for key, tensor in exported["reference"].items():
+        assert (exported["zero3"][key] == tensor).all(), key
