@@ -133,9 +133,6 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{cfg.train.global_batch_size}, precision {cfg.train.precision} on {args.gpus}× {gpu.name} "
           f"({args.gpus_per_node}/node); layer kernels at {100 * (args.mfu or kernel_efficiency(cfg)):.1f} % of peak "
           + ("(--mfu)" if args.mfu else f"(calibrated, {'compiled' if compiled_layers(cfg) else 'eager'} layers)"))
-    if cfg.parallel.use_megatron_fsdp:
-        print("note: the search leaves Megatron-FSDP out while its checkpoints are not wired (docs/memory.md): the "
-              "ranked layouts are DDP or ZeRO-1; your layout's own estimate includes its ZeRO-2/3 sharding")
     print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.memory_gib:.0f} GiB "
           f"(with {100 * FRAGMENTATION:.0f} % allocator slack)\n")
     if not fitting:

@@ -69,12 +69,8 @@ def _startup_clock():
 
 def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int, gpus_per_node: int):
     """parallel.auto=true: the planner's best layout for this world size, applied as overrides."""
-    from megatron_ext.config.validate import require
     from megatron_ext.planner.layouts import best_layout, detect_gpu
 
-    require(not cfg.parallel.use_megatron_fsdp, "parallel.auto", True, "the planner's search leaves Megatron-FSDP "
-            "out while its checkpoints are not wired: with parallel.use_megatron_fsdp set the layout by hand (PP=1, "
-            "docs/memory.md)")
     gpu = cfg.parallel.auto_gpu or detect_gpu()
     chosen = best_layout(cfg, world_size, gpus_per_node, gpu)
     planned = [f"{key}={'null' if value is None else value}" for key, value in chosen.items()]

@@ -9,6 +9,7 @@ TransformerEngine, liger-kernel) by :mod:`megatron_ext.config.kernels`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import typing
 from typing import Any
@@ -24,14 +25,21 @@ def require(ok: bool, key: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
+@functools.cache
+def _literal_keys(section: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """A config section's Literal-typed keys and their values (resolving the annotations is slow: the planner
+    validates thousands of candidate layouts)."""
+    hints = typing.get_type_hints(section)
+    return tuple((name, allowed_values(annotation)) for name, annotation in hints.items() if allowed_values(annotation))
+
+
 def _check_enum_values(cfg: RecipeConfig) -> None:
     """Every Literal-typed key holds one of its values, also in a config built in code rather than loaded."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
-        for name, annotation in typing.get_type_hints(type(values)).items():
-            allowed = allowed_values(annotation)
+        for name, allowed in _literal_keys(type(values)):
             value = getattr(values, name)
-            if allowed and not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
                 require(False, f"{section.name}.{name}", value, f"one of {', '.join(map(shown_value, allowed))}")
 
 

@@ -86,15 +86,15 @@ class Layout:
     distopt: bool
     recompute: Optional[str]
     mbs: int
-    # Megatron-FSDP's strategy (ZeRO-2/3) on top of the distributed optimizer; None = DDP. Estimated when a config
-    # asks for it; the search leaves it out while its checkpoints are not wired (docs/memory.md).
+    # Megatron-FSDP's strategy (ZeRO-2/3) on top of the distributed optimizer; None = its DDP (docs/memory.md).
     sharding: Optional[ShardingStrategy] = None
 
     def overrides(self) -> dict[str, Any]:
         """The config values of this layout, as ``section.key`` → value."""
-        fsdp = ({"parallel.use_megatron_fsdp": True, "parallel.data_parallel_sharding_strategy": self.sharding}
-                if self.sharding else {})
-        return {**fsdp,
+        # Megatron-FSDP overlaps its own gathers and reduce-scatters (megatron-core's overlap flags are refused).
+        fsdp = ({"parallel.data_parallel_sharding_strategy": self.sharding, "parallel.overlap_grad_reduce": False,
+                 "parallel.overlap_param_gather": False} if self.sharding else {})
+        return {"parallel.use_megatron_fsdp": self.sharding is not None, **fsdp,
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,
@@ -113,7 +113,8 @@ class Layout:
             sequence_parallel=self.sp, use_distributed_optimizer=self.distopt,
             use_megatron_fsdp=self.sharding is not None,
             data_parallel_sharding_strategy=self.sharding or cfg.parallel.data_parallel_sharding_strategy,
-            overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt,
+            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and self.sharding is None,
+            overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt and self.sharding is None,
             num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
         )
         t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
@@ -480,6 +481,8 @@ class Estimate:
     tokens_per_s_per_gpu: float
     fits: bool
     gpu_memory: float
+    # Megatron-FSDP layouts: the same layout's memory (bytes, by part as `memory`) with ZeRO-1 instead
+    without_sharding: Optional[dict[str, float]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.label(), "overrides": self.layout.overrides(),
@@ -645,9 +648,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+# (distributed optimizer, Megatron-FSDP strategy): DDP, ZeRO-1, ZeRO-2, ZeRO-3
+_DATA_PARALLEL_SHARDINGS: tuple[tuple[bool, Optional[ShardingStrategy]], ...] = (
+    (False, None), (True, None), (True, "optim_grads"), (True, "optim_grads_params"))
+
+
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                       micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
-    """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split."""
+    """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split; with the
+    distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1)."""
     gpn = min(gpus_per_node, world_size)
     layers = cfg.model.num_layers
     for tp in _divisors(gpn):
@@ -659,26 +668,34 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                 dp = world_size // (tp * pp * cp)
                 for vpp in vpps:
                     for sp in ([False, True] if tp > 1 else [False]):
-                        for distopt in (False, True):
-                            for recompute in (None, "selective", "full"):
-                                for mbs in micro_batch_sizes:
-                                    layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs)
-                                    try:
-                                        validate_layout(layout.apply(cfg), world_size, te_available=True,
-                                                        fp8_capable=True)
-                                    except ConfigError:
-                                        continue
-                                    yield layout
+                        for distopt, sharding in _DATA_PARALLEL_SHARDINGS:
+                                for recompute in (None, "selective", "full"):
+                                    for mbs in micro_batch_sizes:
+                                        layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding)
+                                        try:
+                                            validate_layout(layout.apply(cfg), world_size, te_available=True,
+                                                            fp8_capable=True)
+                                        except ConfigError:
+                                            continue
+                                        yield layout
 
 
 def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUSpec,
          mfu: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
-    """Every valid layout, those that fit first, fastest first (then smallest memory)."""
+    """Every valid layout: those that fit first, DDP/ZeRO-1 before ZeRO-2/3, fastest first (then smallest memory)."""
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     vocab = model_vocab_size(cfg)
     estimates = [estimate(layout.apply(cfg), world_size, gpus_per_node, spec, vocab, mfu, grad_reduce_in_fp32)
                  for layout in candidate_layouts(cfg, world_size, gpus_per_node)]
-    return sorted(estimates, key=lambda e: (not e.fits, e.time["step"], e.memory["total"]))
+    by_layout = {e.layout: e for e in estimates}
+    for e in estimates:
+        if e.layout.sharding:
+            counterpart = by_layout.get(dataclasses.replace(e.layout, sharding=None))
+            e.without_sharding = counterpart.memory if counterpart else None
+    # The guide's decision tree: ZeRO-2/3 when nothing lighter fits. Megatron-FSDP's time terms are uncalibrated and
+    # its gathers cost bandwidth ZeRO-1 does not spend, so a fitting DDP/ZeRO-1 layout ranks first.
+    return sorted(estimates, key=lambda e: (not e.fits, e.layout.sharding is not None, e.time["step"],
+                                            e.memory["total"]))
 
 
 def detect_gpu() -> str:
@@ -726,12 +743,20 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
                      "beyond what attention hides.")
     shard = f"sharded over DP×CP={L.dp * L.cp}" if L.distopt and L.dp * L.cp > 1 else "replicated"
     if L.sharding:
-        shard += (f"; Megatron-FSDP ZeRO-{ZERO_LEVEL[L.sharding]} shards the gradients"
-                  + (" and the parameters, gathering two layers at a time," if ZERO_LEVEL[L.sharding] == 3 else "")
-                  + " over it too")
+        level = ZERO_LEVEL[L.sharding]
+        shard += (f"; Megatron-FSDP ZeRO-{level} shards the gradients"
+                  + (" and the parameters, gathering two layers at a time," if level == 3 else "") + " over it too")
     parts.append(f"Optimizer state {mem['optimizer'] / GIB:.1f} GiB ({shard}); "
                  f"params {mem['params'] / GIB:.1f}, "
                  f"grads {mem['grads'] / GIB:.1f}, activations {mem['activations'] / GIB:.1f} GiB "
                  f"with recompute={L.recompute or 'none'} and micro batch {L.mbs}; DP gradient sync exposes "
                  f"{t['dp_comm']:.2f} s.")
+    zero1 = e.without_sharding
+    if L.sharding and zero1 is not None:
+        verdict = ("does not fit" if zero1["total"] * (1 + FRAGMENTATION) > e.gpu_memory
+                   else "would fit too; this one is planned faster")
+        parts.append(f"With ZeRO-1 this layout needs {zero1['total'] / GIB:.1f} GiB/GPU (params "
+                     f"{zero1['params'] / GIB:.1f}, grads {zero1['grads'] / GIB:.1f}, optimizer state "
+                     f"{zero1['optimizer'] / GIB:.1f} GiB) and {verdict}; ZeRO-{level} over DP×CP={L.dp * L.cp} "
+                     f"brings params and grads to {mem['params'] / GIB:.1f} + {mem['grads'] / GIB:.1f} GiB.")
     return " ".join(parts)

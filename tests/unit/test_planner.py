@@ -10,7 +10,6 @@ import pytest
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
-from megatron_ext.errors import ConfigError
 from megatron_ext.planner import layouts as planner
 from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, plan
 from tests.launch import ROOT
@@ -70,7 +69,7 @@ def test_best_layout_gives_config_values_the_recipe_accepts():
     assert set(best) == {"parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                          "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",
                          "parallel.sequence_parallel", "parallel.use_distributed_optimizer",
-                         "train.micro_batch_size", "train.recompute_granularity"}
+                         "parallel.use_megatron_fsdp", "train.micro_batch_size", "train.recompute_granularity"}
     overrides = [f"{k}={'null' if v is None else str(v).lower()}" for k, v in best.items()]
     validate_layout(load_config(LLAMA3_8B, overrides), 8, te_available=True)
 
@@ -99,12 +98,11 @@ def test_cli_table_explains_the_best(capsys):
     assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "5", "--seq-length", "4096"]) == 0
     out = capsys.readouterr().out
     assert "fastest layouts that fit" in out and "1. TP" in out and "to use the best:" in out
-    assert "leaves Megatron-FSDP out" not in out
+    assert "ZeRO-" not in out.split("fastest layouts that fit")[1].split("1. TP")[0]  # ZeRO-1 fits: no FSDP
     assert main(["--config", str(LLAMA3_8B), "--gpus", "8", "--top", "1", "parallel.use_megatron_fsdp=true",
                  "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]) == 0
     out = capsys.readouterr().out
-    assert "note: the search leaves Megatron-FSDP out while its checkpoints are not wired" in out
-    assert "the config's own layout TP2 PP1 CP1 DP4 SP distopt ZeRO-3 mbs1" in out and "outside the search" in out
+    assert "the config's own layout TP2 PP1 CP1 DP4 SP distopt ZeRO-3 mbs1" in out and "(fits; rank" in out
 
 
 def test_llama3_8b_on_8_h100_matches_published_layouts():
@@ -199,9 +197,8 @@ def test_recipe_auto_layout_is_the_planners_best_and_valid():
                                     expected["parallel.pipeline_model_parallel_size"],
                                     expected["parallel.context_parallel_size"], expected["train.micro_batch_size"])
     validate_layout(cfg, 8, te_available=True, fp8_capable=True)
-    with pytest.raises(ConfigError, match="parallel.auto=True is invalid: the planner's search leaves Megatron-FSDP"):
-        fsdp = [*overrides, "parallel.use_megatron_fsdp=true"]
-        _with_planned_layout(config, fsdp, load_config(config, fsdp), world_size=8, gpus_per_node=8)
+    fsdp = [*overrides, "parallel.use_megatron_fsdp=true"]  # the planner decides: ZeRO-1 fits, so no Megatron-FSDP
+    assert not _with_planned_layout(config, fsdp, load_config(config, fsdp), 8, 8).parallel.use_megatron_fsdp
 
 
 # Measured on one H100 80GB, torch 2.11, megatron-core 0.16.1, no TE (docs/measurements/h100-2026-11-23.md §3):
@@ -251,9 +248,9 @@ def test_the_readme_recipe_table_gives_each_recipes_checkpoint_size_and_retentio
         assert kept.strip() == (f"newest {ck.keep_last} + every {ck.keep_every:,}th" if ck.keep_last else "all"), path
 
 
-def test_megatron_fsdp_is_estimated_as_asked_and_left_out_of_the_search():
+def test_megatron_fsdp_is_estimated_as_asked_and_searched_after_zero1():
     """ZeRO-2 shards the gradients, ZeRO-3 the parameters too (two layers gathered at a time); the optimizer state
-    is ZeRO-1's; the search keeps to DDP/ZeRO-1 layouts while Megatron-FSDP's checkpoints are not wired."""
+    is ZeRO-1's; the search ranks a fitting DDP/ZeRO-1 layout before any ZeRO-2/3 one."""
     base = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]
     zero = {level: load_config(LLAMA3_8B, [*base, *extra]) for level, extra in [
         (1, []), (2, ["parallel.use_megatron_fsdp=true", "parallel.data_parallel_sharding_strategy=optim_grads"]),
@@ -271,4 +268,6 @@ def test_megatron_fsdp_is_estimated_as_asked_and_left_out_of_the_search():
                                                                                              GPUS["h100-80gb"])
     assert est[3].layout.overrides()["parallel.data_parallel_sharding_strategy"] == "optim_grads_params"
     assert est[3].time["dp_comm"] > est[2].time["dp_comm"] > 0  # it gathers the parameters twice per micro batch
-    assert all(e.layout.sharding is None for e in plan(zero[3], 8, 8, "h100-80gb"))
+    ranked = [e for e in plan(zero[3], 8, 8, "h100-80gb") if e.fits]
+    first_fsdp = next(i for i, e in enumerate(ranked) if e.layout.sharding)
+    assert first_fsdp > 0 and all(e.layout.sharding for e in ranked[first_fsdp:])
