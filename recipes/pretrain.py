@@ -95,15 +95,19 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
 
 
 def nothing_to_do(cfg, check_lock: bool) -> tuple[str, int] | None:
-    """(line, exit code) for a launch that must not start ranks: its run is already complete (0), or (with
-    `check_lock`, the launcher's check: a rank would see its own job's lock) another run holds its checkpoint
-    directory (2). Read from the checkpoint directory alone, in well under a second."""
-    from megatron_ext.checkpoint.resume import finished_run
+    """(line, exit code) for a launch that must not start ranks: its run is already complete (0), its checkpoint
+    was written with(out) Megatron-FSDP and this run is not (2), or (with `check_lock`, the launcher's check: a rank
+    would see its own job's lock) another run holds its checkpoint directory (2). Read from the checkpoint directory
+    alone, in well under a second."""
+    from megatron_ext.checkpoint.resume import finished_run, format_refusal
     from megatron_ext.checkpoint.run_lock import holder_of
 
     done = finished_run(cfg)
     if done:
         return done, 0
+    refusal = format_refusal(cfg)
+    if refusal:
+        return f"checkpoint error: {refusal}", EXIT_USER_ERROR
     held = holder_of(cfg.checkpoint.save) if check_lock and cfg.checkpoint.save else None
     return (f"checkpoint error: {held}", EXIT_USER_ERROR) if held else None
 

@@ -136,6 +136,24 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
     return start
 
 
+def format_refusal(cfg: RecipeConfig) -> Optional[str]:
+    """Why the training state to resume was written for the other data-parallel implementation (Megatron-FSDP or
+    not), or None. From the newest checkpoint's common.pt alone, so the launcher says it before any rank starts;
+    one it cannot read is left to the ranks, which verify it and fall back."""
+    load = resume_dir(cfg)
+    latest = layout.latest_iteration(load) if load else None
+    if latest is None:
+        return None
+    ckpt_dir = layout.iteration_dir(load, latest)
+    try:
+        common = layout.read_common(ckpt_dir)
+    except Exception:  # noqa: BLE001 -- a damaged checkpoint is the ranks' to report
+        return None
+    if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
+        return None
+    return save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
+
+
 def finished_run(cfg: RecipeConfig) -> Optional[str]:
     """The one line for a launch whose checkpoint directory already holds train.train_iters (nothing to do), else
     None. From the tracker and the file sizes its manifest lists (no reads), so the launcher can say it before any

@@ -71,7 +71,7 @@ def test_zero3_checkpoint_continues_under_another_dp_size_sharding_and_tp(runs, 
         assert diff <= tolerance, tag
 
 
-def test_run_without_megatron_fsdp_refuses_it_in_one_line(runs, tmp_path):
+def test_run_without_megatron_fsdp_refuses_it_in_one_line_before_any_rank_starts(runs, tmp_path):
     failed = run_pretrain(1, [*parity_overrides(None, tmp_path / "tb", STEPS), *SINGLE_PROCESS,
                               f"checkpoint.load={runs['at_stop']}", f"checkpoint.save={tmp_path / 'ckpt'}"],
                           check=False)
@@ -79,6 +79,7 @@ def test_run_without_megatron_fsdp_refuses_it_in_one_line(runs, tmp_path):
     assert failed.returncode != 0 and len(lines) == 1, failed.stderr[-2000:]
     assert "saved by a Megatron-FSDP run (fsdp_dtensor format)" in lines[0]
     assert "parallel.use_megatron_fsdp=true" in lines[0] and "export-hf" in lines[0]
+    assert "rank" not in lines[0] and not (tmp_path / "ckpt").exists()  # said by the launcher, no rank started
 
 
 def test_export_hf_reads_it_identically_to_the_same_weights_saved_without_fsdp(initial_weights, tmp_path):

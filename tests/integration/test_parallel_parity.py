@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from megatron_ext.config.schema import load_config
+from megatron_ext.config.schema import data_parallel_size, load_config
 from megatron_ext.planner.layouts import model_vocab_size, rank_static_bytes
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.launch import TINY, max_relative_difference, read_scalars, run_pretrain
@@ -62,6 +62,8 @@ LAYOUTS = {
     "dp2_zero2": (2, [*TP1, *PP1, *FSDP, "parallel.data_parallel_sharding_strategy=optim_grads"],
                   ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads (ZeRO-2) over DP×CP=2"]),
     "dp2_zero3": (2, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads_params (ZeRO-3)"]),
+    "dp4_zero3": (4, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP4 × PP1",
+                                         "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4"]),
     "dp2_tp2_sp_zero3": (4, [*PP1, *FSDP], ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
                                           "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=2"]),
     "dp2_tp2_pp2": (8, [], ["TP2 × CP1 × DP2 × PP2", "sequence parallel", DISTOPT2]),
@@ -74,7 +76,8 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, initial_weights, single_process_reference, tmp_path):
     nproc, layout, expected = LAYOUTS[name]
     tb = tmp_path / "tb"
-    # Megatron-FSDP runs load no checkpoint yet; at PP 1 their seed-initialised weights are the initial weights
+    # Megatron-FSDP runs do not start from weights (checkpoint.pretrained_checkpoint); at PP 1 their seed-initialised
+    # weights are the initial weights
     weights = None if FSDP[0] in layout else initial_weights
     proc = run_pretrain(nproc, [*parity_overrides(weights, tb), *layout], timeout=900)
     log = proc.stdout + proc.stderr
@@ -89,9 +92,10 @@ def test_layout_matches_single_process(name, initial_weights, single_process_ref
         planned = rank_static_bytes(cfg, nproc, 0, 0, model_vocab_size(cfg))
         assert abs(planned["params"] / 4 - params) <= 0.1 * params, (planned, held[0])
         assert abs(planned["grads"] / 4 - grads) <= 0.1 * grads, (planned, held[0])
-        assert model / 2 <= grads <= 1.01 * model / 2, held[0]
+        shard = model / data_parallel_size(cfg, nproc)
+        assert shard <= grads <= 1.01 * shard, held[0]
         sharded_params = "parallel.data_parallel_sharding_strategy=optim_grads" not in layout  # ZeRO-3
-        assert (model / 2 if sharded_params else model) <= params <= 1.01 * (model / 2 if sharded_params else model)
+        assert (shard if sharded_params else model) <= params <= 1.01 * (shard if sharded_params else model)
     for tag, tolerance in TOLERANCE.items():
         reference = read_scalars(single_process_reference, tag)
         measured = read_scalars(tb, tag)
