@@ -32,6 +32,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megatron_ext.errors import IncompatibleCheckpointError
 
@@ -64,8 +65,12 @@ def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
     megatron-core builds the optimizer part of a checkpoint from the live state, which is empty until
     the first step: its DistributedOptimizer.state_dict() asserts on one torch ``step`` value
     (distrib_optimizer.py:642) and its parameter-state gather expects the moments. TE FusedAdam's state
-    is the two moments only (a ``step`` key would make its state_dict() raise KeyError).
+    is the two moments only (a ``step`` key would make its state_dict() raise KeyError). megatron-core's
+    CPU-offload optimizer (HybridDeviceOptimizer) creates its sub-optimizers' state with its own dummy step.
     """
+    for opt in megatron_optimizers(optimizer):
+        if isinstance(opt.optimizer, HybridDeviceOptimizer) and not opt.optimizer.state:
+            opt.optimizer.dummy_step()
     for inner, state, param in _adam_states(optimizer):
         if state:
             continue
@@ -132,6 +137,8 @@ def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
     and then restored as the param's own tensor, because torch Adam increments it in place once per param.
     """
     adapt_optimizer_state(optimizer, state)
+    steps = [_saved_step(part["optimizer"] if "optimizer" in part else part)
+             for _, part in _optimizer_substates(optimizer, state)]
     repaired = [opt for opt in megatron_optimizers(optimizer)
                 if is_torch_adam(opt.optimizer) and hasattr(opt, "_set_main_param_and_optimizer_states")]
     for opt in repaired:
@@ -141,6 +148,30 @@ def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
     finally:
         for opt in repaired:
             opt.__dict__.pop("_set_main_param_and_optimizer_states", None)
+    for opt, step in zip(megatron_optimizers(optimizer), steps):
+        if isinstance(opt.optimizer, HybridDeviceOptimizer):
+            _complete_offloaded_load(opt.optimizer, step)
+
+
+def _complete_offloaded_load(hybrid: HybridDeviceOptimizer, step: Optional[float]) -> None:
+    """Under CPU offload, put the loaded fp32 master weights and step count where the optimizer steps from.
+
+    megatron-core 0.16.1's distributed optimizer loads its parameter state after HybridDeviceOptimizer's own
+    load_state_dict hook has rebuilt its fp32 copies and sub-optimizer states, and puts the loaded weights only into
+    its ``state`` (``master_param``): the copies it steps kept what the empty-state dummy step gave them, and so did
+    the step counts (1) — which, where megatron-core does set them, are one tensor shared by every parameter, so torch
+    AdamW advanced it once per parameter. A resumed run drifted from the uninterrupted one from its second step
+    (measured on CPU at DP2, bf16); with each parameter's own restored count it reproduces it exactly.
+    """
+    with torch.no_grad():
+        for param, state in hybrid.state.items():
+            if "master_param" in state and param in hybrid.param_to_fp32_param:
+                hybrid.param_to_fp32_param[param].copy_(state["master_param"])
+        if step is not None:
+            for sub in hybrid.sub_optimizers:
+                for state in sub.state.values():
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = torch.full_like(state["step"], step)
 
 
 def _step_preserving(opt: MegatronOptimizer):

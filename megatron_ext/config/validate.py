@@ -213,6 +213,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     _validate_precision(cfg, te_available, fp8_capable)
     _validate_kernels(cfg, te_available)
     _validate_megatron_fsdp(cfg, dp * cp)
+    _validate_optimizer_offload(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
     require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
@@ -271,6 +272,27 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
              "pipelining, which eval's different micro-batch count breaks; use it with pipeline size 1"),
         ]:
             require(ok, key, value, why)
+
+
+def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
+    """What optimizer.optimizer_cpu_offload runs with: megatron-core's HybridDeviceOptimizer inside the distributed
+    optimizer, as verified here (docs/memory.md)."""
+    o, p, t = cfg.optimizer, cfg.parallel, cfg.train
+    require(0 < o.optimizer_offload_fraction <= 1, "optimizer.optimizer_offload_fraction", o.optimizer_offload_fraction,
+            "must be in (0, 1]: the fraction of the optimizer state kept in host memory")
+    if not o.optimizer_cpu_offload:
+        return
+    for ok, key, value, why in [
+        (p.use_distributed_optimizer, "parallel.use_distributed_optimizer", False,
+         "megatron-core offloads the distributed optimizer's state shards: set it true"),
+        (not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True,
+         "offload under Megatron-FSDP is not verified here: use ZeRO-1 (parallel.use_megatron_fsdp=false)"),
+        (t.precision == "bf16", "train.precision", t.precision,
+         "offload needs train.precision=bf16: megatron-core hands the host optimizer bf16 weight shards (fp32 ones are "
+         "views torch refuses to optimize; fp16 loss scaling under offload is not verified)"),
+        (t.fp8 is None, "train.fp8", t.fp8, "offload with FP8 is not verified here"),
+    ]:
+        require(ok, key, value, why)
 
 
 def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:

@@ -122,6 +122,30 @@ def integer_current_device() -> Iterator[None]:
         torch.cuda.current_device = saved
 
 
+@contextlib.contextmanager
+def host_offload_stand_ins(model_chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """While megatron-core builds its optimizer CPU offload (``HybridDeviceOptimizer``) in CPU rehearsal.
+
+    It offloads what ``param.is_cuda`` says is on the device, and in rehearsal everything is on the host: here the
+    tensors in the model's own storage (its weights and their shard views) count as device tensors, as on a GPU, so
+    it copies them to the "host" as it would there. Its precision-aware optimizer config compares TransformerEngine's
+    version (``None`` without TE, a TypeError in megatron-core 0.16.1's ``OptimizerConfig.__post_init__``): that check
+    answers "older than 2.1", as megatron-core itself treats an old TE. Only an offload fraction of 1.0 rehearses
+    faithfully: a partial split keeps fp32 clones on the device, which here are new host tensors.
+    """
+    from megatron.core.optimizer import optimizer_config
+
+    device_storage = {p.untyped_storage().data_ptr() for chunk in model_chunks for p in chunk.parameters()}
+    te_check = optimizer_config.is_te_min_version
+    torch.Tensor.is_cuda = property(lambda t: t.untyped_storage().data_ptr() in device_storage)
+    optimizer_config.is_te_min_version = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda
+        optimizer_config.is_te_min_version = te_check
+
+
 def needed() -> bool:
     """True when there is no usable GPU, i.e. when training runs as a CPU rehearsal."""
     return not torch.cuda.is_available()

@@ -514,9 +514,12 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     if _stage_chunks(shape, layout.pp, layout.vpp, pp_rank)[-1][2]:
         buffers += _output_loss_bytes(cfg, shape, tokens)[1]
     # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
+    # optimizer.optimizer_cpu_offload keeps that fraction of the state (fp32 master weights, moments) in host memory.
+    o = cfg.optimizer
+    on_device = 1 - o.optimizer_offload_fraction if o.optimizer_cpu_offload else 1
     mem = {
         "params": params * d_bytes, "grads": grads * grad_bytes,
-        "optimizer": max(owned) * (8 + (4 if d_bytes == 2 else 0)),
+        "optimizer": max(owned) * (8 + (4 if d_bytes == 2 else 0)) * on_device,
         "activations": stage_activation_bytes(cfg, vocab_size, world_size, pp_rank),
         "buffers": buffers, "reserved": NON_TORCH_RESERVE_GIB * GIB,
     }

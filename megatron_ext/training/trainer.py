@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
-from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
+from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
@@ -38,7 +38,6 @@ from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model.build import build_model
-from megatron_ext.model.llama import PARAMETER_DTYPES
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
     NonFiniteSteps,
@@ -48,6 +47,13 @@ from megatron_ext.resilience.divergence import (
 )
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.watchdog import HangWatchdog
+from megatron_ext.training.optimizer import (
+    build_optimizer,
+    describe_offload,
+    offload_stand_ins,
+    select_torch_adam_kernel,
+    update_kernel,
+)
 
 log = logging.getLogger("megatron_ext")
 
@@ -135,31 +141,6 @@ def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]],
     return loss_sum / tokens, any(flags)
 
 
-def _select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
-    """Pick the update kernel of megatron-core's torch AdamW fallback (no TE/apex): torch's fused
-    kernel (one pass over params, grads and moments) or torch's default (foreach on GPU, several
-    passes). TE/apex FusedAdam is left alone."""
-    for opt in megatron_optimizers(optimizer):
-        inner = opt.optimizer
-        if not is_torch_adam(inner):
-            continue
-        for group in inner.param_groups:
-            group["fused"], group["foreach"] = fused, False if fused else None
-            for param in group["params"]:
-                state = inner.state[param]
-                if fused and "step" in state:  # the fused kernel reads the step count on the param's device
-                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
-
-
-def _update_kernel(optimizer: MegatronOptimizer) -> str:
-    """Which Adam implementation updates the weights, for the start-up log."""
-    inner = megatron_optimizers(optimizer)[0].optimizer
-    if not is_torch_adam(inner):
-        return f"{type(inner).__module__.split('.')[0]} {type(inner).__name__}"  # TE's or apex's FusedAdam
-    kernel = "fused kernel" if inner.param_groups[0].get("fused") else "torch's default kernel (foreach on GPU)"
-    return f"torch {type(inner).__name__}, {kernel}"
-
-
 def _describe_grad_sync(model: list, optimizer: MegatronOptimizer) -> str:
     """How gradients and parameters move over DP×CP, read from megatron-core's DDP and optimizer objects."""
     ddp = model[0].ddp_config
@@ -190,7 +171,9 @@ class Trainer:
         cfg, self.config, chunks = build_model(cfg, vocab, self.on_gpu)
         self.cfg = cfg  # with its `auto` kernel options decided
         self.model = wrap_with_ddp(chunks, self.config, cfg)
-        self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
+        self.optimizer = build_optimizer(cfg, self.model, self.on_gpu)
+        if cfg.optimizer.optimizer_cpu_offload:
+            self._info(describe_offload(self.optimizer))
         o, t = cfg.optimizer, cfg.train
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
@@ -204,14 +187,15 @@ class Trainer:
         self.startup.mark("model and optimizer")
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu)
         try:
-            self.iteration, self.consumed_samples = self.checkpointer.load()
+            with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
+                self.iteration, self.consumed_samples = self.checkpointer.load()
         except BaseException:
             self.checkpointer.abort()  # gives back the run lock it may have taken
             raise
         # After any load: it restores the kernel flags the checkpoint was saved with.
-        _select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
+        select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self.startup.mark("checkpoint load")
-        self._info(f"optimizer: {_update_kernel(self.optimizer)}; " + (
+        self._info(f"optimizer: {update_kernel(self.optimizer)}; " + (
             describe_sharding(self.model) if cfg.parallel.use_megatron_fsdp
             else _describe_grad_sync(self.model, self.optimizer)))
         if cfg.train.precision == "fp16" and self.on_gpu and torch.cuda.is_bf16_supported():
@@ -231,18 +215,6 @@ class Trainer:
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
-
-    def _optimizer_config(self) -> OptimizerConfig:
-        o, cfg, t = self.cfg.optimizer, self.cfg, self.cfg.train
-        return OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-            bf16=t.precision == "bf16", fp16=t.precision == "fp16", params_dtype=PARAMETER_DTYPES[t.precision],
-            initial_loss_scale=t.initial_loss_scale, min_loss_scale=t.min_loss_scale,
-            loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-            overlap_param_gather=cfg.parallel.overlap_param_gather,
-        )
 
     def loss_scale(self) -> Optional[float]:
         """fp16's current loss scale; None without one (bf16, fp32)."""

@@ -71,6 +71,13 @@ def test_overrides_are_typed():
         ([*ZERO3, "parallel.overlap_grad_reduce=true"], 4, "Megatron-FSDP overlaps its own gathers"),
         ([*ZERO3, "train.precision=fp16"], 4, "fp16 under Megatron-FSDP is not verified"),
 
+        # optimizer CPU offload (tiny is TP2 × PP2 at 4 processes, fp32 unless a case says otherwise)
+        (["optimizer.optimizer_cpu_offload=true"], 4, "offload needs train.precision=bf16"),
+        (["optimizer.optimizer_cpu_offload=true", "train.precision=bf16", "parallel.use_distributed_optimizer=false"],
+         4, "megatron-core offloads the distributed optimizer's state shards"),
+        ([*ZERO3, "optimizer.optimizer_cpu_offload=true", "train.precision=bf16"], 4,
+         "offload under Megatron-FSDP is not verified"),
+        (["optimizer.optimizer_offload_fraction=0"], 4, "optimizer.optimizer_offload_fraction=0.0 is invalid: must be in"),
         (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
     ],

@@ -1,0 +1,92 @@
+"""The run's megatron-core optimizer: its config from the recipe, optimizer CPU offload (megatron-core's
+HybridDeviceOptimizer, with CPU rehearsal's stand-ins), the torch AdamW kernel, and what the start-up log says."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.distributed import cpu_backend
+from megatron_ext.errors import ConfigError
+from megatron_ext.model.llama import PARAMETER_DTYPES
+
+OFFLOADED_BYTES_PER_ELEMENT = 12  # fp32 master weight + two fp32 Adam moments
+
+
+def optimizer_config(cfg: RecipeConfig) -> OptimizerConfig:
+    o, t = cfg.optimizer, cfg.train
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+        bf16=t.precision == "bf16", fp16=t.precision == "fp16", params_dtype=PARAMETER_DTYPES[t.precision],
+        initial_loss_scale=t.initial_loss_scale, min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        # megatron-core's offload reuses the precision-aware optimizer's path (as Megatron-LM requires it)
+        optimizer_cpu_offload=o.optimizer_cpu_offload, use_precision_aware_optimizer=o.optimizer_cpu_offload,
+        optimizer_offload_fraction=o.optimizer_offload_fraction,
+    )
+
+
+def offload_stand_ins(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> contextlib.AbstractContextManager:
+    """CPU rehearsal's stand-ins for megatron-core's optimizer offload, wherever it (re)builds its host copies: when
+    the optimizer is built and when a checkpoint is loaded into it."""
+    if on_gpu or not cfg.optimizer.optimizer_cpu_offload:
+        return contextlib.nullcontext()
+    return cpu_backend.host_offload_stand_ins(model_chunks)
+
+
+def build_optimizer(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> MegatronOptimizer:
+    """megatron-core's optimizer for the model; with optimizer.optimizer_cpu_offload its HybridDeviceOptimizer."""
+    o = cfg.optimizer
+    if o.optimizer_cpu_offload and on_gpu and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("optimizer.optimizer_cpu_offload=True is invalid here: megatron-core's offload builds its "
+                          "precision-aware optimizer, which needs TransformerEngine on a GPU (the NGC container)")
+    if o.optimizer_cpu_offload and not on_gpu and o.optimizer_offload_fraction != 1.0:
+        raise ConfigError(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} is invalid in CPU "
+                          "rehearsal: only 1.0 (all of the state on the host) rehearses faithfully without a GPU")
+    with offload_stand_ins(cfg, model_chunks, on_gpu):
+        return get_megatron_optimizer(optimizer_config(cfg), model_chunks)
+
+
+def describe_offload(optimizer: MegatronOptimizer) -> str:
+    """Where megatron-core's HybridDeviceOptimizer keeps this rank's optimizer state, read from its host copies."""
+    hybrid = optimizer.optimizer
+    total = sum(p.numel() for group in hybrid.param_groups for p in group["params"])
+    host = sum(p.numel() for p in hybrid.gpu_params_map_cpu_copy)
+    share = 100 * host / max(total, 1)
+    stepper = type(hybrid.cpu_optimizers[0]).__name__ if hybrid.cpu_optimizers else "AdamW"
+    return (f"optimizer CPU offload: {host:,} of this rank's {total:,} optimizer elements ({share:.0f} %, "
+            f"{host * OFFLOADED_BYTES_PER_ELEMENT / 2**30:.2f} GiB of fp32 weights and Adam moments) live in host "
+            f"memory and are stepped by torch {stepper} on the CPU")
+
+
+def select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
+    """Pick the update kernel of megatron-core's torch AdamW fallback (no TE/apex): torch's fused
+    kernel (one pass over params, grads and moments) or torch's default (foreach on GPU, several
+    passes). TE/apex FusedAdam is left alone."""
+    for opt in megatron_optimizers(optimizer):
+        inner = opt.optimizer
+        if not is_torch_adam(inner):
+            continue
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = fused, False if fused else None
+            for param in group["params"]:
+                state = inner.state[param]
+                if fused and "step" in state:  # the fused kernel reads the step count on the param's device
+                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
+def update_kernel(optimizer: MegatronOptimizer) -> str:
+    """Which Adam implementation updates the weights, for the start-up log."""
+    inner = megatron_optimizers(optimizer)[0].optimizer
+    if not is_torch_adam(inner):
+        return f"{type(inner).__module__.split('.')[0]} {type(inner).__name__}"  # TE's or apex's FusedAdam
+    kernel = "fused kernel" if inner.param_groups[0].get("fused") else "torch's default kernel (foreach on GPU)"
+    return f"torch {type(inner).__name__}, {kernel}"
