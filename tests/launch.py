@@ -26,6 +26,15 @@ SMALL_MODEL = [
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=1", "train.eval_interval=1000",
     "optimizer.lr_warmup_iters=2", "logging.log_interval=1",
 ]
+# A small bf16 Llama on random tokens on one GPU, for the GPU-only tests that compare two ways of training it.
+ONE_GPU_SMALL = [
+    "model.num_layers=2", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
+    "model.ffn_hidden_size=1536", "model.seq_length=512", "model.vocab_size=32000",
+    "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+    "parallel.sequence_parallel=false", "train.precision=bf16", "train.micro_batch_size=2",
+    "train.global_batch_size=4", "train.train_iters=8", "train.eval_iters=0", "optimizer.lr_warmup_iters=0",
+    "data.mock=true", "data.blend=null", "data.tokenizer_model=null",
+]
 SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                   "parallel.sequence_parallel=false"]
 

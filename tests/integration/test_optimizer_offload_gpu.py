@@ -10,18 +10,13 @@ import re
 import pytest
 import torch
 
-from tests.launch import run_pretrain
+from tests.launch import ONE_GPU_SMALL, run_pretrain
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
     reason="optimizer CPU offload on a device needs a GPU and TransformerEngine")
 
-SHAPE = ["model.num_layers=2", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
-         "model.ffn_hidden_size=1536", "model.seq_length=512", "model.vocab_size=32000",
-         "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
-         "parallel.sequence_parallel=false", "train.precision=bf16", "train.micro_batch_size=2",
-         "train.global_batch_size=4", "train.train_iters=8", "train.eval_iters=0", "optimizer.lr_warmup_iters=0",
-         "data.mock=true", "data.blend=null", "data.tokenizer_model=null"]
+SHAPE = ONE_GPU_SMALL
 
 
 def _losses(stdout: str) -> list[float]:
