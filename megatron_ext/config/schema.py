@@ -156,9 +156,9 @@ class OptimizerSection:
     # torch AdamW's single-kernel update where megatron-core falls back to torch (no TE/apex
     # FusedAdam); false = torch's multi-pass foreach update.
     fused_adam: bool = True
-    # Keep this fraction of the optimizer state (fp32 master weights and Adam moments) in host memory and step it with
-    # torch AdamW on the CPU (megatron-core's HybridDeviceOptimizer; docs/memory.md). Needs the distributed optimizer
-    # and bf16.
+    # Keep optimizer_offload_fraction of the optimizer state (fp32 master weights, Adam moments) in host memory, stepped
+    # by torch AdamW on the CPU (megatron-core's HybridDeviceOptimizer; docs/memory.md). Needs the distributed
+    # optimizer and bf16.
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0  # of the optimizer state on the host, with optimizer_cpu_offload
 
