@@ -4,8 +4,11 @@ belong in pytest's tmp_path)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -104,3 +107,15 @@ def byte_bpe_dir(unicode_corpus, tmp_path_factory) -> Path:
     train_mod.main(["--input", str(unicode_corpus), "--vocab-size", "400", "--model-type", "byte-bpe",
                     "--output-prefix", str(out)])
     return out
+
+
+@pytest.fixture(scope="module")
+def megatron() -> Iterator[Callable[..., Any]]:
+    """Runs a function in one spawned process that builds every megatron model of this module.
+
+    Conversions build models in a world of one, and on CPU that installs megatron_ext.distributed.cpu_backend,
+    which patches torch for the life of the process; the pytest process must stay unpatched for
+    the other test files (test_cpu_backend checks that CUDA placement fails without it).
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result()

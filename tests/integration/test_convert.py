@@ -9,13 +9,10 @@ imported model trains with the recipe and its export reproduces the trained mode
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -94,18 +91,6 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.Comp
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-4000:]}")
     return proc
-
-
-@pytest.fixture(scope="module")
-def megatron() -> Iterator[Callable[..., Any]]:
-    """Runs a function in one spawned process that builds every megatron model of this module.
-
-    Conversions build models in a world of one, and on CPU that installs megatron_ext.distributed.cpu_backend,
-    which patches torch for the life of the process; the pytest process must stay unpatched for
-    the other test files (test_cpu_backend checks that CUDA placement fails without it).
-    """
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield lambda fn, *args, **kwargs: pool.submit(fn, *args, **kwargs).result()
 
 
 @pytest.fixture(scope="module")
