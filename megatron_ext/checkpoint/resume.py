@@ -108,17 +108,14 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
         iteration = save_load.intact_iteration(load)
         ckpt_dir = layout.iteration_dir(load, iteration)
         common = layout.read_common(ckpt_dir)
+        problem = save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
+        if problem:
+            raise CheckpointError(problem)
         if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
-            if cfg.parallel.use_megatron_fsdp:
-                raise CheckpointError(f"{ckpt_dir} holds weights only (an import): starting a Megatron-FSDP run "
-                                      "from weights is not wired; train from it with parallel.use_megatron_fsdp=false")
             save_load.load_pretrained_weights(load, model_chunks, optimizer, iteration)
             _info(f"loaded weights of {load} (iteration {iteration}); training starts at iteration 0")
             start = (0, 0)
         else:
-            problem = save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
-            if problem:
-                raise CheckpointError(problem)
             _check_config(ckpt_dir, common.get("config", {}), cfg)
             start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
                                                   cfg.to_dict())
@@ -137,9 +134,9 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tu
 
 
 def format_refusal(cfg: RecipeConfig) -> Optional[str]:
-    """Why the training state to resume was written for the other data-parallel implementation (Megatron-FSDP or
-    not), or None. From the newest checkpoint's common.pt alone, so the launcher says it before any rank starts;
-    one it cannot read is left to the ranks, which verify it and fall back."""
+    """Why the checkpoint to resume was written for the other data-parallel implementation (Megatron-FSDP or not),
+    or holds weights only for a Megatron-FSDP run, or None. From the newest checkpoint's common.pt alone, so the
+    launcher says it before any rank starts; one it cannot read is left to the ranks, which verify it and fall back."""
     load = resume_dir(cfg)
     latest = layout.latest_iteration(load) if load else None
     if latest is None:
@@ -148,8 +145,6 @@ def format_refusal(cfg: RecipeConfig) -> Optional[str]:
     try:
         common = layout.read_common(ckpt_dir)
     except Exception:  # noqa: BLE001 -- a damaged checkpoint is the ranks' to report
-        return None
-    if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
         return None
     return save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
 

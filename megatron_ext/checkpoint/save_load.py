@@ -33,6 +33,7 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, agreed_fail
 from megatron_ext.checkpoint.layout import (
     TRACKER,
     TRAINING_STATE,
+    WEIGHTS_ONLY,
     complete_iterations,
     iteration_dir,
     latest_iteration,
@@ -85,7 +86,11 @@ def _from_every_rank(value: Any) -> list[Any]:
 
 
 def format_mismatch(ckpt_dir: Path, common: dict[str, Any], use_megatron_fsdp: bool) -> Optional[str]:
-    """Why `ckpt_dir`'s training state cannot resume in a run with(out) Megatron-FSDP, or None when it can."""
+    """Why `ckpt_dir` cannot be resumed (or, holding weights only, started from) in a run with(out) Megatron-FSDP, or
+    None when it can."""
+    if common.get("content", TRAINING_STATE) == WEIGHTS_ONLY:
+        return (f"{ckpt_dir} holds weights only (an import): starting a Megatron-FSDP run from weights is not wired; "
+                "train from it with parallel.use_megatron_fsdp=false") if use_megatron_fsdp else None
     saved_fsdp = common.get("optimizer_format") == fsdp_dtensor.FORMAT
     if saved_fsdp == use_megatron_fsdp:
         return None

@@ -672,15 +672,15 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                 for vpp in vpps:
                     for sp in ([False, True] if tp > 1 else [False]):
                         for distopt, sharding in _DATA_PARALLEL_SHARDINGS:
-                                for recompute in (None, "selective", "full"):
-                                    for mbs in micro_batch_sizes:
-                                        layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding)
-                                        try:
-                                            validate_layout(layout.apply(cfg), world_size, te_available=True,
-                                                            fp8_capable=True)
-                                        except ConfigError:
-                                            continue
-                                        yield layout
+                            for recompute in (None, "selective", "full"):
+                                for mbs in micro_batch_sizes:
+                                    layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding)
+                                    try:
+                                        validate_layout(layout.apply(cfg), world_size, te_available=True,
+                                                        fp8_capable=True)
+                                    except ConfigError:
+                                        continue
+                                    yield layout
 
 
 def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUSpec,
@@ -756,8 +756,7 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
                  f"{t['dp_comm']:.2f} s.")
     zero1 = e.without_sharding
     if L.sharding and zero1 is not None:
-        verdict = ("does not fit" if zero1["total"] * (1 + FRAGMENTATION) > e.gpu_memory
-                   else "would fit too; this one is planned faster")
+        verdict = "does not fit" if zero1["total"] * (1 + FRAGMENTATION) > e.gpu_memory else "would fit too"
         parts.append(f"With ZeRO-1 this layout needs {zero1['total'] / GIB:.1f} GiB/GPU (params "
                      f"{zero1['params'] / GIB:.1f}, grads {zero1['grads'] / GIB:.1f}, optimizer state "
                      f"{zero1['optimizer'] / GIB:.1f} GiB) and {verdict}; ZeRO-{level} over DP×CP={L.dp * L.cp} "

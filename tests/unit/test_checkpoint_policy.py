@@ -45,3 +45,19 @@ def test_retention_keeps_the_newest_n_every_kth_and_never_partial_or_set_aside_o
     assert [(d.iteration, d.set_aside) for d in iteration_dirs(tmp_path)] == [
         (2, True), (3, False), (5, False), (6, False), (7, False)]
     assert apply_retention(tmp_path, latest=6, keep_last=None, keep_every=None) == []
+
+
+def test_a_checkpoint_resumes_only_in_a_run_of_its_own_data_parallel_kind():
+    """fsdp_dtensor training state only under Megatron-FSDP, torch_dist only without it; weights only (an import)
+    only without it (starting a Megatron-FSDP run from weights is not wired)."""
+    from megatron_ext.checkpoint.save_load import format_mismatch
+
+    ckpt = Path("iter_0000002")
+    fsdp, zero1 = {"optimizer_format": "fsdp_dtensor"}, {"optimizer_format": "dp_reshardable"}
+    imported = {"content": "weights_only"}
+    assert format_mismatch(ckpt, fsdp, use_megatron_fsdp=True) is None
+    assert format_mismatch(ckpt, zero1, use_megatron_fsdp=False) is None
+    assert format_mismatch(ckpt, imported, use_megatron_fsdp=False) is None
+    assert "saved by a Megatron-FSDP run" in format_mismatch(ckpt, fsdp, use_megatron_fsdp=False)
+    assert "saved by a run without Megatron-FSDP" in format_mismatch(ckpt, zero1, use_megatron_fsdp=True)
+    assert "holds weights only (an import)" in format_mismatch(ckpt, imported, use_megatron_fsdp=True)
