@@ -37,9 +37,10 @@ def steps(out: Path) -> list[Step]:
     pretrain = [py, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "recipes.pretrain", *ONE_GPU_1B]
     return [
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-rs", "tests/integration/test_cuda_graphs.py",
-                           "tests/integration/test_liger.py", "tests/integration/test_optimizer_offload_gpu.py"], 900,
-             "CUDA graphs and liger kernels train like the eager/unfused paths; optimizer CPU offload (with TE) "
-             "trains like the state kept on the GPU"),
+                           "tests/integration/test_liger.py", "tests/integration/test_optimizer_offload_gpu.py",
+                           "tests/integration/test_activation_offload_gpu.py"], 900,
+             "CUDA graphs and liger kernels train like the eager/unfused paths; optimizer and activation CPU offload "
+             "(with TE) train like the state kept on the GPU, the activations' with a lower peak"),
         Step("doctor", [py, "-m", "recipes.doctor", "--workdir", str(out / "doctor")], 900,
              "layer spec, FP8, resume and Hugging Face round trip on this GPU"),
         Step("benchmark", [py, "-m", "recipes.benchmark", "--out-dir", str(out / "benchmark")], 1800,

@@ -33,6 +33,9 @@ ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # mega
 ZERO_LEVEL: dict[str, int] = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 FP8Recipe = Literal["delayed", "tensorwise"]
 RecomputeGranularity = Literal["selective", "full"]
+# The dense layer's inputs megatron-core's fine-grained activation offload can move to host memory (attn_proj needs
+# core_attn: its input is core attention's output, which core attention's backward still reads)
+OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 TokenizerType = Literal["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"]  # Megatron-LM's type names
 # How the distributed optimizer's state is written: megatron-core's formats (DistributedOptimizer.sharded_state_dict).
@@ -117,6 +120,11 @@ class TrainConfig:
     hysteresis: int = 2  # fp16: overflows before the scale halves
     fp8: Optional[FP8Recipe] = None  # TransformerEngine FP8 recipe (hybrid E4M3/E5M2); null = off
     recompute_granularity: Optional[RecomputeGranularity] = None  # activation recompute; null = off
+    # Activation offload: the inputs of these modules, saved for the backward pass, wait in host memory instead of
+    # on the GPU (megatron-core's fine_grained_activation_offloading, copies on side streams overlapped with
+    # compute; docs/memory.md). Needs TransformerEngine on a GPU. [] = off
+    offload_modules: list[OffloadModule] = field(default_factory=list)
+    min_offloaded_tensor_size: int = 1048576  # activation offload: smaller saved tensors (elements) stay on the GPU
     fused_swiglu: bool = False  # megatron-core's fused SwiGLU (bias_activation_fusion, torch.compile'd)
     # megatron-core's fused vocab-parallel cross-entropy (TE's with TE); auto = on in bf16 (its only precision)
     fused_cross_entropy: AutoBool = AUTO
@@ -391,8 +399,11 @@ def config_keys() -> Iterator[KeyHelp]:
         cls = section.default_factory
         help_of, hints = _field_comments(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            allowed = allowed_values(hints[f.name])
-            kind = " / ".join(map(shown_value, allowed)) if allowed else str(f.type)
+            hint = hints[f.name]
+            allowed = allowed_values(hint)
+            items = allowed_values(get_args(hint)[0]) if typing.get_origin(hint) is list else ()
+            kind = (" / ".join(map(shown_value, allowed)) if allowed
+                    else f"list of {' / '.join(map(shown_value, items))}" if items else str(f.type))
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             yield KeyHelp(f"{section.name}.{f.name}", kind, default, help_of[f.name])
 

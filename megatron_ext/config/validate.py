@@ -214,6 +214,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     _validate_kernels(cfg, te_available)
     _validate_megatron_fsdp(cfg, dp * cp)
     _validate_optimizer_offload(cfg)
+    _validate_activation_offload(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
     require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
@@ -291,6 +292,28 @@ def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
          "offload needs train.precision=bf16: megatron-core hands the host optimizer bf16 weight shards (fp32 ones are "
          "views torch refuses to optimize; fp16 loss scaling under offload is not verified)"),
         (t.fp8 is None, "train.fp8", t.fp8, "offload with FP8 is not verified here"),
+    ]:
+        require(ok, key, value, why)
+
+
+def _validate_activation_offload(cfg: RecipeConfig) -> None:
+    """train.offload_modules against megatron-core's own asserts and what has been verified here (docs/memory.md)."""
+    t = cfg.train
+    require(t.min_offloaded_tensor_size >= 0, "train.min_offloaded_tensor_size", t.min_offloaded_tensor_size,
+            "must be >= 0 (elements)")
+    if not t.offload_modules:
+        return
+    modules = list(t.offload_modules)
+    for ok, key, value, why in [
+        (len(set(modules)) == len(modules), "train.offload_modules", modules, "names a module twice"),
+        ("attn_proj" not in modules or "core_attn" in modules, "train.offload_modules", modules,
+         "attn_proj needs core_attn too: attn_proj's input is core attention's output, which core attention's "
+         "backward pass still reads on the GPU (megatron-core's rule)"),
+        (t.recompute_granularity != "full", "train.recompute_granularity", "full",
+         "full recompute keeps only each layer's input: there is nothing left to offload — set "
+         "train.offload_modules=[] or use selective/no recompute"),
+        (not t.cuda_graphs, "train.cuda_graphs", True, "activation offload inside captured layer graphs is not "
+         "verified here: use one of train.cuda_graphs and train.offload_modules"),
     ]:
         require(ok, key, value, why)
 

@@ -11,8 +11,9 @@ land on the CPU:
   report the CUDA type name megatron-core asserts on;
 * ``torch.cuda`` RNG, ``current_device`` and ``synchronize`` are mapped onto the CPU
   generator / no-ops, and so are megatron-core's private CUDA RNG helpers;
-* ``torch.cuda`` streams and events (Megatron-FSDP's side streams for its gathers and reduce-scatters) are
-  stand-ins that run everything in order on the calling thread.
+* ``torch.cuda`` streams and events (Megatron-FSDP's side streams for its gathers and reduce-scatters, activation
+  offload's copy streams) are stand-ins that run everything in order on the calling thread; ``record_stream`` and
+  NVTX ranges are no-ops.
 
 It is applied only when no GPU is present; on a GPU machine :func:`install` does nothing.
 See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch.
@@ -169,6 +170,8 @@ def install() -> bool:
     torch.cuda.Stream, torch.cuda.Event = _NoStream, _NoEvent
     torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _THE_STREAM
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.nvtx.range_push = torch.cuda.nvtx.range_pop = lambda *a, **k: None  # profiler ranges, no NVTX here
+    torch.Tensor.record_stream = lambda tensor, stream: None  # one stream: no memory is reused too early
     torch.cuda.get_rng_state = _cpu_get_rng_state
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.random.get_rng_state = _cpu_get_rng_state

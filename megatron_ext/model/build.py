@@ -12,6 +12,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_ext.config.kernels import resolve_kernel_options, uses_transformer_engine
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed.parallel import describe_layout
+from megatron_ext.model import activation_offload
 from megatron_ext.model.llama import (
     build_model_chunks,
     compile_layers,
@@ -33,6 +34,7 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
     if cfg.train.liger_kernels:
         # before the model is built: it rebinds megatron-core functions the layers call
         use_liger_kernels(cross_entropy=not cfg.train.fused_linear_cross_entropy)
+    activation_offload.prepare(cfg, on_gpu)
     config = transformer_config(cfg, on_gpu, use_te)
     chunks = build_model_chunks(cfg, vocab_size, config, use_te)
     notes = []

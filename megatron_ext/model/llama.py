@@ -173,6 +173,9 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         recompute_granularity=cfg.train.recompute_granularity,
         recompute_method="uniform" if cfg.train.recompute_granularity == "full" else None,
         recompute_num_layers=1 if cfg.train.recompute_granularity == "full" else None,
+        fine_grained_activation_offloading=bool(cfg.train.offload_modules),
+        offload_modules=list(cfg.train.offload_modules),
+        min_offloaded_tensor_size=cfg.train.min_offloaded_tensor_size,
     )
 
 
@@ -202,6 +205,7 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
         (f"liger-kernel {', '.join(liger)}", bool(liger)),
         ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
         (f"{config.recompute_granularity} recompute", config.recompute_granularity is not None),
+        (f"activation offload of {', '.join(config.offload_modules)}", config.fine_grained_activation_offloading),
     ] if on]
     return (f"layer spec: {spec}; attention: {attention}; precision: {precision}; "
             f"kernels: {', '.join(kernels) or 'eager, none fused'}")

@@ -373,6 +373,25 @@ def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
     return seq_part + tp_part + lse + rope
 
 
+def offloaded_layer_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
+    """Device bytes train.offload_modules moves to host memory per decoder layer and micro batch (megatron-core's
+    fine-grained offload copies what autograd saves inside each named module), in :func:`layer_activation_bytes`'
+    terms: each norm its saved input (and rstd), qkv_linear its input; core_attn the RoPE'd q and k, v (a view that
+    keeps the whole fused QKV output) and the log-sum-exp; its output only with attn_proj, whose input it is."""
+    modules = set(cfg.train.offload_modules)
+    if not modules or cfg.train.recompute_granularity == "full":
+        return 0
+    shape = _Shape.of(cfg, 1)
+    d_bytes, h, t = shape.bytes_per_value, shape.hidden, shape.tp
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
+    seq_shard = t if shape.sp else 1
+    norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
+    hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
+    per_token = {"attn_norm": norm // seq_shard, "mlp_norm": norm // seq_shard, "qkv_linear": h * d_bytes / seq_shard,
+                 "core_attn": d_bytes * (2 * hq + 3 * hkv) / t + 4 * shape.heads / t, "attn_proj": d_bytes * hq / t}
+    return int(tokens * sum(per_token[m] for m in modules))
+
+
 def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: int, pre: bool, post: bool,
                            fused_norm: bool = True) -> int:
     """Bytes one model chunk saves for backward per micro batch: its layers, embedding and loss."""
@@ -432,6 +451,9 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
     layers = chunks[0][0]
     body = chunk_activation_bytes(cfg, vocab_size, layers, False, False, fused_norm)
     total = n * body
+    # Activation offload keeps two layers' saved tensors on the device: megatron-core's last group of each
+    # module (not offloaded, so its reload cannot stall the backward pass) and the one being copied.
+    total -= max(n * layers - 2, 0) * offloaded_layer_bytes(cfg, fused_norm)
     if any(pre for _, pre, _ in chunks):  # chunk 0 holds at most ceil(n / vpp) of the in-flight ones
         total += -(-n // len(chunks)) * (chunk_activation_bytes(cfg, vocab_size, 0, True, False, fused_norm))
     if any(post for *_, post in chunks):  # the loss chunk runs its backward right after its forward

@@ -37,6 +37,7 @@ from megatron_ext.distributed.parallel import (
 from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
+from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
@@ -370,6 +371,8 @@ class Trainer:
                                                   " (capturing CUDA graphs)" if cfg.train.cuda_graphs else ""))
                 result.startup = self.startup.summary()
                 self._info(f"start-up: {result.startup}")
+                if cfg.train.offload_modules:
+                    self._info(activation_offload.describe())
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if stepped is not None:

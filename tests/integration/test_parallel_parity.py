@@ -9,10 +9,11 @@ TP2×PP2 and the resharded resumes are in test_training.py.
 from __future__ import annotations
 
 import re
+from typing import get_args
 
 import pytest
 
-from megatron_ext.config.schema import data_parallel_size, load_config
+from megatron_ext.config.schema import OffloadModule, data_parallel_size, load_config
 from megatron_ext.planner.layouts import model_vocab_size, rank_static_bytes
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.launch import TINY, max_relative_difference, read_scalars, run_pretrain
@@ -31,6 +32,7 @@ NO_SP = ["parallel.sequence_parallel=false"]
 DISTOPT2, REPLICATED = "distributed optimizer (state sharded over DP×CP=2)", "replicated optimizer state"
 LOCAL_SDPA, RING = "attention: torch SDPA", "attention: ring attention over CP"
 FSDP = ["parallel.use_megatron_fsdp=true"]
+OFFLOADED = get_args(OffloadModule)
 
 LAYOUTS = {
     # name: (processes, overrides on top of configs/tiny.yaml (TP2×PP2+SP), what the run's start-up log must say:
@@ -39,10 +41,15 @@ LAYOUTS = {
     "tp2_sp": (2, PP1, ["TP2 × CP1 × DP1 × PP1", "kernels: sequence parallel"]),
     "pp2_1f1b": (2, TP1, ["TP1 × CP1 × DP1 × PP2\n", "PP stage 0 (ranks [0]): layers 1-2 + embedding",
                           "PP stage 1 (ranks [1]): layers 3-4 + output layer/loss"]),
-    "pp2_vpp2_interleaved": (2, [*TP1, "parallel.virtual_pipeline_model_parallel_size=2"],
-                             ["TP1 × CP1 × DP1 × PP2 (VPP2)",
-                              "PP stage 0 (ranks [0]): chunk 0: layers 1-1; chunk 1: layers 3-3",
-                              "PP stage 1 (ranks [1]): chunk 0: layers 2-2; chunk 1: layers 4-4"]),
+    # with megatron-core's activation offload of every module it offers (its handlers follow the interleaved order)
+    "pp2_vpp2_interleaved_activation_offload": (
+        2, [*TP1, "parallel.virtual_pipeline_model_parallel_size=2", f"train.offload_modules=[{','.join(OFFLOADED)}]",
+            "train.min_offloaded_tensor_size=1024"],
+        ["TP1 × CP1 × DP1 × PP2 (VPP2)", "PP stage 0 (ranks [0]): chunk 0: layers 1-1; chunk 1: layers 3-3",
+         "PP stage 1 (ranks [1]): chunk 0: layers 2-2; chunk 1: layers 4-4",
+         f"activation offload of {', '.join(OFFLOADED)}",
+         "activation offload: 2.8 MiB of saved activations held in host memory at once on this rank (attn_norm 0.8 "
+         "MiB, attn_proj 0.2 MiB, core_attn 0.8 MiB, mlp_norm 0.8 MiB, qkv_linear 0.2 MiB)"]),
     "pp2_uneven_1_3": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1"],
                        ["PP stage 0 (ranks [0]): layers 1-1", "PP stage 1 (ranks [1]): layers 2-4"]),
     "dp2": (2, [*TP1, *PP1, "parallel.use_distributed_optimizer=false"], ["TP1 × CP1 × DP2 × PP1", REPLICATED]),

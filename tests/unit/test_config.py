@@ -78,6 +78,13 @@ def test_overrides_are_typed():
         ([*ZERO3, "optimizer.optimizer_cpu_offload=true", "train.precision=bf16"], 4,
          "offload under Megatron-FSDP is not verified"),
         (["optimizer.optimizer_offload_fraction=0"], 4, "optimizer.optimizer_offload_fraction=0.0 is invalid: must be in"),
+        # activation offload
+        (["train.offload_modules=[attn_proj]"], 4, "attn_proj needs core_attn too"),
+        (["train.offload_modules=[mlp_norm,mlp_norm]"], 4, "names a module twice"),
+        (["train.offload_modules=[attn_norm]", "train.recompute_granularity=full"], 4,
+         "full recompute keeps only each layer's input: there is nothing left to offload"),
+        (["train.offload_modules=[mlp_proj]"], 4, "train.offload_modules[0]: Invalid value 'mlp_proj'"),
+        (["train.min_offloaded_tensor_size=-1"], 4, "train.min_offloaded_tensor_size=-1 is invalid"),
         (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
     ],

@@ -173,6 +173,24 @@ def test_fused_linear_cross_entropy_frees_the_logits_by_hand_count():
     assert unfused["buffers"] - fused["buffers"] == 16384 * 128256 * 2 - (512 * 128256 * 2 + 128256 * 2048 * 4)
 
 
+def test_activation_offload_frees_the_attention_inputs_by_hand_count():
+    """8B shape (hidden 4096, 32 heads, 8 KV groups, head dim 128) in bf16 at TP1 × PP1, mbs 1 × seq 8192. Per
+    token, what megatron-core's offload of every module moves: each norm its input + fp32 rstd (2·4096 + 4, twice),
+    qkv_linear its input (2·4096), core_attn RoPE'd q and k and the fused QKV output v keeps alive
+    (2·(2·4096 + 3·1024)) + the fp32 log-sum-exp (4·32), attn_proj its input (2·4096) = 55,432 B. All 32 layers of
+    the one micro batch in flight but two leave the device."""
+    layout = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+              "parallel.sequence_parallel=false", "parallel.context_parallel_size=1", "train.micro_batch_size=1",
+              "model.seq_length=8192"]
+    every = "train.offload_modules=[attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm]"
+    kept, offloaded = (load_config(LLAMA3_8B, [*layout, *extra]) for extra in ([], [every]))
+    per_layer = 8192 * 55_432
+    assert planner.offloaded_layer_bytes(offloaded) == per_layer
+    assert planner.offloaded_layer_bytes(load_config(LLAMA3_8B, [*layout, "train.offload_modules=[core_attn]"])) \
+        == 8192 * (2 * (2 * 4096 + 3 * 1024) + 4 * 32)
+    held = [planner.stage_activation_bytes(cfg, 128256, 8, 0) for cfg in (kept, offloaded)]
+    assert held[0] - held[1] == 30 * per_layer
+
 # ---------------------------------------------------------------------------------------------
 # Against megatron-core on CPU (multi-process)
 

@@ -1,0 +1,49 @@
+"""Activation offload: megatron-core's fine-grained activation offloading, switched on by train.offload_modules.
+
+megatron-core does the work (``pipeline_parallel/fine_grained_activation_offload.py``): the tensors autograd saves
+inside the named modules are copied to host memory on a side stream after each layer's forward and copied back
+before its backward. This module owns what the recipe adds around it: the precondition (TransformerEngine's offload
+flag module on a GPU), CPU rehearsal's stand-in for that flag, and the start-up line that says what moved, read from
+megatron-core's offload manager after the first step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.errors import ConfigError
+
+MIB = 2**20
+NOTHING_OFFLOADED = "none: every saved tensor is below train.min_offloaded_tensor_size"
+
+
+def prepare(cfg: RecipeConfig, on_gpu: bool) -> None:
+    """Before the model runs: megatron-core's offload context raises without TE's ``cpu_offload`` module, whose
+    ``CPUOffloadEnabled`` flag tells TE's layers that their saved tensors are being offloaded. On a GPU that must be
+    the real TE; in CPU rehearsal (no TE layers to tell) a plain flag holder stands in for it."""
+    if not cfg.train.offload_modules:
+        return
+    if on_gpu:
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError(f"train.offload_modules={list(cfg.train.offload_modules)} is invalid here: "
+                              "megatron-core's activation offload needs TransformerEngine on a GPU (the NGC "
+                              "container) — or set train.offload_modules=[]")
+        return
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    if te_extension.cpu_offload is None:
+        te_extension.cpu_offload = types.SimpleNamespace(CPUOffloadEnabled=False)
+
+
+def describe() -> str:
+    """What megatron-core moved to host memory on this rank during the first step (its offload manager's summary:
+    the bytes held on the host at once, until the first backward pass), per module."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import PipelineOffloadManager
+
+    manager = PipelineOffloadManager.get_instance()
+    per_module = manager.offload_summary_bytes
+    parts = ", ".join(f"{name} {size / MIB:.1f} MiB" for name, size in sorted(per_module.items()))
+    return (f"activation offload: {manager.offload_summary_total_bytes / MIB:.1f} MiB of saved activations held in "
+            f"host memory at once on this rank ({parts or NOTHING_OFFLOADED}), copied back before each backward pass")
