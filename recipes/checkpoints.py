@@ -39,6 +39,8 @@ def _layout(common: dict[str, Any]) -> str:
             + (f"×VPP{p['virtual_pipeline_model_parallel_size']}" if p.get("virtual_pipeline_model_parallel_size") else "")
             + f"×CP{p['context_parallel_size']}, {t.get('precision', '?')}" + (f"+FP8 {t['fp8']}" if t.get("fp8") else "")
             + (f", Megatron-FSDP {p['data_parallel_sharding_strategy']}" if p.get("use_megatron_fsdp") else "")
+            + (f" in {p['num_distributed_optimizer_instances']} HSDP groups ({p.get('outer_dp_sharding_strategy')} "
+               "across them)" if p.get("num_distributed_optimizer_instances", 1) > 1 else "")
             + (f", optimizer {common['optimizer_format']}" if p.get("use_distributed_optimizer")
                and "optimizer_format" in common else ""))
 

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Optional
 
-from megatron_ext.config.schema import load_config
+from megatron_ext.config.schema import ZERO_LEVEL, load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
 from megatron_ext.metrics.run_logger import format_duration
@@ -30,15 +30,21 @@ from megatron_ext.planner.layouts import (
     plan,
 )
 
-COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "dist", "recomp", "mbs", "m", "params", "grads", "optim",
+COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "ZeRO", "recomp", "mbs", "m", "params", "grads", "optim",
            "activ", "buffers", "total GiB", "step s", "bubble", "MFU", "tok/s/GPU"]
+
+
+def _zero(L: Layout) -> str:
+    """The data-parallel sharding: 0 (DDP), 1 (distributed optimizer), 2/3 (Megatron-FSDP), and HSDP's groups."""
+    level = ZERO_LEVEL[L.sharding] if L.sharding else int(L.distopt)
+    return f"{level}" + (f" H{L.replicas}" if L.replicas > 1 else "")
 
 
 def _row(i: int, e: Estimate) -> list[str]:
     L, mem, t = e.layout, e.memory, e.time
     gib = [f"{mem[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations")]
     return [str(i), str(L.tp), str(L.pp), str(L.vpp or "-"), str(L.cp), str(L.dp), "y" if L.sp else "n",
-            "y" if L.distopt else "n", L.recompute or "none", str(L.mbs), str(e.num_microbatches), *gib,
+            _zero(L), L.recompute or "none", str(L.mbs), str(e.num_microbatches), *gib,
             f"{(mem['buffers'] + mem['reserved']) / GIB:.1f}", f"{mem['total'] / GIB:.1f}",
             f"{t['step']:.2f}", f"{100 * t['pp_bubble'] / t['step']:.0f}%", f"{100 * e.mfu:.0f}%",
             f"{e.tokens_per_s_per_gpu:,.0f}"]

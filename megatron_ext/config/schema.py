@@ -31,6 +31,7 @@ AttentionBackend = Literal["auto", "te", "local"]
 Precision = Literal["fp32", "bf16", "fp16"]
 ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # megatron-core's ZeRO-1/2/3 names
 ZERO_LEVEL: dict[str, int] = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+OuterShardingStrategy = Literal["no_shard", "optim"]  # Megatron-FSDP's HSDP: across its replicas
 FP8Recipe = Literal["delayed", "tensorwise"]
 RecomputeGranularity = Literal["selective", "full"]
 # The dense layer's inputs megatron-core's fine-grained activation offload can move to host memory (attn_proj needs
@@ -96,6 +97,12 @@ class ParallelConfig:
     # with use_megatron_fsdp: optim_grads (ZeRO-2: optimizer state and gradients) or optim_grads_params (ZeRO-3: and
     # the parameters, gathered layer by layer); ZeRO-1 is use_distributed_optimizer without Megatron-FSDP
     data_parallel_sharding_strategy: ShardingStrategy = "optim_grads_params"
+    # HSDP with use_megatron_fsdp: shard within each of this many groups of consecutive DP×CP ranks (one node
+    # each, say) and keep one replica per group, so gathers stay on the fast links; 1 = shard over all of DP×CP
+    num_distributed_optimizer_instances: int = 1
+    # HSDP across the groups: no_shard (replicas; gradients all-reduced across them once per step) or optim (the
+    # optimizer state sharded across them too; needs optim_grads_params)
+    outer_dp_sharding_strategy: OuterShardingStrategy = "no_shard"
     overlap_grad_reduce: bool = False  # reduce gradients over DP in buckets during the backward pass
     overlap_param_gather: bool = False  # gather updated parameters during the next forward pass (distributed opt.)
     distributed_timeout_minutes: int = 10  # a collective that waits longer than this fails the job

@@ -322,9 +322,23 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
     """What parallel.use_megatron_fsdp runs with here: megatron-core 0.16.1's own limits, and what this recipe has
     verified (each combination below trained 1-process-identical on CPU, or was refused)."""
     p, t = cfg.parallel, cfg.train
+    replicas = p.num_distributed_optimizer_instances
+    require(replicas >= 1, "parallel.num_distributed_optimizer_instances", replicas, "must be a positive integer")
+    require(replicas == 1 or p.use_megatron_fsdp, "parallel.num_distributed_optimizer_instances", replicas,
+            "is HSDP, Megatron-FSDP's: set parallel.use_megatron_fsdp=true (megatron-core's partial distributed "
+            "optimizer without it is not verified here)")
+    require(p.outer_dp_sharding_strategy == "no_shard" or replicas > 1, "parallel.outer_dp_sharding_strategy",
+            p.outer_dp_sharding_strategy, "shards across HSDP replicas: set "
+            "parallel.num_distributed_optimizer_instances > 1, or leave it no_shard")
     if not p.use_megatron_fsdp:
         return
     for ok, key, value, why in [
+        (replicas == 1 or (dp_cp % replicas == 0 and dp_cp // replicas >= 2),
+         "parallel.num_distributed_optimizer_instances", replicas,
+         f"must divide DP×CP={dp_cp} into groups of at least 2 ranks to shard over"),
+        (p.outer_dp_sharding_strategy != "optim" or p.data_parallel_sharding_strategy == "optim_grads_params",
+         "parallel.outer_dp_sharding_strategy", "optim", "sharding across HSDP replicas needs the parameters sharded "
+         "inside them (megatron-core's rule): parallel.data_parallel_sharding_strategy=optim_grads_params"),
         (p.data_parallel_sharding_strategy != "optim", "parallel.data_parallel_sharding_strategy", "optim",
          "ZeRO-1 is the distributed optimizer: set parallel.use_megatron_fsdp=false (with "
          "parallel.use_distributed_optimizer=true); Megatron-FSDP's optim mode reduces gradients DP times too large "

@@ -45,6 +45,7 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
     )
     # Same seed on every rank: megatron's tracker derives the TP-rank-specific streams from it,
     # and CPU-initialised weights come out identical across TP layouts.
@@ -85,6 +86,8 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
         use_megatron_fsdp=p.use_megatron_fsdp,
         data_parallel_sharding_strategy=p.data_parallel_sharding_strategy if p.use_megatron_fsdp else "no_shard",
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        outer_dp_sharding_strategy=p.outer_dp_sharding_strategy,
     )
     if p.use_megatron_fsdp:
         return _wrap_with_megatron_fsdp(chunks, config, ddp_config)
@@ -136,12 +139,23 @@ def describe_sharding(chunks: list[FullyShardedDataParallel]) -> str:
     for chunk in chunks:
         for group in chunk.param_and_grad_buffer.parameter_groups:
             whole += sum(index.size for index in group.model_weight_buffer.item_index_map.values())
-            for kind, buffer in (("parameter", group.model_weight_buffer), ("gradient", group.main_grad_buffer)):
+            # HSDP with the optimizer sharded across replicas keeps each replica's shard (hsdp_*buf); the main
+            # buffers, sharded over all of DP×CP for the optimizer, are views into it
+            for kind, buffer in (("parameter", group.hsdp_wbuf or group.model_weight_buffer),
+                                 ("gradient", group.hsdp_gbuf or group.main_grad_buffer)):
                 if buffer is not None:
                     held[kind] += buffer.data.numel()
-    strategy = chunks[0].ddp_config.data_parallel_sharding_strategy
+    ddp = chunks[0].ddp_config
+    strategy, replicas = ddp.data_parallel_sharding_strategy, ddp.num_distributed_optimizer_instances
     dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    return (f"Megatron-FSDP {strategy} (ZeRO-{ZERO_LEVEL[strategy]}) over DP×CP={dp_cp}: "
+    over = f"DP×CP={dp_cp}"
+    if replicas > 1:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        across = ("replicated across them" if ddp.outer_dp_sharding_strategy == "no_shard"
+                  else "the optimizer state also sharded across them")
+        over = (f"each of {replicas} HSDP groups of {dist.get_world_size(group)} DP×CP ranks (this rank's: "
+                f"{dist.get_process_group_ranks(group)}), {across}")
+    return (f"Megatron-FSDP {strategy} (ZeRO-{ZERO_LEVEL[strategy]}) over {over}: "
             f"this rank holds {held['parameter']:,} parameter and {held['gradient']:,} gradient elements of its "
             f"tensor-parallel part's {whole:,}")
 

@@ -49,7 +49,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from megatron_ext.config.kernels import compiles_layers
-from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig, ShardingStrategy, data_parallel_size
+from megatron_ext.config.schema import (
+    ZERO_LEVEL,
+    OuterShardingStrategy,
+    RecipeConfig,
+    ShardingStrategy,
+    data_parallel_size,
+)
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
@@ -88,12 +94,17 @@ class Layout:
     mbs: int
     # Megatron-FSDP's strategy (ZeRO-2/3) on top of the distributed optimizer; None = its DDP (docs/memory.md).
     sharding: Optional[ShardingStrategy] = None
+    # HSDP under Megatron-FSDP: shard within this many groups of DP×CP ranks, replicated across them
+    replicas: int = 1
 
     def overrides(self) -> dict[str, Any]:
         """The config values of this layout, as ``section.key`` → value."""
         # Megatron-FSDP overlaps its own gathers and reduce-scatters (megatron-core's overlap flags are refused).
         fsdp = ({"parallel.data_parallel_sharding_strategy": self.sharding, "parallel.overlap_grad_reduce": False,
                  "parallel.overlap_param_gather": False} if self.sharding else {})
+        # the planner's HSDP replicates across its groups (it does not search outer sharding)
+        fsdp.update({"parallel.num_distributed_optimizer_instances": self.replicas,
+                     "parallel.outer_dp_sharding_strategy": "no_shard"})
         return {"parallel.use_megatron_fsdp": self.sharding is not None, **fsdp,
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
@@ -115,6 +126,8 @@ class Layout:
             data_parallel_sharding_strategy=self.sharding or cfg.parallel.data_parallel_sharding_strategy,
             overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and self.sharding is None,
             overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt and self.sharding is None,
+            num_distributed_optimizer_instances=self.replicas,
+            outer_dp_sharding_strategy=cfg.parallel.outer_dp_sharding_strategy if self.replicas > 1 else "no_shard",
             num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
         )
         t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
@@ -128,13 +141,15 @@ class Layout:
         return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                    p.virtual_pipeline_model_parallel_size, p.context_parallel_size, dp, p.sequence_parallel,
                    p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
-                   p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None)
+                   p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None,
+                   p.num_distributed_optimizer_instances)
 
     def label(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
         return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} DP{self.dp}"
                 f"{' SP' if self.sp else ''}{' distopt' if self.distopt else ''}"
                 f"{f' ZeRO-{ZERO_LEVEL[self.sharding]}' if self.sharding else ''}"
+                f"{f' HSDP{self.replicas}' if self.replicas > 1 else ''}"
                 f" mbs{self.mbs} recompute={self.recompute or 'none'}")
 
 
@@ -292,16 +307,20 @@ def _model_elements(shape: _Shape) -> int:
     return sum(n for n, _ in _chunk_params(shape, 1, shape.layers, True, True))
 
 
-def sharded_static(shape: _Shape, dp_cp: int, sharding: ShardingStrategy) -> tuple[int, int, int, int]:
+def sharded_static(shape: _Shape, dp_cp: int, sharding: ShardingStrategy, replicas: int = 1,
+                   outer: OuterShardingStrategy = "no_shard") -> tuple[int, int, int, int]:
     """Megatron-FSDP at PP 1: (parameter elements held, fp32 gradient elements held, optimizer-owned elements,
     parameter elements unsharded at once). Each rank holds 1/(DP×CP) of the gradients (and, optim_grads_params,
     of the parameters, two decoder layers of which are gathered at a time: the one computing and the one
-    prefetched). Bucket padding (under 1 % on the tiny model) is left out."""
+    prefetched). Under HSDP the sharding is over one of the `replicas` groups, DP×CP/replicas ranks; with the
+    optimizer sharded across them too (outer optim) only the optimizer's part is 1/(DP×CP): Megatron-FSDP keeps
+    the group's parameter and gradient shards whole. Bucket padding (under 1 % on the tiny model) is left out."""
     whole = _model_elements(shape)
-    shard = -(-whole // dp_cp)
+    shard = -(-whole // (dp_cp // replicas))
+    owned = -(-whole // dp_cp) if outer == "optim" and replicas > 1 else shard
     if sharding == "optim_grads_params":
-        return shard, shard, shard, 2 * sum(shape.layer_params())
-    return whole, shard, shard, 0
+        return shard, shard, owned, 2 * sum(shape.layer_params())
+    return whole, shard, owned, 0
 
 
 def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,
@@ -312,7 +331,8 @@ def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_ra
     shape = _Shape.of(cfg, vocab_size)
     dp = data_parallel_size(cfg, world_size)
     if p.use_megatron_fsdp:
-        params, grads, shard, _ = sharded_static(shape, dp * shape.cp, p.data_parallel_sharding_strategy)
+        params, grads, shard, _ = sharded_static(shape, dp * shape.cp, p.data_parallel_sharding_strategy,
+                                                 p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy)
         owned: tuple[int, ...] = (shard,) * (dp * shape.cp)
     else:
         params, grads, owned = _stage_static(shape, p.pipeline_model_parallel_size,
@@ -523,7 +543,8 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
                                          cfg.parallel.overlap_grad_reduce)
     gathered = 0
     if layout.sharding:
-        params, grads, shard, gathered = sharded_static(shape, layout.dp * layout.cp, layout.sharding)
+        params, grads, shard, gathered = sharded_static(shape, layout.dp * layout.cp, layout.sharding,
+                                                        layout.replicas, cfg.parallel.outer_dp_sharding_strategy)
         owned = (shard,)
     tokens = layout.mbs * shape.seq // layout.cp
     no_recompute = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
@@ -618,12 +639,16 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
 
     bw, lat = link(tp * cp * dp)
     if layout.sharding:  # Megatron-FSDP: per micro batch, overlapped layer by layer with compute (uncalibrated)
-        whole = _model_elements(shape)
-        traffic = _ring(whole * grad_bytes, dp * cp, bw, lat)  # the gradients' reduce-scatter
+        whole, group = _model_elements(shape), dp * cp // layout.replicas  # HSDP: within a group
+        bw, lat = link(tp * group)
+        traffic = _ring(whole * grad_bytes, group, bw, lat)  # the gradients' reduce-scatter
         if layout.sharding == "optim_grads_params":
-            traffic += 2 * _ring(whole * d_bytes, dp * cp, bw, lat)  # parameters gathered for forward and backward
+            traffic += 2 * _ring(whole * d_bytes, group, bw, lat)  # parameters gathered for forward and backward
         reduce = m * max(traffic - compute, traffic / max(layers, 1))
-        gather = 0.0 if layout.sharding == "optim_grads_params" else _ring(whole * d_bytes, dp * cp, bw, lat)
+        gather = 0.0 if layout.sharding == "optim_grads_params" else _ring(whole * d_bytes, group, bw, lat)
+        if layout.replicas > 1:  # once per step: the group's gradient shard all-reduced across the replicas
+            bw, lat = link(tp * cp * dp)
+            reduce += _ring(-(-whole // group) * grad_bytes, layout.replicas, bw, lat, 2.0)
     else:
         if layout.distopt:
             reduce = _ring(grads * grad_bytes, dp * cp, bw, lat)
@@ -678,6 +703,14 @@ _DATA_PARALLEL_SHARDINGS: tuple[tuple[bool, Optional[ShardingStrategy]], ...] = 
     (False, None), (True, None), (True, "optim_grads"), (True, "optim_grads_params"))
 
 
+def _hsdp_replicas(sharding: Optional[ShardingStrategy], tp: int, cp: int, dp: int, gpus_per_node: int
+                   ) -> list[int]:
+    """HSDP group counts worth trying: 1, and for Megatron-FSDP over more than one node, one group per node (the
+    sharding's gathers on NVLink, one all-reduce across nodes per step)."""
+    nodes, spare = divmod(tp * cp * dp, gpus_per_node)
+    return [1, nodes] if sharding and not spare and nodes > 1 and (dp * cp) % nodes == 0 else [1]
+
+
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                       micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
     """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split; with the
@@ -696,13 +729,15 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                         for distopt, sharding in _DATA_PARALLEL_SHARDINGS:
                             for recompute in (None, "selective", "full"):
                                 for mbs in micro_batch_sizes:
-                                    layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding)
-                                    try:
-                                        validate_layout(layout.apply(cfg), world_size, te_available=True,
-                                                        fp8_capable=True)
-                                    except ConfigError:
-                                        continue
-                                    yield layout
+                                    for replicas in _hsdp_replicas(sharding, tp, cp, dp, gpn):
+                                        layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding,
+                                                        replicas)
+                                        try:
+                                            validate_layout(layout.apply(cfg), world_size, te_available=True,
+                                                            fp8_capable=True)
+                                        except ConfigError:
+                                            continue
+                                        yield layout
 
 
 def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUSpec,
@@ -715,7 +750,7 @@ def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUS
     by_layout = {e.layout: e for e in estimates}
     for e in estimates:
         if e.layout.sharding:
-            counterpart = by_layout.get(dataclasses.replace(e.layout, sharding=None))
+            counterpart = by_layout.get(dataclasses.replace(e.layout, sharding=None, replicas=1))
             e.without_sharding = counterpart.memory if counterpart else None
     # The guide's decision tree: ZeRO-2/3 when nothing lighter fits. Megatron-FSDP's time terms are uncalibrated and
     # its gathers cost bandwidth ZeRO-1 does not spend, so a fitting DDP/ZeRO-1 layout ranks first.
@@ -766,21 +801,25 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
     if L.cp > 1:
         parts.append(f"CP{L.cp} splits each sequence in {L.cp}; the K/V ring costs {t['cp_comm']:.2f} s "
                      "beyond what attention hides.")
-    shard = f"sharded over DP×CP={L.dp * L.cp}" if L.distopt and L.dp * L.cp > 1 else "replicated"
+    over = f"DP×CP={L.dp * L.cp}" if L.replicas == 1 else f"HSDP groups of {L.dp * L.cp // L.replicas} DP×CP ranks"
+    shard = f"sharded over {over}" if L.distopt and L.dp * L.cp > 1 else "replicated"
     if L.sharding:
         level = ZERO_LEVEL[L.sharding]
         shard += (f"; Megatron-FSDP ZeRO-{level} shards the gradients"
-                  + (" and the parameters, gathering two layers at a time," if level == 3 else "") + " over it too")
+                  + (" and the parameters, gathering two layers at a time," if level == 3 else "") + " there too")
     parts.append(f"Optimizer state {mem['optimizer'] / GIB:.1f} GiB ({shard}); "
                  f"params {mem['params'] / GIB:.1f}, "
                  f"grads {mem['grads'] / GIB:.1f}, activations {mem['activations'] / GIB:.1f} GiB "
                  f"with recompute={L.recompute or 'none'} and micro batch {L.mbs}; DP gradient sync exposes "
                  f"{t['dp_comm']:.2f} s.")
+    if L.replicas > 1:
+        parts.append(f"HSDP keeps the sharding's gathers inside each of the {L.replicas} groups; the groups replicate "
+                     "each other and all-reduce their gradient shards once per step.")
     zero1 = e.without_sharding
     if L.sharding and zero1 is not None:
         verdict = "does not fit" if zero1["total"] * (1 + FRAGMENTATION) > e.gpu_memory else "would fit too"
         parts.append(f"With ZeRO-1 this layout needs {zero1['total'] / GIB:.1f} GiB/GPU (params "
                      f"{zero1['params'] / GIB:.1f}, grads {zero1['grads'] / GIB:.1f}, optimizer state "
-                     f"{zero1['optimizer'] / GIB:.1f} GiB) and {verdict}; ZeRO-{level} over DP×CP={L.dp * L.cp} "
+                     f"{zero1['optimizer'] / GIB:.1f} GiB) and {verdict}; ZeRO-{level} over {over} "
                      f"brings params and grads to {mem['params'] / GIB:.1f} + {mem['grads'] / GIB:.1f} GiB.")
     return " ".join(parts)

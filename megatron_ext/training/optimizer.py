@@ -52,7 +52,15 @@ def build_optimizer(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> Mega
         raise ConfigError(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} is invalid in CPU "
                           "rehearsal: only 1.0 (all of the state on the host) rehearses faithfully without a GPU")
     with offload_stand_ins(cfg, model_chunks, on_gpu):
-        return get_megatron_optimizer(optimizer_config(cfg), model_chunks)
+        optimizer = get_megatron_optimizer(optimizer_config(cfg), model_chunks)
+    if cfg.parallel.outer_dp_sharding_strategy == "optim":
+        # megatron-core 0.16.1 sums the gradient norm over one HSDP replica's ranks, but with the optimizer sharded
+        # across the replicas each rank's gradient shard is its own: only the sum over every rank is the norm
+        # (measured at DP4 in 2 replicas: 1.23 for 3.13, so clipping scaled the step wrongly). Megatron-FSDP runs
+        # at PP=1, so every rank is TP×CP×DP: the world.
+        for inner in megatron_optimizers(optimizer):
+            inner.grad_stats_parallel_group = None  # megatron-core's all-reduce over the default group
+    return optimizer
 
 
 def describe_offload(optimizer: MegatronOptimizer) -> str:

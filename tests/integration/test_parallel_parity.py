@@ -71,6 +71,16 @@ LAYOUTS = {
     "dp2_zero3": (2, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads_params (ZeRO-3)"]),
     "dp4_zero3": (4, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP4 × PP1",
                                          "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4"]),
+    # HSDP: ZeRO-3 inside 2 groups of 2 ranks, replicated across them; or with the optimizer state also sharded
+    # across the groups (which the grad norm must then be summed over: megatron-core 0.16.1 sums it over one group,
+    # training/optimizer.py)
+    "dp4_hsdp2_zero3": (4, [*TP1, *PP1, *FSDP, "parallel.num_distributed_optimizer_instances=2"],
+                        ["TP1 × CP1 × DP4 × PP1", "over each of 2 HSDP groups of 2 DP×CP ranks (this rank's: [0, 1]), "
+                         "replicated across them"]),
+    "dp4_hsdp2_zero3_outer_optim": (4, [*TP1, *PP1, *FSDP, "parallel.num_distributed_optimizer_instances=2",
+                                        "parallel.outer_dp_sharding_strategy=optim"],
+                                    ["TP1 × CP1 × DP4 × PP1", "over each of 2 HSDP groups of 2 DP×CP ranks (this "
+                                     "rank's: [0, 1]), the optimizer state also sharded across them"]),
     "dp2_tp2_sp_zero3": (4, [*PP1, *FSDP], ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
                                           "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=2"]),
     "dp2_tp2_pp2": (8, [], ["TP2 × CP1 × DP2 × PP2", "sequence parallel", DISTOPT2]),
@@ -92,14 +102,17 @@ def test_layout_matches_single_process(name, initial_weights, single_process_ref
     assert not missing, f"{name}: the start-up log does not show {missing}:\n{log[:4000]}"
     held = re.search(r"this rank holds ([\d,]+) parameter and ([\d,]+) gradient elements of its tensor-parallel "
                      r"part's ([\d,]+)", log)
-    if FSDP[0] in layout:  # the sharding, read from Megatron-FSDP's buffers: 1/DP (+ bucket padding) of its TP part
+    if FSDP[0] in layout:  # the sharding, read from Megatron-FSDP's buffers: 1/(DP×CP) (HSDP: 1/group) of its TP part
+        # (+ bucket padding)
         params, grads, model = (int(n.replace(",", "")) for n in held.groups())
         # and the planner's estimate of it (fp32: 4 bytes an element) within 10 %
         cfg = load_config(TINY, [*parity_overrides(None, tb), *layout])
         planned = rank_static_bytes(cfg, nproc, 0, 0, model_vocab_size(cfg))
         assert abs(planned["params"] / 4 - params) <= 0.1 * params, (planned, held[0])
         assert abs(planned["grads"] / 4 - grads) <= 0.1 * grads, (planned, held[0])
-        shard = model / data_parallel_size(cfg, nproc)
+        p = cfg.parallel  # sharded within one HSDP group (all of DP×CP without HSDP)
+        group = data_parallel_size(cfg, nproc) * p.context_parallel_size // p.num_distributed_optimizer_instances
+        shard = model / group
         assert shard <= grads <= 1.01 * shard, held[0]
         sharded_params = "parallel.data_parallel_sharding_strategy=optim_grads" not in layout  # ZeRO-3
         assert (shard if sharded_params else model) <= params <= 1.01 * (shard if sharded_params else model)

@@ -70,6 +70,15 @@ def test_overrides_are_typed():
         ([*ZERO3, "parallel.tensor_model_parallel_size=4"], 4, "there is nothing to shard at DP×CP=1"),
         ([*ZERO3, "parallel.overlap_grad_reduce=true"], 4, "Megatron-FSDP overlaps its own gathers"),
         ([*ZERO3, "train.precision=fp16"], 4, "fp16 under Megatron-FSDP is not verified"),
+        # HSDP (TP2 × DP2 at 4 processes)
+        ([*ZERO3, "parallel.num_distributed_optimizer_instances=2"], 4,
+         "must divide DP×CP=2 into groups of at least 2 ranks"),
+        (["parallel.num_distributed_optimizer_instances=2"], 4, "is HSDP, Megatron-FSDP's"),
+        (["parallel.outer_dp_sharding_strategy=optim"], 4, "shards across HSDP replicas: set"),
+        ([*ZERO3, "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+          "parallel.num_distributed_optimizer_instances=2", "parallel.outer_dp_sharding_strategy=optim",
+          "parallel.data_parallel_sharding_strategy=optim_grads"], 4,
+         "needs the parameters sharded inside them (megatron-core's rule)"),
 
         # optimizer CPU offload (tiny is TP2 × PP2 at 4 processes, fp32 unless a case says otherwise)
         (["optimizer.optimizer_cpu_offload=true"], 4, "offload needs train.precision=bf16"),

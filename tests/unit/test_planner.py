@@ -69,7 +69,8 @@ def test_best_layout_gives_config_values_the_recipe_accepts():
     assert set(best) == {"parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                          "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",
                          "parallel.sequence_parallel", "parallel.use_distributed_optimizer",
-                         "parallel.use_megatron_fsdp", "train.micro_batch_size", "train.recompute_granularity"}
+                         "parallel.use_megatron_fsdp", "parallel.num_distributed_optimizer_instances",
+                         "parallel.outer_dp_sharding_strategy", "train.micro_batch_size", "train.recompute_granularity"}
     overrides = [f"{k}={'null' if v is None else str(v).lower()}" for k, v in best.items()]
     validate_layout(load_config(LLAMA3_8B, overrides), 8, te_available=True)
 
@@ -289,3 +290,30 @@ def test_megatron_fsdp_is_estimated_as_asked_and_searched_after_zero1():
     ranked = [e for e in plan(zero[3], 8, 8, "h100-80gb") if e.fits]
     first_fsdp = next(i for i, e in enumerate(ranked) if e.layout.sharding)
     assert first_fsdp > 0 and all(e.layout.sharding for e in ranked[first_fsdp:])
+
+
+def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes():
+    """8B at TP1 × DP32 on 4 nodes of 8: ZeRO-3 over all 32 ranks, or HSDP in 4 groups of one node each (8× the
+    shard, the gathers on NVLink instead of across nodes, one all-reduce of the node's gradient shard per step);
+    with the optimizer state also sharded across the groups (outer optim) that part is ZeRO-3's again."""
+    base = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+            "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1",
+            "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false",
+            "parallel.use_megatron_fsdp=true", "train.global_batch_size=256"]
+    hsdp = ["parallel.num_distributed_optimizer_instances=4"]
+    cfgs = {name: load_config(LLAMA3_8B, [*base, *extra]) for name, extra in [
+        ("zero3", []), ("hsdp", hsdp), ("hsdp_optim", [*hsdp, "parallel.outer_dp_sharding_strategy=optim"])]}
+    est = {name: planner.estimate(cfg, 32, 8, GPUS["h100-80gb"], planner.model_vocab_size(cfg))
+           for name, cfg in cfgs.items()}
+    mem = {name: e.memory for name, e in est.items()}
+    for part in ("grads", "optimizer"):
+        assert mem["hsdp"][part] == pytest.approx(4 * mem["zero3"][part], rel=1e-3), part
+    assert mem["hsdp_optim"]["optimizer"] == mem["zero3"]["optimizer"]
+    assert mem["hsdp_optim"]["params"] == mem["hsdp"]["params"] and mem["hsdp_optim"]["grads"] == mem["hsdp"]["grads"]
+    assert est["hsdp"].time["dp_comm"] < est["zero3"].time["dp_comm"]
+    assert est["hsdp"].layout.label().endswith("ZeRO-3 HSDP4 mbs1 recompute=none")
+    assert "HSDP keeps the sharding's gathers inside each of the 4 groups" in planner.explain(est["hsdp"], 8,
+                                                                                                GPUS["h100-80gb"])
+    assert est["hsdp"].layout.overrides()["parallel.num_distributed_optimizer_instances"] == 4
+    searched = {L.replicas for L in planner.candidate_layouts(cfgs["zero3"], 32, 8) if L.sharding and L.tp == 1}
+    assert searched == {1, 4}
