@@ -71,12 +71,13 @@ LAYOUTS = {
     "dp2_zero3": (2, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads_params (ZeRO-3)"]),
     "dp4_zero3": (4, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP4 × PP1",
                                          "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4"]),
-    # HSDP: ZeRO-3 inside 2 groups of 2 ranks, replicated across them; or with the optimizer state also sharded
-    # across the groups (which the grad norm must then be summed over: megatron-core 0.16.1 sums it over one group,
-    # training/optimizer.py)
-    "dp4_hsdp2_zero3": (4, [*TP1, *PP1, *FSDP, "parallel.num_distributed_optimizer_instances=2"],
-                        ["TP1 × CP1 × DP4 × PP1", "over each of 2 HSDP groups of 2 DP×CP ranks (this rank's: [0, 1]), "
-                         "replicated across them"]),
+    # HSDP: ZeRO-3 inside 2 groups of 2 DP×CP ranks, replicated across them (at CP2: Megatron-FSDP shards over
+    # DP×CP); or at DP4 with the optimizer state also sharded across the groups, which the grad norm must then be
+    # summed over (megatron-core 0.16.1 sums it over one group; training/optimizer.py)
+    "dp2_cp2_hsdp2_zero3": (4, [*TP1, *PP1, *FSDP, "parallel.context_parallel_size=2",
+                                "parallel.num_distributed_optimizer_instances=2"],
+                            ["TP1 × CP2 × DP2 × PP1", RING, "over each of 2 HSDP groups of 2 DP×CP ranks (this rank's: "
+                             "[0, 1]), replicated across them"]),
     "dp4_hsdp2_zero3_outer_optim": (4, [*TP1, *PP1, *FSDP, "parallel.num_distributed_optimizer_instances=2",
                                         "parallel.outer_dp_sharding_strategy=optim"],
                                     ["TP1 × CP1 × DP4 × PP1", "over each of 2 HSDP groups of 2 DP×CP ranks (this "
