@@ -5,7 +5,8 @@ so is a run already complete, or a checkpoint directory another run holds),
 then runs torchrun's elastic agent in this process with ``-m recipes.pretrain``. A failed run ends with one line
 naming the rank that failed first and its log instead of torchrun's traceback; the exit code is that rank's
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
-can act on it.
+can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
+would repeat.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import socket
 import sys
 
 from megatron_ext.config.schema import log_dir
-from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
+from megatron_ext.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.failures import rank_log
 from recipes.pretrain import import_problem, load_and_validate, nothing_to_do
 
@@ -69,6 +70,31 @@ def _node() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+# A restart would fail the same way: fix the config/data/checkpoint, or the run's numerics, first.
+NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED)
+
+
+def _end_restarts_after_errors_a_restart_repeats() -> None:
+    """torchrun's agent restarts its workers after any failure (``--max-restarts``, elastic runs); a failure
+    with an exit code in NOT_RESTARTED ends the job at once instead, with the one-line summary."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+    if getattr(monitor, "ends_restarts", False):
+        return
+
+    def monitor_workers(agent, worker_group):
+        result = monitor(agent, worker_group)
+        if result.state == WorkerState.FAILED and any(
+                failure.exitcode in NOT_RESTARTED for failure in result.failures.values()):
+            agent._remaining_restarts = 0
+        return result
+
+    monitor_workers.ends_restarts = True
+    LocalElasticAgent._monitor_workers = monitor_workers
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -93,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
+    _end_restarts_after_errors_a_restart_repeats()
     try:
         run(args)
     except ChildFailedError as e:

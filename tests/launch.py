@@ -40,10 +40,11 @@ SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_mo
 
 
 def pretrain_command(nproc: int, overrides: list[str], module: str = "recipes.pretrain",
-                     config: Optional[Path] = TINY, launcher: str = "torchrun") -> list[str]:
-    """The command line: `module` on `nproc` processes (torchrun, or recipes.launch, for more than one)."""
+                     config: Optional[Path] = TINY, launcher: str = "torchrun",
+                     launch_options: tuple[str, ...] = ()) -> list[str]:
+    """The command line: `module` on `nproc` processes (torchrun, or recipes.launch with `launch_options`)."""
     if launcher == "recipes.launch":
-        start = ["-m", "recipes.launch", "--standalone", f"--nproc-per-node={nproc}"]
+        start = ["-m", "recipes.launch", "--standalone", f"--nproc-per-node={nproc}", *launch_options]
     else:  # one process needs no launcher (the recipe starts a world of one itself), which saves ~5 s per run
         start = ([] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
         start += ["-m", module]
@@ -59,10 +60,10 @@ def run_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: str = "recipes.pretrain",
                  config: Optional[Path] = TINY, check: bool = True, env: Optional[dict[str, str]] = None,
-                 launcher: str = "torchrun") -> subprocess.CompletedProcess:
+                 launcher: str = "torchrun", launch_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run `module` (the recipe entry point, or a test wrapper of it) on `nproc` processes with `config` and
     `overrides`; with `check`, fails the test with the log if the run fails."""
-    cmd = pretrain_command(nproc, overrides, module, config, launcher)
+    cmd = pretrain_command(nproc, overrides, module, config, launcher, launch_options)
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -38,6 +38,7 @@ class CheckpointManager:
         use_async = ck.async_save if ck.async_save is not None else on_gpu
         self.saver = AsyncCheckpointSaver() if self.enabled and use_async else None
         self.lock: RunLock | None = None
+        self.last_save = time.monotonic()  # the clock checkpoint.save_interval_minutes runs on
 
     def load(self) -> tuple[int, int]:
         """Take the save directory's run lock, then resume (checkpoint.load) or start from weights
@@ -62,9 +63,15 @@ class CheckpointManager:
         if shared[0]:
             raise CheckpointError(shared[0])
 
-    def due(self, iteration: int, stopping: bool) -> bool:
-        """This run saves after `iteration` (see :func:`save_due`)."""
-        return self.enabled and save_due(self.cfg, iteration, stopping)
+    def due(self, iteration: int, stopping: bool, clock_due: bool = False) -> bool:
+        """This run saves after `iteration` (see :func:`save_due`); `clock_due`: the ranks agreed that
+        checkpoint.save_interval_minutes have passed (:meth:`save_due_by_clock` on rank 0)."""
+        return self.enabled and (clock_due or save_due(self.cfg, iteration, stopping))
+
+    def save_due_by_clock(self) -> bool:
+        """checkpoint.save_interval_minutes have passed since the last save (or the start) on this rank's clock."""
+        minutes = self.cfg.checkpoint.save_interval_minutes
+        return self.enabled and minutes is not None and time.monotonic() - self.last_save >= 60 * minutes
 
     def finish_completed_writes(self) -> None:
         """Finalise background saves whose writes every rank has finished (manifest, tracker, retention)."""
@@ -82,6 +89,7 @@ class CheckpointManager:
             ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
             keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
             optimizer_format=optimizer_format_for(self.cfg, iteration))
+        self.last_save = time.monotonic()
         return path, time.perf_counter() - start
 
     def close(self) -> None:

@@ -203,6 +203,9 @@ class CheckpointConfig:
     load: Optional[str] = AUTO
     pretrained_checkpoint: Optional[str] = None  # weights only, start at iteration 0
     save_interval: Optional[int] = None  # null = only at the end
+    # Also save once this many minutes have passed since the last save (or the start), so a crash loses at most
+    # that much work whatever the step time; decided on rank 0's clock at a step boundary. null = off
+    save_interval_minutes: Optional[float] = None
     keep_last: Optional[int] = None  # delete older complete checkpoints beyond the newest N (null = keep all)
     keep_every: Optional[int] = None  # with keep_last: also keep every iteration that is a multiple of this
     # Write in the background (megatron-core's async dist_checkpointing). null = on GPUs, where it cut the

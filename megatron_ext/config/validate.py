@@ -55,6 +55,8 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
     for key in ("save_interval", "keep_last", "keep_every"):
         value = getattr(c, key)
         require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
+    require(c.save_interval_minutes is None or c.save_interval_minutes > 0, "checkpoint.save_interval_minutes",
+            c.save_interval_minutes, "must be a positive number of minutes or null")
     require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
             "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
     if cfg.parallel.use_megatron_fsdp:

@@ -249,6 +249,12 @@ class RunLogger:
                      f"loss scale stays {after:,.0f} (it halves after train.hysteresis overflows)")
             log.info(f"fp16 overflow at iteration {iteration}: step skipped, {scale}")
 
+    def restart(self, iteration: int, line: str, scalars: dict[str, float]) -> None:
+        """What a restart changed and cost (resilience.elastic), once, at the first step after it."""
+        if self.enabled:
+            self._write(scalars, iteration)
+            log.info(line)
+
     def checkpoint_stall(self, iteration: int, seconds: float) -> None:
         """How long a checkpoint save held training up (the whole write, or its start when asynchronous)."""
         if self.enabled:

@@ -46,6 +46,7 @@ from megatron_ext.resilience.divergence import (
     describe_nonfinite,
     local_nonfinite,
 )
+from megatron_ext.resilience.elastic import ProgressRecord
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training.optimizer import (
@@ -95,10 +96,13 @@ class _ExitSignal:
     def _handle(self, signum, _frame) -> None:
         self.received = signum
 
-    def any_rank_received(self) -> bool:
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agree(self, save_due_by_clock: bool) -> tuple[bool, bool]:
+        """(some rank received the signal, some rank's clock says a save is due): one all-reduce at the step
+        boundary, so every rank stops and saves at the same step."""
+        flags = torch.tensor([self.received is not None, save_due_by_clock], dtype=torch.int32, device=_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, clock_due = flags.tolist()
+        return bool(signalled), bool(clock_due)
 
 
 def _device() -> torch.device:
@@ -196,6 +200,9 @@ class Trainer:
         # After any load: it restores the kernel flags the checkpoint was saved with.
         select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self.startup.mark("checkpoint load")
+        self.progress = ProgressRecord(cfg.checkpoint.save, self.rank, self.world_size, self.dp_size,
+                                       self.num_microbatches)
+        self.restart = self.progress.restart(self.iteration)
         self._info(f"optimizer: {update_kernel(self.optimizer)}; " + (
             describe_sharding(self.model) if cfg.parallel.use_megatron_fsdp
             else _describe_grad_sync(self.model, self.optimizer)))
@@ -323,11 +330,11 @@ class Trainer:
                 self.run_logger.evaluation("test", self.iteration, result.test_loss)
         self.watchdog.step_done(self.iteration)
 
-    def _checkpoint(self, stopping: bool) -> Optional[Path]:
+    def _checkpoint(self, stopping: bool, clock_due: bool = False) -> Optional[Path]:
         """The step's checkpoint work: background saves that finished are completed; a checkpoint is written
         when one is due. Returns the path written (or started), else None."""
         self.checkpointer.finish_completed_writes()
-        if not self.checkpointer.due(self.iteration, stopping):
+        if not self.checkpointer.due(self.iteration, stopping, clock_due):
             return None
         self.where = f"checkpoint save at iteration {self.iteration}"
         with self.watchdog.suspended():
@@ -373,6 +380,9 @@ class Trainer:
                 self._info(f"start-up: {result.startup}")
                 if cfg.train.offload_modules:
                     self._info(activation_offload.describe())
+                if self.restart:
+                    now = time.time()
+                    self.run_logger.restart(self.iteration + 1, self.restart.describe(now), self.restart.scalars(now))
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if stepped is not None:
@@ -382,10 +392,12 @@ class Trainer:
                 self.metrics.discard()
             bar.update(1)
             self.watchdog.step_done(self.iteration)
+            self.progress.step_done(self.iteration)
             self._evaluate_if_due(result)
-            signalled = exit_signal.any_rank_received()
+            # rank 0's clock alone decides a time-based save, so the ranks cannot disagree
+            signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
             stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
-            result.checkpoint = self._checkpoint(stopping=stop) or result.checkpoint
+            result.checkpoint = self._checkpoint(stopping=stop, clock_due=clock_due) or result.checkpoint
             if stop:
                 self._info(f"stopped cleanly after iteration {self.iteration} "
                            f"({'exit signal' if signalled else 'train.exit_interval'})")

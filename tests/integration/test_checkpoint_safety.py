@@ -158,10 +158,11 @@ def test_with_no_intact_checkpoint_the_error_is_one_line(run, tmp_path):
     assert "CRC32" in proc.stderr
 
 
-def test_retention_keeps_the_newest_n_and_every_kth(tmp_path):
+def test_retention_keeps_the_newest_n_and_every_kth_of_the_saves_the_clock_made(tmp_path):
+    """checkpoint.save_interval_minutes shorter than a step: the clock makes a save after every step."""
     ckpt = tmp_path / "ckpt"
     proc = run_pretrain(1, _overrides(tmp_path, "tb", "train.train_iters=6", f"checkpoint.save={ckpt}",
-                                      "checkpoint.save_interval=1", "checkpoint.keep_last=2",
+                                      "checkpoint.save_interval_minutes=0.00001", "checkpoint.keep_last=2",
                                       "checkpoint.keep_every=3"))
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000005", "iter_0000006"]
     assert proc.stdout.count("retention (checkpoint.keep_last=2, keep_every=3): deleted") == 3
@@ -209,8 +210,8 @@ def _optimizer_format(ckpt_dir: Path) -> str:
 
 def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_only(tmp_path):
     """2 processes, checkpoint.async_save: 4 steps stopped by exit_interval, resumed to 8, equals 8 uninterrupted.
-    The step-4 checkpoint (dp_reshardable, the default mid-run) also continues on 1 process; under TP2 it is
-    refused with one message naming the format and the changed key."""
+    The step-4 checkpoint (dp_reshardable, the default mid-run) also continues on 1 process, which says what the
+    restart changed; under TP2 it is refused with one message naming the format and the changed key."""
     dp2 = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
            "parallel.sequence_parallel=false", "train.train_iters=8", "optimizer.lr_decay_iters=null"]
     ckpt = tmp_path / "ckpt"
@@ -222,7 +223,11 @@ def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_on
     assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()
     assert _optimizer_format(ckpt / "iter_0000004") == "dp_reshardable"
 
-    run_pretrain(1, [*dp2, f"logging.tensorboard_dir={tmp_path / 'dp1'}", f"checkpoint.load={ckpt}"])
+    on_dp1 = _copy(ckpt, tmp_path / "dp1_ckpt")  # with the run's progress record
+    dp1 = run_pretrain(1, [*dp2, f"logging.tensorboard_dir={tmp_path / 'dp1'}", f"checkpoint.save={on_dp1}"])
+    assert re.search(r"restart: world 2 → 1: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration 4, "
+                     r"lost 0 steps, recovered in [\d.]+ s", dp1.stdout), dp1.stdout[-3000:]
+    assert read_scalars(tmp_path / "dp1", "elastic/data_parallel_size") == {5: 1.0}
     full = read_scalars(tmp_path / "full", "train/lm_loss")
     on_one = read_scalars(tmp_path / "dp1", "train/lm_loss")
     # 2 × 2 micro batches summed as 4 on one process: measured 0.0
@@ -232,7 +237,8 @@ def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_on
     assert "dp_reshardable format" in tp2.stderr and "parallel.tensor_model_parallel_size: 1 → 2" in tp2.stderr, \
         tp2.stderr[-3000:]
 
-    run_pretrain(2, [*asynchronous, f"checkpoint.load={ckpt}"])
+    resumed = run_pretrain(2, [*asynchronous, f"checkpoint.load={ckpt}"])
+    assert "restart: same world (2 ranks, DP 2), resumed at iteration 4, lost 0 steps" in resumed.stdout
     for tag in ("train/lm_loss", "train/grad_norm"):
         assert read_scalars(tmp_path / "resumed", tag) == read_scalars(tmp_path / "full", tag), tag
     assert latest_iteration(ckpt) == 8 and (ckpt / "iter_0000008" / "manifest.json").is_file()

@@ -109,6 +109,7 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["logging.profile_steps=[1,500]"], "<= train.train_iters (120)"),
     (["logging.profile_steps=[1,2]", "logging.profile_ranks=[4]"], "logging.profile_ranks=[4] is invalid"),
     (["logging.memory_snapshot=true"], "is taken at the end of logging.profile_steps"),
+    (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be a positive"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
       "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
