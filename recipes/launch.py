@@ -39,12 +39,12 @@ def _recipe_args(recipe_argv: list[str]) -> tuple[str, list[str]]:
     return recipe_argv[1], recipe_argv[2:]
 
 
-def _world_size(args) -> tuple[int, int]:
-    """(world size, processes per node) torchrun will start, from its own parsed options."""
+def _world_size(args) -> tuple[int, int, bool]:
+    """(largest world size, processes per node, elastic: a node range) torchrun will start, from its own options."""
     from torch.distributed.run import config_from_args
 
     config, _, _ = config_from_args(args)
-    return config.max_nodes * config.nproc_per_node, config.nproc_per_node
+    return config.max_nodes * config.nproc_per_node, config.nproc_per_node, config.min_nodes < config.max_nodes
 
 
 def _describe(code: int) -> str:
@@ -106,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     torchrun_argv, recipe_argv = _split(list(sys.argv[1:] if argv is None else argv))
     config, overrides = _recipe_args(recipe_argv)
     args = parse_args([*torchrun_argv, "-m", "recipes.pretrain", *recipe_argv])
-    world_size, per_node = _world_size(args)
+    world_size, per_node, elastic = _world_size(args)
+    if elastic:
+        # torch 2.13's c10d rendezvous shares its TCPStore with the workers and keeps the store address of its first
+        # round: a node that joins later waits for an address nobody writes (scale-up deadlocks). Unshared, every
+        # round publishes its own, and rank 0 of each new world hosts that world's store.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         cfg = load_and_validate(config, overrides, world_size, per_node)
     except ImportError as e:
@@ -115,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    stop = nothing_to_do(cfg, check_lock=True)
+    # a node joining an elastic job (c10d rendezvous) finds the job's own lock on the checkpoints
+    joins = args.rdzv_id if args.rdzv_backend != "static" and args.rdzv_id != "none" else None
+    stop = nothing_to_do(cfg, check_lock=True, elastic_run_id=joins)
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]

@@ -94,11 +94,11 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
     return cfg
 
 
-def nothing_to_do(cfg, check_lock: bool) -> tuple[str, int] | None:
+def nothing_to_do(cfg, check_lock: bool, elastic_run_id: str | None = None) -> tuple[str, int] | None:
     """(line, exit code) for a launch that must not start ranks: its run is already complete (0), its checkpoint
     was written with(out) Megatron-FSDP and this run is not (2), or (with `check_lock`, the launcher's check: a rank
-    would see its own job's lock) another run holds its checkpoint directory (2). Read from the checkpoint directory
-    alone, in well under a second."""
+    would see its own job's lock) another run holds its checkpoint directory (2) — not the elastic job
+    `elastic_run_id` this launch joins. Read from the checkpoint directory alone, in well under a second."""
     from megatron_ext.checkpoint.resume import finished_run, format_refusal
     from megatron_ext.checkpoint.run_lock import holder_of
 
@@ -108,7 +108,7 @@ def nothing_to_do(cfg, check_lock: bool) -> tuple[str, int] | None:
     refusal = format_refusal(cfg)
     if refusal:
         return f"checkpoint error: {refusal}", EXIT_USER_ERROR
-    held = holder_of(cfg.checkpoint.save) if check_lock and cfg.checkpoint.save else None
+    held = holder_of(cfg.checkpoint.save, elastic_run_id) if check_lock and cfg.checkpoint.save else None
     return (f"checkpoint error: {held}", EXIT_USER_ERROR) if held else None
 
 

@@ -30,8 +30,10 @@ HEARTBEAT_S = 20.0  # how often a holder refreshes its lock
 STALE_AFTER_S = 120.0  # a lock not refreshed for this long belongs to a dead run on another host
 
 
-def _identity() -> dict[str, Any]:
+def _identity(elastic_run_id: Optional[str] = None) -> dict[str, Any]:
+    """Who takes the lock; `elastic_run_id`: the launcher's --rdzv-id (its ranks read TORCHELASTIC_RUN_ID)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "elastic_run_id": elastic_run_id or os.environ.get("TORCHELASTIC_RUN_ID"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -54,6 +56,9 @@ def stale_reason(holder: dict[str, Any], age_s: float, me: dict[str, Any]) -> Op
     """Why the run that wrote `holder` (refreshed `age_s` ago) no longer holds it, or None while it may."""
     if me.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
         return f"it was an earlier start of this SLURM job {me['slurm_job_id']}"
+    if me.get("elastic_run_id") and holder.get("elastic_run_id") == me["elastic_run_id"]:
+        # torchrun restarted the workers (a lost or a joining node): the same job, on a new world
+        return f"it was an earlier world of this elastic job (run id {me['elastic_run_id']})"
     if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"]):
         return f"process {holder['pid']} no longer exists on {me['host']}"
     if age_s > STALE_AFTER_S:
@@ -74,11 +79,12 @@ def _read(path: Path) -> Optional[tuple[dict[str, Any], float]]:
     return holder, time.time() - mtime
 
 
-def holder_of(root: str | Path) -> Optional[str]:
-    """The one-line refusal while a live run holds `root`, else None (the launcher's check before ranks start)."""
+def holder_of(root: str | Path, elastic_run_id: Optional[str] = None) -> Optional[str]:
+    """The one-line refusal while a live run holds `root`, else None (the launcher's check before ranks start; a
+    node joining an elastic job passes the job's run id)."""
     path = Path(root) / RUN_LOCK
     found = _read(path)
-    if found is None or stale_reason(*found, _identity()) is not None:
+    if found is None or stale_reason(*found, _identity(elastic_run_id)) is not None:
         return None
     holder, age = found
     return (f"checkpoint.save={root} is in use by another run ({describe(holder)}; {path} refreshed {age:.0f} s ago): "

@@ -28,6 +28,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _restarted_world_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The process group's store after torchrun's agent restarted the workers (``--max-restarts``, an elastic
+    membership change), else None (torch's default). The agent keeps one store for all its worlds (torch shares
+    the rendezvous' TCPStore), and the previous world's process-group keys are still in it: the new ranks read them
+    and wait in ``init_process_group`` for ranks that are gone (seen on CPU/gloo, 3 of 3 restarts after a lost
+    node). Each restart gets its own key space."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"megatron_ext/world_{restart}/", store)
+
+
 def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
     """Process group (NCCL on GPU, gloo in CPU rehearsal), megatron-core's TP/CP/DP/PP groups, seeds."""
     p = cfg.parallel
@@ -38,7 +52,13 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if on_gpu else "gloo", timeout=timeout)
+        backend = "nccl" if on_gpu else "gloo"
+        store = _restarted_world_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
