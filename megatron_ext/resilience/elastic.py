@@ -1,11 +1,11 @@
 """What a restart changed and cost: a relaunch, a SLURM requeue, or torchrun's elastic agent restarting the workers
 on another set of nodes.
 
-Rank 0 records the run's progress beside its checkpoints after every step (``checkpoint.save/progress.json``: the
-iteration reached, when, and on which world). A (re)started run reads the record its predecessor left before
-writing its own, and after its first step says once what changed — ``world 4 → 2: DP 2 → 1, 2 → 4 micro batches
-per step, resumed at iteration 6, lost 1 step, recovered in 17.2 s`` — on the console and in TensorBoard
-(``elastic/*``). The global batch is the recipe's, so a new DP only changes the number of micro batches.
+Rank 0 records the run's progress beside its checkpoints after its steps (``checkpoint.save/progress.json``: the
+iteration reached, when, and on which world; at most once a second). A (re)started run reads the record its
+predecessor left before writing its own, and after its first step says once what changed — ``world 4 → 2: DP 2 → 1,
+2 → 4 micro batches per step, resumed at iteration 6, lost 1 step, recovered in 17.2 s`` — on the console and in
+TensorBoard (``elastic/*``). The global batch is the recipe's, so a new DP only changes the number of micro batches.
 """
 
 from __future__ import annotations
@@ -64,13 +64,18 @@ class Restart:
 
 
 class ProgressRecord:
-    """checkpoint.save/progress.json, written by rank 0 after each step (atomically: a crash leaves the old one)."""
+    """checkpoint.save/progress.json, written by rank 0 after a step (atomically: a crash leaves the old one), at most
+    once every WRITE_EVERY_S: a file system round trip per step would cost fast steps on a parallel file system, and
+    the lost steps are then counted to within that second."""
+
+    WRITE_EVERY_S = 1.0
 
     def __init__(self, save_dir: Optional[str], rank: int, world_size: int, data_parallel_size: int,
                  num_microbatches: int):
         self.path = Path(save_dir) / PROGRESS if save_dir else None
         self.writer = self.path is not None and rank == 0
         self.world = (world_size, data_parallel_size, num_microbatches)
+        self.written = float("-inf")
 
     def previous(self) -> Optional[Progress]:
         """What the run before this one recorded (None for a first start or an unreadable record)."""
@@ -87,8 +92,10 @@ class ProgressRecord:
         return None if before is None else Restart(before, Progress(resumed_at, time.time(), *self.world), resumed_at)
 
     def step_done(self, iteration: int) -> None:
-        if not self.writer:
+        now = time.time()
+        if not self.writer or now - self.written < self.WRITE_EVERY_S:
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(Progress(iteration, time.time(), *self.world))))
+        tmp.write_text(json.dumps(asdict(Progress(iteration, now, *self.world))))
         os.replace(tmp, self.path)
+        self.written = now

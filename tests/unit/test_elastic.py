@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 from megatron_ext.resilience.elastic import PROGRESS, ProgressRecord
 
 
 def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_recovery_time(tmp_path, monkeypatch):
     import megatron_ext.resilience.elastic as elastic
 
-    clock = iter([100.0, 101.0, 130.0])
+    clock = iter([100.0, 100.4, 101.0, 130.0])
     monkeypatch.setattr(elastic.time, "time", lambda: next(clock))
     before = ProgressRecord(str(tmp_path), rank=0, world_size=4, data_parallel_size=2, num_microbatches=2)
     assert before.restart(0) is None  # a first start
-    before.step_done(6)
+    before.step_done(5)
+    before.step_done(6)  # 0.4 s later: not written
+    assert json.loads((tmp_path / PROGRESS).read_text())["iteration"] == 5
     before.step_done(7)  # then a node is lost; the last checkpoint is iteration 6
     after = ProgressRecord(str(tmp_path), rank=0, world_size=2, data_parallel_size=1, num_microbatches=4)
     restart = after.restart(6)
