@@ -47,10 +47,15 @@ def _world_size(args) -> tuple[int, int, bool]:
     return config.max_nodes * config.nproc_per_node, config.nproc_per_node, config.min_nodes < config.max_nodes
 
 
+# The signals after which faulthandler has written the rank's stack (megatron_ext.resilience.failures)
+_CRASHES = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")
+
+
 def _describe(code: int) -> str:
     if code < 0:
         name = signal.Signals(-code).name
-        why = " (the kernel's out-of-memory killer, or kill -9)" if name == "SIGKILL" else ""
+        why = (" (the kernel's out-of-memory killer, or kill -9)" if name == "SIGKILL" else
+               " (a crash in native code: the rank's log holds its Python stack)" if name in _CRASHES else "")
         return f"was killed by {name}{why}"
     return f"exited with code {code}"
 

@@ -8,10 +8,11 @@ import os
 import statistics
 import sys
 
-from megatron_ext.config.schema import keys_table, load_config
+from megatron_ext.config.schema import keys_table, load_config, log_dir
 from megatron_ext.config.validate import validate
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.metrics.run_logger import perplexity
+from megatron_ext.resilience.failures import log_fatal_signals
 from megatron_ext.resilience.process_guard import guard_training_rank
 
 
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 
+    log_fatal_signals(log_dir(cfg), rank)
     stop = nothing_to_do(cfg, check_lock=False)  # the lock is taken collectively, in the run's checkpoint manager
     if stop:
         if rank == 0:

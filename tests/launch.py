@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -64,10 +65,19 @@ def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: s
     """Run `module` (the recipe entry point, or a test wrapper of it) on `nproc` processes with `config` and
     `overrides`; with `check`, fails the test with the log if the run fails."""
     cmd = pretrain_command(nproc, overrides, module, config, launcher, launch_options)
+    started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+                             + _rank_logs_since(started, cmd))
     return proc
+
+
+def _rank_logs_since(started: float, cmd: list[str]) -> str:
+    """The tails of the rank logs this run wrote (tracebacks, hang stacks, a crashed rank's native-signal stack)."""
+    log_dirs = [arg.split("=", 1)[1] for arg in cmd if arg.startswith("logging.log_dir=")]
+    logs = sorted(Path(log_dirs[-1]).glob("rank-*.log")) if log_dirs else []
+    return "".join(f"\n--- {log} ---\n{log.read_text()[-3000:]}" for log in logs if log.stat().st_mtime >= started)
 
 
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:

@@ -25,6 +25,24 @@ def rank_log(log_dir: str | Path, rank: int) -> Path:
     return Path(log_dir) / f"rank-{rank}.log"
 
 
+_fatal_signal_log = None  # kept open: faulthandler writes to its descriptor from the signal handler
+
+
+def log_fatal_signals(log_dir: str | Path, rank: int) -> None:
+    """A rank ended by SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT (in native code: gloo, NCCL, a kernel) leaves
+    every thread's Python stack in its log; otherwise the console shows only the launcher's "exitcode -11"."""
+    import faulthandler
+
+    global _fatal_signal_log
+    path = rank_log(log_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _fatal_signal_log = open(path, "a")
+    except OSError:
+        return
+    faulthandler.enable(file=_fatal_signal_log, all_threads=True)
+
+
 def _is_peer_loss(exc: BaseException) -> bool:
     import torch
 

@@ -47,8 +47,19 @@ def die_with_parent(sig: signal.Signals = PARENT_DEATH_SIGNAL) -> Optional[str]:
     return None
 
 
+_guarded_parent: Optional[int] = None
+
+
 def _on_parent_death(signum: int, _frame) -> None:
     raise LauncherGone(128 + signum)
+
+
+def raise_if_launcher_gone() -> None:
+    """At a step boundary: stop a guarded rank whose launcher has died even when the signal's exception was lost
+    (a signal handler that raises inside a finalizer run by the garbage collector is reported and dropped, and
+    the rank would train on, saving checkpoints, until the backstop ends it)."""
+    if _guarded_parent is not None and os.getppid() != _guarded_parent:
+        raise LauncherGone(128 + int(PARENT_DEATH_SIGNAL))
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -63,7 +74,9 @@ def _exit_when_orphaned(parent: int) -> None:
 def guard_training_rank() -> Optional[str]:
     """For a training rank: on the launcher's death, unwind through the normal failure path (no checkpoint) and
     be gone within ORPHAN_GRACE_S seconds. Returns why the guard is missing, if it is."""
+    global _guarded_parent
     signal.signal(PARENT_DEATH_SIGNAL, _on_parent_death)
     problem = die_with_parent()
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), name="orphan-guard", daemon=True).start()
+    _guarded_parent = os.getppid()
+    threading.Thread(target=_exit_when_orphaned, args=(_guarded_parent,), name="orphan-guard", daemon=True).start()
     return problem

@@ -48,6 +48,7 @@ from megatron_ext.resilience.divergence import (
 )
 from megatron_ext.resilience.elastic import ProgressRecord
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
+from megatron_ext.resilience.process_guard import raise_if_launcher_gone
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training.optimizer import (
     build_optimizer,
@@ -394,6 +395,7 @@ class Trainer:
             self.watchdog.step_done(self.iteration)
             self.progress.step_done(self.iteration)
             self._evaluate_if_due(result)
+            raise_if_launcher_gone()  # an orphan must not save
             # rank 0's clock alone decides a time-based save, so the ranks cannot disagree
             signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
             stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)

@@ -15,6 +15,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_ext.checkpoint.layout import complete_iterations, latest_iteration
 from tests.launch import ROOT, SMALL_MODEL, pretrain_command, read_scalars, run_env, run_pretrain
 
@@ -124,15 +126,19 @@ def test_a_rank_slowed_on_purpose_is_named_and_nobody_else(tmp_path):
     assert "the median of its pipeline stage's other ranks" in named[0] and "that CPU's cores" in named[0]
 
 
-def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(tmp_path):
+@pytest.mark.parametrize("signal_lost", [False, True], ids=["signalled", "signal_lost"])
+def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost, tmp_path):
     """kill -9 of torchrun (its ranks are in their own sessions, so nothing reached them before): every rank is
-    gone within seconds, says why in its log, and no orphan completes the checkpoint due at step 3."""
+    gone within seconds, says why in its log, and no orphan completes the checkpoint due at step 3. With
+    `signal_lost` the ranks never see the parent-death signal (blocked, as when its exception is raised inside a
+    finalizer and dropped): the step boundary's check stops them before the next save."""
     logs, ckpt, out = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "out.txt"
     cmd = pretrain_command(2, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
                                "train.train_iters=1000", f"logging.log_dir={logs}", f"checkpoint.save={ckpt}",
                                "checkpoint.save_interval=3"])
     with open(out, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
+        block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})) if signal_lost else None
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT, preexec_fn=block)
     try:
         _wait_for(out, "step      1/", proc)
         ranks = _children(proc.pid)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -352,15 +353,18 @@ def _training_rank(job: Job, rank: int) -> psutil.Process:
 
 def test_a_crashed_rank_requeues_the_job_without_its_node_and_the_run_finishes_exactly(
         cluster, single_node_job, tmp_path):
-    """Rank 0 is killed (as by the out-of-memory killer or a GPU fault) after step 6: the job is requeued once,
-    without node1, the next attempt on node2 takes over the dead run's lock, resumes the step-5 checkpoint and
-    ends with the uninterrupted run's losses."""
+    """Rank 0 crashes in native code (SIGSEGV, as a driver or kernel fault would) after step 6: its log holds its
+    Python stack; the job is requeued once, without node1, the next attempt on node2 takes over the dead run's
+    lock, resumes the step-5 checkpoint and ends with the uninterrupted run's losses."""
     job = Job(cluster, tmp_path, "pretrain_single_node.sbatch", 2, ["--cpus-per-task=2"], RECIPE)
     job.wait_for_log(rf"step +{SIGNAL_AFTER}/")
-    _training_rank(job, 0).kill()
+    _training_rank(job, 0).send_signal(signal.SIGSEGV)
     job.wait()
 
-    assert re.search(r"training failed: rank 0 on node1 was killed by SIGKILL", job.text(job.log(0))), job.debug()
+    said = re.search(r"training failed: rank 0 on node1 was killed by SIGSEGV .*; its log: (\S+)", job.text(job.log(0)))
+    assert said, job.debug()
+    stack = Path(said.group(1)).read_text()
+    assert "Fatal Python error: Segmentation fault" in stack and "(most recent call first)" in stack, stack
     assert "a rank failed on node1; requeueing (failure requeue 1 of 3) without node1" in job.batch_output, \
         job.debug()
     second = job.text(job.log(1))
