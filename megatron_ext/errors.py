@@ -15,6 +15,8 @@ EXIT_USER_ERROR = 2  # config, data, tokenizer or checkpoint: fix what the messa
 EXIT_DIVERGED = 3  # non-finite loss or gradients
 EXIT_HUNG = 4  # the hang watchdog ended the job: requeue it, it resumes from the last checkpoint
 EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's message says why)
+# recipes.launch stopped by Ctrl-C or SIGTERM exits 128 + the signal's number (130, 143) once its ranks have
+# checkpointed at their next step boundary; its last line names that checkpoint.
 
 
 class RecipeError(Exception):

@@ -6,7 +6,8 @@ then runs torchrun's elastic agent in this process with ``-m recipes.pretrain``.
 naming the rank that failed first and its log instead of torchrun's traceback; the exit code is that rank's
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
 can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
-would repeat.
+would repeat. SIGTERM or Ctrl-C to this launcher stops the run with a checkpoint at the next step boundary and one
+line; the exit code is then 128 + the signal's number (143, 130).
 """
 
 from __future__ import annotations
@@ -100,7 +101,42 @@ def _end_restarts_after_errors_a_restart_repeats() -> None:
     LocalElasticAgent._monitor_workers = monitor_workers
 
 
+def _stop_ranks_with_a_checkpoint_on_signals() -> None:
+    """SIGTERM or Ctrl-C to this launcher: torchrun's agent passes the signal on to the ranks and kills them
+    ``--shutdown-timeout`` seconds later (torchrun's default 30). A rank checkpoints on SIGTERM at its next step
+    boundary and exits 0, but SIGINT would interrupt it without a checkpoint: the ranks get SIGTERM for both; the
+    exception remembers which signal this launcher received."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    def raise_stop(signum: int, _frame) -> None:
+        received = signal.Signals(signum)
+        stop = api.SignalException(f"Process {os.getpid()} got signal: {received.name}",
+                                   sigval=signal.SIGTERM if received == signal.SIGINT else received)
+        stop.received = received
+        raise stop
+
+    api._terminate_process_handler = raise_stop  # what torchrun's agent installs when it starts the ranks
+
+
+def _stopped_by(received: signal.Signals, save: str | None) -> str:
+    """The line after a stop on a signal: where the run can resume from, read from what the ranks left."""
+    from megatron_ext.checkpoint.layout import iteration_dir, latest_iteration
+    from megatron_ext.resilience.elastic import read_progress
+
+    if save is None:
+        return f"stopped by {received.name}: checkpoint.save is not set, nothing was saved"
+    saved = latest_iteration(save)
+    reached = read_progress(save)  # at most a second behind the last step
+    if saved is not None and (reached is None or saved >= reached.iteration):
+        return (f"stopped by {received.name} at iteration {saved}; checkpoint saved in {iteration_dir(save, saved)}; "
+                "resume with the same command")
+    newest = f"the newest checkpoint is iteration {saved}" if saved is not None else "there is no checkpoint"
+    return (f"stopped by {received.name} after iteration {reached.iteration if reached else '?'}, but the ranks were "
+            f"ended before they saved: {newest}; give them longer with --shutdown-timeout (seconds)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -132,8 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
     _end_restarts_after_errors_a_restart_repeats()
+    _stop_ranks_with_a_checkpoint_on_signals()
     try:
         run(args)
+    except SignalException as e:
+        received = getattr(e, "received", e.sigval)
+        print(_stopped_by(received, cfg.checkpoint.save), file=sys.stderr, flush=True)
+        return 128 + int(received)
     except ChildFailedError as e:
         rank, failure = _root_cause(e.failures)
         others = len(e.failures) - 1

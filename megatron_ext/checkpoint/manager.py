@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
@@ -28,8 +29,10 @@ class CheckpointManager:
     """Checkpoints of one run on this rank (every method is collective over the job's ranks)."""
 
     def __init__(self, cfg: RecipeConfig, model_chunks: list, optimizer: MegatronOptimizer,
-                 scheduler: OptimizerParamScheduler, on_gpu: bool):
+                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None):
+        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it."""
         self.cfg = cfg
+        self.before_commit = before_commit
         self.model, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         ck = cfg.checkpoint
         self.enabled = ck.save is not None
@@ -88,7 +91,7 @@ class CheckpointManager:
         path = save_load.save_checkpoint(
             ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
             keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
-            optimizer_format=optimizer_format_for(self.cfg, iteration))
+            optimizer_format=optimizer_format_for(self.cfg, iteration), before_commit=self.before_commit)
         self.last_save = time.monotonic()
         return path, time.perf_counter() - start
 

@@ -149,10 +149,11 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                     scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any],
                     keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                     saver: Optional[AsyncCheckpointSaver] = None,
-                    *, optimizer_format: str) -> Path:
+                    *, optimizer_format: str, before_commit: Optional[Callable[[], None]] = None) -> Path:
     """Collective: every rank writes its shards into iter_XXXXXXX, the manifest is written, then rank 0
     moves the tracker and applies retention (:mod:`checkpoint_retention`). With `saver` the shards are
-    written in the background and the rest happens when the saver finalizes it."""
+    written in the background and the rest happens when the saver finalizes it. `before_commit` may raise to
+    leave the shards without a manifest (a resume ignores them): a rank whose launcher died must not commit."""
     root = Path(root)
     ahead = latest_iteration(root)
     if ahead is not None and ahead > iteration:
@@ -182,6 +183,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
             return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous)
 
     def finish() -> None:
+        if before_commit is not None:
+            before_commit()
         _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")
         _on_every_rank(lambda: write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
                        "moving the tracker")

@@ -63,6 +63,17 @@ class Restart:
                 "elastic/recovery_s": self.recovery_s(first_step_end)}
 
 
+def read_progress(save_dir: str | Path) -> Optional[Progress]:
+    """The progress the last run training into `save_dir` recorded (None when there is none, or it is unreadable)."""
+    path = Path(save_dir) / PROGRESS
+    if not path.is_file():
+        return None
+    try:
+        return Progress(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 class ProgressRecord:
     """checkpoint.save/progress.json, written by rank 0 after a step (atomically: a crash leaves the old one), at most
     once every WRITE_EVERY_S: a file system round trip per step would cost fast steps on a parallel file system, and
@@ -79,12 +90,7 @@ class ProgressRecord:
 
     def previous(self) -> Optional[Progress]:
         """What the run before this one recorded (None for a first start or an unreadable record)."""
-        if self.path is None or not self.path.is_file():
-            return None
-        try:
-            return Progress(**json.loads(self.path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
+        return read_progress(self.path.parent) if self.path is not None else None
 
     def restart(self, resumed_at: int) -> Optional[Restart]:
         """The restart this run is, if a predecessor left a record (call before the first :meth:`step_done`)."""

@@ -191,7 +191,9 @@ class Trainer:
         )
         self._wire_schedule_hooks()
         self.startup.mark("model and optimizer")
-        self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu)
+        # an orphan must not complete a checkpoint: its shards stay without a manifest, which a resume ignores
+        self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu,
+                                              before_commit=raise_if_launcher_gone)
         try:
             with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
                 self.iteration, self.consumed_samples = self.checkpointer.load()

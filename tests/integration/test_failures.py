@@ -51,6 +51,11 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher_pid}")
 
 
+# Two processes (PP2) that train until the test stops them.
+TWO_STAGES_UNTIL_STOPPED = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+                            "train.train_iters=1000"]
+
+
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -133,8 +138,7 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
     `signal_lost` the ranks never see the parent-death signal (blocked, as when its exception is raised inside a
     finalizer and dropped): the step boundary's check stops them before the next save."""
     logs, ckpt, out = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "out.txt"
-    cmd = pretrain_command(2, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
-                               "train.train_iters=1000", f"logging.log_dir={logs}", f"checkpoint.save={ckpt}",
+    cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"logging.log_dir={logs}", f"checkpoint.save={ckpt}",
                                "checkpoint.save_interval=3"])
     with open(out, "w") as sink:
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})) if signal_lost else None
@@ -215,3 +219,27 @@ def test_a_skipped_nonfinite_step_leaves_weights_optimizer_state_and_schedule_un
     result = json.loads(out.read_text())
     assert result["skipped"] and result["next_step_finite"], result
     assert all(result["unchanged"].values()), result["unchanged"]
+
+
+def test_ctrl_c_to_the_launcher_checkpoints_and_says_where_to_resume(tmp_path):
+    """Ctrl-C to recipes.launch alone (its ranks are in their own sessions): the ranks checkpoint at the next step
+    boundary, the launcher ends with one line naming that checkpoint and exit 130, no traceback."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.txt"
+    cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"checkpoint.save={ckpt}", "checkpoint.save_interval=1000"],
+                           launcher="recipes.launch")
+    with open(out, "w") as sink:  # a suite started from a non-interactive shell inherits SIGINT ignored
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        _wait_for(out, "step      2/", proc)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    text = out.read_text()
+    stopped = re.search(r"stopped by SIGINT at iteration (\d+); checkpoint saved in (\S+); resume with the same "
+                        r"command\n", text)
+    assert proc.returncode == 130 and stopped and "Traceback" not in text and "SignalException" not in text, text
+    iteration = int(stopped.group(1))
+    assert iteration >= 2 and latest_iteration(ckpt) == iteration and iteration in complete_iterations(ckpt)
+    assert f"stopped cleanly after iteration {iteration} (exit signal)" in text
