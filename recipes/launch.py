@@ -18,10 +18,10 @@ import signal
 import socket
 import sys
 
-from megatron_ext.config.schema import log_dir
+from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_config, log_dir
 from megatron_ext.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.failures import rank_log
-from recipes.pretrain import import_problem, load_and_validate, nothing_to_do
+from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -40,12 +40,39 @@ def _recipe_args(recipe_argv: list[str]) -> tuple[str, list[str]]:
     return recipe_argv[1], recipe_argv[2:]
 
 
-def _world_size(args) -> tuple[int, int, bool]:
-    """(largest world size, processes per node, elastic: a node range) torchrun will start, from its own options."""
+def _node_counts(args) -> tuple[range, int]:
+    """(the node counts torchrun may start the job on, processes per node), from its own options."""
     from torch.distributed.run import config_from_args
 
     config, _, _ = config_from_args(args)
-    return config.max_nodes * config.nproc_per_node, config.nproc_per_node, config.min_nodes < config.max_nodes
+    return range(config.min_nodes, config.max_nodes + 1), config.nproc_per_node
+
+
+def _elastic_overrides(config: str, overrides: list[str], world_size: int, per_node: int) -> list[str]:
+    """What an elastic launch adds to the recipe for every world it may run on: a world the layout or global batch
+    does not fit leaves ranks idle rather than failing (unless the recipe says otherwise), and parallel.auto plans
+    once, for the largest world, so that TP × PP × CP stay fixed and only DP follows the world (a mid-run checkpoint
+    reshards across DP)."""
+    cfg = load_config(config, overrides)
+    added = [] if any(o.startswith("parallel.allow_idle_ranks=") for o in overrides) else [
+        "parallel.allow_idle_ranks=true"]
+    if cfg.parallel.auto:
+        added += [*planned_layout(cfg, world_size, per_node), "parallel.auto=false"]
+    return added
+
+
+def _elastic_worlds(cfg: RecipeConfig, nodes: range, per_node: int) -> str:
+    """The line saying what each node count trains with; ConfigError naming the node count that cannot train."""
+    said = []
+    for n in nodes:
+        try:
+            world = fitting_world(cfg, n * per_node)
+        except ConfigError as e:
+            raise ConfigError(f"with {n} node{'s' * (n > 1)} ({n * per_node} processes) of --nnodes "
+                              f"{nodes[0]}:{nodes[-1]}: {e}") from None
+        idle = n * per_node - world.size
+        said.append(f"{n} → DP {data_parallel_size(cfg, world.size)}" + (f" ({idle} idle)" if idle else ""))
+    return f"elastic on {nodes[0]}-{nodes[-1]} nodes × {per_node} processes: " + ", ".join(said)
 
 
 # The signals after which faulthandler has written the rank's stack (megatron_ext.resilience.failures)
@@ -147,14 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     torchrun_argv, recipe_argv = _split(list(sys.argv[1:] if argv is None else argv))
     config, overrides = _recipe_args(recipe_argv)
     args = parse_args([*torchrun_argv, "-m", "recipes.pretrain", *recipe_argv])
-    world_size, per_node, elastic = _world_size(args)
+    nodes, per_node = _node_counts(args)
+    world_size, elastic = nodes[-1] * per_node, len(nodes) > 1
     if elastic:
         # torch 2.13's c10d rendezvous shares its TCPStore with the workers and keeps the store address of its first
         # round: a node that joins later waits for an address nobody writes (scale-up deadlocks). Unshared, every
         # round publishes its own, and rank 0 of each new world hosts that world's store.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
-        cfg = load_and_validate(config, overrides, world_size, per_node)
+        if elastic:
+            added = _elastic_overrides(config, overrides, world_size, per_node)
+            overrides += added
+            args.training_script_args += added
+        cfg, _ = load_and_validate(config, overrides, world_size, per_node)
+        if elastic:
+            print(_elastic_worlds(cfg, nodes, per_node), flush=True)
     except ImportError as e:
         print(import_problem(e), file=sys.stderr)
         return EXIT_USER_ERROR

@@ -8,8 +8,8 @@ import os
 import statistics
 import sys
 
-from megatron_ext.config.schema import keys_table, load_config, log_dir
-from megatron_ext.config.validate import validate
+from megatron_ext.config.schema import RecipeConfig, data_parallel_size, keys_table, load_config, log_dir
+from megatron_ext.config.validate import TrainedWorld, trained_world
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.metrics.run_logger import perplexity
 from megatron_ext.resilience.failures import log_fatal_signals
@@ -68,8 +68,8 @@ def _startup_clock():
     return clock
 
 
-def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int, gpus_per_node: int):
-    """parallel.auto=true: the planner's best layout for this world size, applied as overrides."""
+def planned_layout(cfg: RecipeConfig, world_size: int, gpus_per_node: int) -> list[str]:
+    """parallel.auto=true: the planner's best layout for this world size, as overrides."""
     from megatron_ext.planner.layouts import best_layout, detect_gpu
 
     gpu = cfg.parallel.auto_gpu or detect_gpu()
@@ -78,21 +78,37 @@ def _with_planned_layout(config: str, overrides: list[str], cfg, world_size: int
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megatron_ext").info(
             f"parallel.auto: planner's best layout on {world_size}× {gpu}: {' '.join(planned)}")
-    return load_config(config, [*overrides, *planned])
+    return planned
 
 
-def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_per_node: int):
-    """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes.
-    Raises ConfigError; ImportError when megatron-core cannot be imported here."""
+def load_and_validate(config: str, overrides: list[str], world_size: int,
+                      gpus_per_node: int) -> tuple[RecipeConfig, TrainedWorld]:
+    """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes, and
+    which of them train (all, unless parallel.allow_idle_ranks had to leave some idle). Raises ConfigError;
+    ImportError when megatron-core cannot be imported here."""
     from megatron_ext.data.checks import validate_data
-    from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
 
     cfg = load_config(config, overrides)
     if cfg.parallel.auto:
-        cfg = _with_planned_layout(config, overrides, cfg, world_size, gpus_per_node)
-    validate(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
+        cfg = load_config(config, [*overrides, *planned_layout(cfg, world_size, gpus_per_node)])
+    world = fitting_world(cfg, world_size)
     validate_data(cfg)
-    return cfg
+    return cfg, world
+
+
+def fitting_world(cfg: RecipeConfig, world_size: int) -> TrainedWorld:
+    """:func:`trained_world` with what this machine has (TransformerEngine, FP8)."""
+    from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
+
+    return trained_world(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
+
+
+def idle_ranks_line(world_size: int, world: TrainedWorld, cfg: RecipeConfig) -> str:
+    """What rank 0 says when some ranks of a started world stay idle."""
+    idle = (f"rank {world.size} stays idle and exits" if world.size == world_size - 1 else
+            f"ranks {world.size}-{world_size - 1} stay idle and exit")
+    return (f"world {world_size} does not fit ({world.idle_because}): {world.size} ranks train "
+            f"(DP {data_parallel_size(cfg, world.size)}), {idle}")
 
 
 def nothing_to_do(cfg, check_lock: bool, elastic_run_id: str | None = None) -> tuple[str, int] | None:
@@ -140,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if orphan_guard_missing and rank == 0:
         logging.getLogger("megatron_ext").warning(f"ranks will not stop with their launcher: {orphan_guard_missing}")
     try:
-        cfg = load_and_validate(args.config, args.overrides, world_size,
-                                int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        cfg, world = load_and_validate(args.config, args.overrides, world_size,
+                                       int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     except ImportError as e:  # megatron-core imports TE at import time wherever `import transformer_engine` works
         if rank == 0:
             print(import_problem(e), file=sys.stderr)
@@ -153,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
 
     log_fatal_signals(log_dir(cfg), rank)
+    if world.size < world_size:
+        if rank == 0:
+            logging.getLogger("megatron_ext").info(idle_ranks_line(world_size, world, cfg))
+        if rank >= world.size:
+            return 0
+        os.environ["WORLD_SIZE"] = str(world.size)  # the process group of the ranks that train
     stop = nothing_to_do(cfg, check_lock=False)  # the lock is taken collectively, in the run's checkpoint manager
     if stop:
         if rank == 0:

@@ -107,6 +107,9 @@ class ParallelConfig:
     overlap_param_gather: bool = False  # gather updated parameters during the next forward pass (distributed opt.)
     distributed_timeout_minutes: int = 10  # a collective that waits longer than this fails the job
     auto: bool = False  # replace the layout above by the planner's best for the started world size
+    # a started world the layout or global batch does not fit trains on the largest one that fits (lower DP) and
+    # the other ranks exit; recipes.launch sets it for elastic launches (--nnodes MIN:MAX)
+    allow_idle_ranks: bool = False
     auto_gpu: Optional[str] = None  # planner GPU for auto (h100-80gb, h200-141gb, ...); null = detect
 
 

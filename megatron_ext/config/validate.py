@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import importlib.util
 import typing
-from typing import Any
+from typing import Any, Optional
 
 from megatron_ext.config.schema import RecipeConfig, allowed_values, shown_value
 from megatron_ext.config.shape import ModelShape
@@ -48,6 +48,35 @@ def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8
     validate_layout(cfg, world_size, te_available, fp8_capable)
     _validate_checkpoint(cfg)
     _validate_monitoring(cfg, world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedWorld:
+    """The ranks of a started world that train: ranks 0..size-1; `idle_because` says why the rest do not."""
+
+    size: int
+    idle_because: Optional[str] = None
+
+
+def trained_world(cfg: RecipeConfig, world_size: int, te_available: bool = False,
+                  fp8_capable: bool = False) -> TrainedWorld:
+    """`world_size` when :func:`validate` accepts it; else, with parallel.allow_idle_ranks, the largest smaller world
+    it accepts (DP lowered, TP × PP × CP kept); else the started world's ConfigError."""
+    try:
+        validate(cfg, world_size, te_available, fp8_capable)
+        return TrainedWorld(world_size)
+    except ConfigError as error:
+        if not cfg.parallel.allow_idle_ranks:
+            raise
+        p = cfg.parallel
+        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        for size in range((world_size - 1) // model_parallel * model_parallel, 0, -model_parallel):
+            try:
+                validate(cfg, size, te_available, fp8_capable)
+            except ConfigError:
+                continue
+            return TrainedWorld(size, str(error))
+        raise
 
 
 def _validate_checkpoint(cfg: RecipeConfig) -> None:

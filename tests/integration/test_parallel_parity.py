@@ -39,8 +39,11 @@ LAYOUTS = {
     # the feature was really built — read from megatron-core's objects — not only asked for)
     "tp2": (2, [*PP1, *NO_SP], ["TP2 × CP1 × DP1 × PP1", "kernels: eager, none fused"]),
     "tp2_sp": (2, PP1, ["TP2 × CP1 × DP1 × PP1", "kernels: sequence parallel"]),
-    "pp2_1f1b": (2, TP1, ["TP1 × CP1 × DP1 × PP2\n", "PP stage 0 (ranks [0]): layers 1-2 + embedding",
-                          "PP stage 1 (ranks [1]): layers 3-4 + output layer/loss"]),
+    # 3 processes for PP2: the third stays idle (an elastic world that the layout does not fit)
+    "pp2_1f1b_third_rank_idle": (3, [*TP1, "parallel.allow_idle_ranks=true"], [
+        "TP1 × CP1 × DP1 × PP2\n", "PP stage 0 (ranks [0]): layers 1-2 + embedding",
+        "PP stage 1 (ranks [1]): layers 3-4 + output layer/loss", "world 3 does not fit (world size (processes "
+        "started)=3 is invalid: must be a multiple of ", "2 ranks train (DP 1), rank 2 stays idle and exits"]),
     # with megatron-core's activation offload of every module it offers (its handlers follow the interleaved order)
     "pp2_vpp2_interleaved_activation_offload": (
         2, [*TP1, "parallel.virtual_pipeline_model_parallel_size=2", f"train.offload_modules=[{','.join(OFFLOADED)}]",

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ext.config.kernels import resolve_kernel_options
 from megatron_ext.config.schema import RecipeConfig, config_keys, keys_table, load_config, parse_blend
-from megatron_ext.config.validate import validate, validate_layout
+from megatron_ext.config.validate import trained_world, validate, validate_layout
 from megatron_ext.data.checks import validate_data
 from megatron_ext.errors import ConfigError
 from tests.launch import ROOT, TINY
@@ -309,3 +309,29 @@ def test_an_enum_like_value_outside_its_literal_fails_when_the_config_loads():
     with pytest.raises(ConfigError, match=r"train.recompute_granularity='partial' is invalid: one of null, "
                                           r"selective, full"):
         validate(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("world, batch, trained", [
+    (4, 8, 4),  # fits: TP1 × PP2, DP 2
+    (5, 8, 4),  # not a multiple of PP2
+    (6, 8, 4),  # DP 3 does not divide 8 / micro batch 2 = 4
+    (6, 12, 6),  # DP 3 divides 6
+    (3, 8, 2),
+])
+def test_a_world_the_layout_does_not_fit_trains_on_the_largest_that_fits(world, batch, trained):
+    """parallel.allow_idle_ranks: the largest world of whole TP × PP × CP groups whose DP divides the global batch;
+    the started world's reason is kept for the line; without the key the started world's error stands."""
+    layout = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+              f"train.global_batch_size={batch}", "train.micro_batch_size=2"]
+    chosen = trained_world(load_config(TINY, [*layout, "parallel.allow_idle_ranks=true"]), world)
+    assert chosen.size == trained and (chosen.idle_because is None) == (world == trained)
+    if world != trained:
+        assert "world size" in chosen.idle_because or "train.global_batch_size" in chosen.idle_because
+        with pytest.raises(ConfigError):
+            trained_world(load_config(TINY, layout), world)
+
+
+def test_idle_ranks_cannot_rescue_a_world_smaller_than_one_model_replica():
+    cfg = load_config(TINY, ["parallel.allow_idle_ranks=true"])  # TP2 × PP2
+    with pytest.raises(ConfigError, match="world size"):
+        trained_world(cfg, 3)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from megatron_ext.config.schema import load_config
+from megatron_ext.errors import ConfigError
 from megatron_ext.resilience.elastic import PROGRESS, ProgressRecord
+from recipes.launch import _elastic_worlds
+from tests.launch import TINY
 
 
 def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_recovery_time(tmp_path, monkeypatch):
@@ -34,3 +40,13 @@ def test_only_rank_0_writes_and_an_unreadable_record_is_no_restart(tmp_path):
     (tmp_path / PROGRESS).write_text("{torn")
     assert ProgressRecord(str(tmp_path), 0, 2, 2, 1).restart(3) is None
     assert ProgressRecord(None, 0, 2, 2, 1).restart(0) is None  # no checkpoint.save: nothing recorded
+
+
+def test_an_elastic_launch_says_what_each_node_count_trains_with_or_which_cannot():
+    """Checked before any rank starts, for every node count of --nnodes MIN:MAX."""
+    pp2 = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+           "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.allow_idle_ranks=true"]
+    said = _elastic_worlds(load_config(TINY, pp2), range(1, 4), 2)
+    assert said == "elastic on 1-3 nodes × 2 processes: 1 → DP 1, 2 → DP 2, 3 → DP 2 (2 idle)"
+    with pytest.raises(ConfigError, match=r"^with 1 node \(2 processes\) of --nnodes 1:2: world size"):
+        _elastic_worlds(load_config(TINY, ["parallel.allow_idle_ranks=true"]), range(1, 3), 2)  # TP2 × PP2
