@@ -204,11 +204,14 @@ TIED = "model.untie_embeddings_and_output_weights=false"
 
 def test_recipe_auto_layout_is_the_planners_best_and_valid():
     """parallel.auto=true in the recipe: the planner's best layout for the started world size."""
-    from recipes.pretrain import _with_planned_layout
+    from recipes.pretrain import planned_layout
+
+    def with_planned_layout(config: str, overrides: list[str]):
+        return load_config(config, [*overrides, *planned_layout(load_config(config, overrides), 8, 8)])
 
     config = "configs/llama3_8b_8gpu_bf16.yaml"
     overrides = ["parallel.auto=true", "parallel.auto_gpu=h100-80gb"]
-    cfg = _with_planned_layout(config, overrides, load_config(config, overrides), world_size=8, gpus_per_node=8)
+    cfg = with_planned_layout(config, overrides)
     expected = best_layout(load_config(config), 8, 8, "h100-80gb")
     p, t = cfg.parallel, cfg.train
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
@@ -217,7 +220,7 @@ def test_recipe_auto_layout_is_the_planners_best_and_valid():
                                     expected["parallel.context_parallel_size"], expected["train.micro_batch_size"])
     validate_layout(cfg, 8, te_available=True, fp8_capable=True)
     fsdp = [*overrides, "parallel.use_megatron_fsdp=true"]  # the planner decides: ZeRO-1 fits, so no Megatron-FSDP
-    assert not _with_planned_layout(config, fsdp, load_config(config, fsdp), 8, 8).parallel.use_megatron_fsdp
+    assert not with_planned_layout(config, fsdp).parallel.use_megatron_fsdp
 
 
 # Measured on one H100 80GB, torch 2.11, megatron-core 0.16.1, no TE (docs/measurements/h100-2026-11-23.md §3):
