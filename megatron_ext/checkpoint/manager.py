@@ -29,15 +29,17 @@ class CheckpointManager:
     """Checkpoints of one run on this rank (every method is collective over the job's ranks)."""
 
     def __init__(self, cfg: RecipeConfig, model_chunks: list, optimizer: MegatronOptimizer,
-                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None):
-        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it."""
+                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None,
+                 helper_initializer: Optional[Callable[[], object]] = None):
+        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it.
+        `helper_initializer`: run first in the long-lived save helper process (picklable: it is spawned)."""
         self.cfg = cfg
         self.before_commit = before_commit
         self.model, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         ck = cfg.checkpoint
         self.enabled = ck.save is not None
         if self.enabled:
-            save_load.start_save_helpers()
+            save_load.start_save_helpers(helper_initializer)
         use_async = ck.async_save if ck.async_save is not None else on_gpu
         self.saver = AsyncCheckpointSaver() if self.enabled and use_async else None
         self.lock: RunLock | None = None

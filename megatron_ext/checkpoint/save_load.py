@@ -14,6 +14,8 @@ TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint.compat`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.managers
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -109,17 +111,28 @@ def _save_strategy() -> FullyParallelSaveStrategyWrapper:
                                             parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
-def start_save_helpers() -> None:
-    """Start dist_checkpointing's long-lived helper processes now, with SIGTERM/SIGUSR1 ignored.
+_save_helper = None  # the Manager process below, for the life of the rank
+
+
+def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> None:
+    """Start dist_checkpointing's long-lived helper process now, with SIGTERM/SIGUSR1 ignored, running
+    `initializer` first (a picklable function: the process is spawned).
 
     The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.16.1,
     strategies/filesystem_async.py:54) and keeps it for the life of the rank; started later, a pre-emption
-    signal to the rank's process tree would kill it and fail the checkpoint the signal asked for.
+    signal to the rank's process tree would kill it and fail the checkpoint the signal asked for. Started here
+    (megatron-core's own takes no initializer), `initializer` can make it end with its rank: otherwise a rank
+    killed with SIGKILL leaves it, and its resource tracker, running for good.
     """
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+    global _save_helper
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if filesystem_async._results_queue is not None:
+        return
     with signals_ignored():
-        _get_write_results_queue()
+        _save_helper = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+        _save_helper.start(initializer)
+        filesystem_async._results_queue = _save_helper.Queue()  # what _get_write_results_queue would create
 
 
 def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:

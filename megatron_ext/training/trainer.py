@@ -48,7 +48,7 @@ from megatron_ext.resilience.divergence import (
 )
 from megatron_ext.resilience.elastic import ProgressRecord
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
-from megatron_ext.resilience.process_guard import raise_if_launcher_gone
+from megatron_ext.resilience.process_guard import die_with_parent, raise_if_launcher_gone
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training.optimizer import (
     build_optimizer,
@@ -191,9 +191,10 @@ class Trainer:
         )
         self._wire_schedule_hooks()
         self.startup.mark("model and optimizer")
-        # an orphan must not complete a checkpoint: its shards stay without a manifest, which a resume ignores
+        # an orphan must not complete a checkpoint (its shards stay without a manifest, which a resume ignores),
+        # and the save helper process must not outlive its rank
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu,
-                                              before_commit=raise_if_launcher_gone)
+                                              before_commit=raise_if_launcher_gone, helper_initializer=die_with_parent)
         try:
             with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
                 self.iteration, self.consumed_samples = self.checkpointer.load()

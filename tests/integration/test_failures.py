@@ -191,6 +191,31 @@ def test_die_with_parent_ends_a_busy_child_when_its_parent_is_killed(tmp_path):
         parent.kill()
 
 
+def test_the_checkpoint_save_helper_ends_with_a_rank_killed_by_sigkill():
+    """The trainer starts dist_checkpointing's Manager process with die_with_parent: a rank that cannot unwind (the
+    OOM killer, a native crash) does not leave it and its resource tracker running for good."""
+    rank = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from megatron_ext.checkpoint.save_load import start_save_helpers
+        from megatron_ext.resilience.process_guard import die_with_parent
+        start_save_helpers(die_with_parent)
+        print("started", flush=True)
+        time.sleep(600)
+    """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "started\n"
+        helpers = _children(rank.pid)
+        assert helpers
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in helpers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in helpers)
+    finally:
+        rank.kill()
+
+
 def _pdeathsig_after_worker_init(queue) -> None:
     from data_prep.preprocess import _init_worker
 
