@@ -28,6 +28,12 @@
 #   MAX_REQUEUES      3 (default): at most this many hang/failure requeues per job (signal requeues are planned
 #                     and not counted); then the job ends failed
 #   EXCLUDE_FAILED_NODES 1 (default): a failure requeue leaves out the node(s) whose rank failed first
+#   ELASTIC_MIN_NODES multi-node: go on without a lost node, down to this many nodes (torchrun --nnodes MIN:N; DP
+#                     follows the world, docs/slurm.md "Elastic"); submit with `sbatch --no-kill` so that SLURM
+#                     keeps the allocation when a node fails. Unset (default): a lost node ends the job step and
+#                     the job is requeued
+#   MAX_RESTARTS      with ELASTIC_MIN_NODES: worker restarts torchrun's agents may make (default 3)
+#   RDZV_CONF         extra c10d rendezvous options, comma separated (e.g. last_call_timeout=5,keep_alive_interval=2)
 #   PYTHON            interpreter; default python in a container, else .venv/bin/python if
 #                     present, else python3
 
@@ -149,7 +155,17 @@ slurm_pretrain() {
     overrides+=("${extra[@]}" "$@")
 
     local python=${PYTHON:-}
-    local -a srun_args=(--nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$log")
+    local -a srun_args=(--nodes="$nnodes" --ntasks-per-node=1 --output="$log")
+    local elastic=""
+    if [[ -n ${ELASTIC_MIN_NODES:-} ]] && ((nnodes > 1)); then
+        # a lost node's task must not end the others': torchrun's agents go on without it
+        elastic=", elastic down to $ELASTIC_MIN_NODES node(s)"
+        srun_args+=(--kill-on-bad-exit=0 --no-kill)
+        export ELASTIC_MIN_NODES
+    else
+        unset ELASTIC_MIN_NODES
+        srun_args+=(--kill-on-bad-exit=1)
+    fi
     # srun no longer inherits the batch job's --cpus-per-task (Slurm >= 22.05).
     [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
@@ -174,7 +190,7 @@ slurm_pretrain() {
         export RDZV_ENDPOINT
     fi
 
-    _log "restart $restart on $SLURM_JOB_NODELIST: $nnodes node(s) x $nproc process(es), $CONFIG"
+    _log "restart $restart on $SLURM_JOB_NODELIST: $nnodes node(s) x $nproc process(es)$elastic, $CONFIG"
     _log "run directory $run_dir, training log $log"
     if [[ -f $ckpt_dir/latest_checkpointed_iteration.txt ]]; then
         _log "resuming from $ckpt_dir (iteration $(cat "$ckpt_dir/latest_checkpointed_iteration.txt"))"
@@ -199,6 +215,11 @@ slurm_pretrain() {
     fi
     if ((rc == 0)); then
         _log "training finished"
+        return 0
+    fi
+    # elastic: a node's task ended (the node was lost) while the others finished the run (rank 0's summary line)
+    if [[ -n $elastic ]] && grep -Eq "^run .*: finished at iteration [0-9]+$" "$log"; then
+        _log "training finished on the nodes left (srun exit $rc: a node's task ended on the way)"
         return 0
     fi
     _log "training failed (srun exit $rc); see $log"

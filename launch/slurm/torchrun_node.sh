@@ -5,6 +5,8 @@
 # Environment (exported by common.sh):
 #   NPROC_PER_NODE   training processes on this node (one per GPU)
 #   RDZV_ENDPOINT    host:port of the c10d rendezvous on the job's first node (multi-node only)
+#   RDZV_CONF        extra c10d rendezvous options, comma separated (multi-node only)
+#   ELASTIC_MIN_NODES go on without lost nodes down to this many (multi-node only); MAX_RESTARTS (default 3)
 #   PYTHON           interpreter with torch and this project's requirements (default python3)
 set -euo pipefail
 
@@ -13,6 +15,7 @@ python=${PYTHON:-python3}
 # The step's node count, not the job's: a step may use fewer nodes than were allocated.
 nnodes=${SLURM_STEP_NUM_NODES:-${SLURM_NNODES:-1}}
 
+restarts=0
 if ((nnodes == 1)); then
     # A free port on this node: several single-node jobs can share a machine.
     rdzv=(--standalone)
@@ -23,8 +26,16 @@ else
     # (or, on a test cluster of several slurmd on one machine, matches on every "node").
     is_host=0
     [[ ${SLURM_NODEID:-0} == 0 ]] && is_host=1
-    rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
-          --rdzv-id "${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}" --rdzv-conf "is_host=$is_host")
+    nodes=$nnodes
+    if [[ -n ${ELASTIC_MIN_NODES:-} ]]; then
+        # torchrun's agent restarts the workers without a lost node (or with a joining one); recipes.launch checks
+        # the recipe for every node count first
+        nodes="$ELASTIC_MIN_NODES:$nnodes"
+        restarts=${MAX_RESTARTS:-3}
+    fi
+    rdzv=(--nnodes "$nodes" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+          --rdzv-id "${SLURM_JOB_ID:-local}-${SLURM_RESTART_COUNT:-0}"
+          --rdzv-conf "is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}")
 fi
 
 # Several ranks share each node's cores: an OpenMP pool per rank would oversubscribe them (GPU
@@ -51,4 +62,4 @@ trap '' USR1 TERM
 
 # recipes.launch is torchrun's agent plus a config check before any rank starts and a one-line summary of a
 # failed run; its exit code is the failed rank's (4: the hang watchdog ended the job, which common.sh requeues).
-exec "$python" -m recipes.launch "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0 "$@"
+exec "$python" -m recipes.launch "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$restarts" "$@"

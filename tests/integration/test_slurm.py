@@ -2,7 +2,8 @@
 on this machine, started for this module and stopped by PID at its end.
 
 (1) the single-node template trains the tiny recipe with 2 processes and leaves TensorBoard events
-and a checkpoint; (2) the multi-node template joins one torchrun per node in a c10d rendezvous;
+and a checkpoint; (2) the multi-node template joins one torchrun per node in a c10d rendezvous and, elastic, goes
+on without a lost node;
 (3) SIGUSR1 to the batch script mid-run checkpoints, stops and requeues the job, and the requeued
 attempt finishes with exactly the losses of the uninterrupted run (1); (4) a rank killed mid-run requeues the job
 without its node, and the next attempt resumes the last checkpoint and finishes as (1) did.
@@ -27,7 +28,8 @@ import psutil
 import pytest
 
 from megatron_ext.checkpoint.layout import latest_iteration
-from tests.launch import ROOT, SMALL_MODEL, read_scalars
+from tests.integration.test_parallel_parity import TOLERANCE
+from tests.launch import ROOT, SMALL_MODEL, max_relative_difference, read_scalars
 
 STEPS = 16
 SAVE_INTERVAL = 5  # a periodic checkpoint before the signal, as in any real run
@@ -233,14 +235,14 @@ class Job:
     """One sbatch of a template with a recipe, and where it writes."""
 
     def __init__(self, cluster: SlurmCluster, workdir: Path, template: str, nproc_per_node: int,
-                 sbatch_args: list[str], overrides: list[str]):
+                 sbatch_args: list[str], overrides: list[str], knobs: dict[str, str] | None = None):
         self.cluster, self.workdir = cluster, workdir
         self.run_dir = workdir / "run"
         env = {**cluster.env, "CONFIG": "configs/tiny.yaml", "NPROC_PER_NODE": str(nproc_per_node),
                "RUN_DIR": str(self.run_dir), "PYTHON": sys.executable,
                # megatron-core's dataset index cache next to the job, not inside the repository's data/
                "OVERRIDES": " ".join([f"data.path_to_cache={workdir / 'dataset_cache'}", *overrides]),
-               "PYTHONWARNINGS": "ignore"}
+               "PYTHONWARNINGS": "ignore", **(knobs or {})}
         proc = cluster.run("sbatch", "--parsable", "--gpus-per-node=0", f"--output={workdir}/batch-%j.out",
                            *sbatch_args, f"launch/slurm/{template}", cwd=ROOT, env=env)
         self.id = proc.stdout.strip().split(";")[0]
@@ -297,22 +299,38 @@ def test_single_node_template_trains_the_tiny_recipe_on_cpu(single_node_job):
     assert sorted(read_scalars(job.run_dir / "tensorboard", "train/lm_loss")) == list(range(1, STEPS + 1))
 
 
-def test_multi_node_template_meets_in_a_rendezvous_across_two_nodes(cluster, single_node_job, tmp_path):
-    """One process per node, so world=2 means the two torchruns found each other; stopped by
-    train.exit_interval, which must not requeue."""
-    job = Job(cluster, tmp_path, "pretrain_multi_node.sbatch", 1, ["--nodes=2", "--cpus-per-task=1"],
-              [*RECIPE, "train.exit_interval=4"])
+def test_multi_node_template_goes_on_without_a_lost_node_when_elastic(cluster, single_node_job, tmp_path):
+    """ELASTIC_MIN_NODES=1, 2 nodes × 2 processes: the torchruns meet in a rendezvous (world 4 = TP1 × PP2 × DP2
+    across the nodes). node2's processes are killed after step 6 (a lost node): node1's agent restarts its workers,
+    which resume at DP1 from the step-5 checkpoint and finish the run; the job ends done, not requeued. The steps
+    before the loss are the single-node run's within the parity bounds (test_elastic.py checks the rest)."""
+    job = Job(cluster, tmp_path, "pretrain_multi_node.sbatch", 2, ["--nodes=2", "--cpus-per-task=2", "--no-kill"],
+              RECIPE, {"ELASTIC_MIN_NODES": "1",
+                       "RDZV_CONF": "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"})
+    job.wait_for_log(rf"step +{SIGNAL_AFTER}/")
+    lost = [proc for proc in psutil.process_iter(["name", "environ"])  # all of the job's processes there
+            if (proc.info["environ"] or {}).get("SLURMD_NODENAME") == "node2"
+            and proc.info["environ"].get("SLURM_JOB_ID") == job.id and proc.info["name"] != "slurmstepd"]
+    assert lost, job.debug()
+    for proc in lost:
+        proc.kill()
     job.wait()
+
     log = job.text(job.log())
-    assert "2 node(s) x 1 process(es)" in job.batch_output and "node[1-2]" in job.batch_output, job.debug()
-    assert "world=2 = TP1 × CP1 × DP1 × PP2" in log, job.debug()
-    assert "stopped cleanly after iteration 4 (train.exit_interval)" in log, job.debug()
-    assert "requeue" not in job.batch_output and not job.log(1).exists()
-    assert latest_iteration(job.run_dir / "checkpoints") == 4
-    # The same computation as on one node: the pipeline stages only moved apart.
-    across_nodes = read_scalars(job.run_dir / "tensorboard", "train/lm_loss")
+    assert "2 node(s) x 2 process(es), elastic down to 1 node(s)" in job.batch_output, job.debug()
+    assert "elastic on 1-2 nodes × 2 processes: 1 → DP 1, 2 → DP 2" in log, job.debug()
+    assert "world=4 = TP1 × CP1 × DP2 × PP2" in log and "world=2 = TP1 × CP1 × DP1 × PP2" in log, job.debug()
+    assert re.search(rf"restart: world 4 → 2: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration "
+                     rf"{SAVE_INTERVAL}, lost \d+ steps?", log), job.debug()
+    assert "training finished on the nodes left" in job.batch_output and "requeue" not in job.batch_output, \
+        job.debug()
+    assert latest_iteration(job.run_dir / "checkpoints") == STEPS
+    elastic = read_scalars(job.run_dir / "tensorboard", "train/lm_loss")
     one_node = read_scalars(single_node_job.run_dir / "tensorboard", "train/lm_loss")
-    assert across_nodes == {step: one_node[step] for step in range(1, 5)}
+    assert sorted(elastic) == list(range(1, STEPS + 1))
+    before = range(1, SAVE_INTERVAL + 1)
+    assert max_relative_difference({s: elastic[s] for s in before}, {s: one_node[s] for s in before}) <= \
+        TOLERANCE["train/lm_loss"]
 
 
 def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_run(
