@@ -17,9 +17,11 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_config, log_dir
 from megatron_ext.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
+from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_AT, WORKERS_STOPPED_AT
 from megatron_ext.resilience.failures import rank_log
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
 
@@ -128,6 +130,36 @@ def _end_restarts_after_errors_a_restart_repeats() -> None:
     LocalElasticAgent._monitor_workers = monitor_workers
 
 
+def _time_restarts() -> None:
+    """Record in the agent's environment, which the workers it starts inherit, when it decided to restart them and
+    when the new world's rendezvous was complete: a restarted run's first step says where its recovery went
+    (megatron_ext.resilience.elastic)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    if getattr(SimpleElasticAgent._restart_workers, "timed", False):
+        return
+    agent = SimpleElasticAgent
+    restart_workers, initialize_workers, rendezvous = (agent._restart_workers, agent._initialize_workers,
+                                                       agent._rendezvous)
+
+    def timed_restart(agent, worker_group):  # stops the workers, then initializes them (rendezvous, start)
+        os.environ[RESTART_DECIDED_AT] = repr(time.time())
+        return restart_workers(agent, worker_group)
+
+    def timed_initialize(agent, worker_group):
+        os.environ[WORKERS_STOPPED_AT] = repr(time.time())
+        return initialize_workers(agent, worker_group)
+
+    def timed_rendezvous(agent, worker_group):
+        result = rendezvous(agent, worker_group)
+        os.environ[RENDEZVOUS_DONE_AT] = repr(time.time())
+        return result
+
+    timed_restart.timed = True
+    agent._restart_workers, agent._initialize_workers, agent._rendezvous = (timed_restart, timed_initialize,
+                                                                           timed_rendezvous)
+
+
 def _stop_ranks_with_a_checkpoint_on_signals() -> None:
     """SIGTERM or Ctrl-C to this launcher: torchrun's agent passes the signal on to the ranks and kills them
     ``--shutdown-timeout`` seconds later (torchrun's default 30). A rank checkpoints on SIGTERM at its next step
@@ -202,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
     _end_restarts_after_errors_a_restart_repeats()
+    _time_restarts()
     _stop_ranks_with_a_checkpoint_on_signals()
     try:
         run(args)

@@ -57,13 +57,22 @@ def _summary(cfg, result) -> str:
     return "\n".join(lines)
 
 
+def _exit_now(code: int) -> None:
+    """A failed rank ends without the interpreter's teardown (~2 s here: megatron-core's modules, and joining the
+    checkpoint save helper, which ends by itself with its parent): torchrun's agent restarts the workers that much
+    sooner, and the peers of a rank that ends on its launcher's death see its sockets close that much sooner. What
+    it logged is flushed first (the trainer closed TensorBoard and W&B)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _startup_clock():
     """The start-up timer, from this process's start: what came before main() is the imports."""
-    import psutil
+    from megatron_ext.metrics.run_logger import StartupClock, process_start_time
 
-    from megatron_ext.metrics.run_logger import StartupClock
-
-    clock = StartupClock(psutil.Process().create_time())
+    clock = StartupClock(process_start_time())
     clock.mark("imports")
     return clock
 
@@ -187,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = pretrain(cfg, startup)
     except RunFailed as e:  # already said once for the job, traceback in the rank's log
-        return e.exit_code
-    if rank == 0:
+        _exit_now(e.exit_code)
+    # One summary per run: under torchrun's agent a signal stop is a membership change (the agent restarts the
+    # workers) or the launcher's stop (its last line says where to resume)
+    if rank == 0 and not (result.stopped_by_signal and "TORCHELASTIC_RUN_ID" in os.environ):
         print(_summary(cfg, result), flush=True)
     return 0
 

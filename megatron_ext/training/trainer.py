@@ -75,6 +75,7 @@ class RunResult:
     plan_check: list[str] = field(default_factory=list)  # the measured step breakdown beside the planner's (rank 0)
     checkpoint: Optional[Path] = None
     stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
+    stopped_by_signal: bool = False
 
 
 class RunFailed(Exception):
@@ -385,8 +386,9 @@ class Trainer:
                 if cfg.train.offload_modules:
                     self._info(activation_offload.describe())
                 if self.restart:
-                    now = time.time()
-                    self.run_logger.restart(self.iteration + 1, self.restart.describe(now), self.restart.scalars(now))
+                    timed = (self.startup.start, self.startup.phases)  # from this process's start to now
+                    self.run_logger.restart(self.iteration + 1, self.restart.describe(*timed),
+                                            self.restart.scalars(*timed))
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if stepped is not None:
@@ -406,7 +408,7 @@ class Trainer:
             if stop:
                 self._info(f"stopped cleanly after iteration {self.iteration} "
                            f"({'exit signal' if signalled else 'train.exit_interval'})")
-                result.stopped_early = True
+                result.stopped_early, result.stopped_by_signal = True, signalled
                 break
         self.watchdog.close()
         self.profiler.close()
@@ -431,6 +433,7 @@ def pretrain(cfg: RecipeConfig, startup: Optional[StartupClock] = None) -> RunRe
         if trainer is not None:
             trainer.watchdog.close()  # a slow teardown is not a hang
             trainer.checkpointer.abort()  # its writer process would otherwise keep the rank from exiting
+            trainer.run_logger.close(failed=True)  # what was logged survives the fast exit
         where = trainer.where if trainer is not None else "start-up"
         advice = _out_of_memory_advice(cfg) if isinstance(exc, torch.OutOfMemoryError) else ""
         raise RunFailed(report_failure(exc, int(os.environ.get("RANK", "0")), where, log_dir(cfg), advice)) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from tests.launch import TINY
 def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_recovery_time(tmp_path, monkeypatch):
     import megatron_ext.resilience.elastic as elastic
 
-    clock = iter([100.0, 100.4, 101.0, 130.0])
+    clock = itertools.chain([100.0, 100.4, 101.0], itertools.repeat(130.0))
     monkeypatch.setattr(elastic.time, "time", lambda: next(clock))
     before = ProgressRecord(str(tmp_path), rank=0, world_size=4, data_parallel_size=2, num_microbatches=2)
     assert before.restart(0) is None  # a first start
@@ -27,11 +28,25 @@ def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_re
     after = ProgressRecord(str(tmp_path), rank=0, world_size=2, data_parallel_size=1, num_microbatches=4)
     restart = after.restart(6)
     assert restart.lost_steps == 1
-    assert restart.describe(118.5) == (
+    startup = [("imports", 2.0), ("checkpoint load", 1.5)]  # this process, from its start at 115.0
+    assert restart.describe(115.0, startup) == (
         "restart: world 4 → 2: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration 6, lost 1 step, "
-        "recovered in 17.5 s (from the last step before the restart to the first one after it)")
-    assert restart.scalars(118.5) == {"elastic/world_size": 2.0, "elastic/data_parallel_size": 1.0,
-                                      "elastic/lost_steps": 1.0, "elastic/recovery_s": 17.5}
+        "recovered in 17.5 s from the last step before it: down until this process started 14.0 s, imports 2.0 s, "
+        "checkpoint load 1.5 s")
+    assert restart.scalars(115.0, startup) == {
+        "elastic/world_size": 2.0, "elastic/data_parallel_size": 1.0, "elastic/lost_steps": 1.0,
+        "elastic/recovery_s": 17.5, "elastic/down_before_start_s": 14.0}
+    # under recipes.launch, the agent's times split what came before the process started
+    monkeypatch.setenv(elastic.RESTART_DECIDED_AT, "104.0")
+    monkeypatch.setenv(elastic.WORKERS_STOPPED_AT, "104.5")
+    monkeypatch.setenv(elastic.RENDEZVOUS_DONE_AT, "114.0")
+    assert dict(after.restart(6).parts(115.0, startup)) == {
+        "until the agent restarted the workers": 3.0, "stopping the old ones": 0.5, "rendezvous": 9.5,
+        "process start": 1.0, "imports": 2.0, "checkpoint load": 1.5}
+    # a scale-up: the agent decides, then the old world takes its last step and checkpoints while it stops
+    monkeypatch.setenv(elastic.RESTART_DECIDED_AT, "100.5")
+    assert dict(after.restart(6).parts(115.0, [])) == {"stopping the old ones": 3.5, "rendezvous": 9.5,
+                                                       "process start": 1.0}
 
 
 def test_only_rank_0_writes_and_an_unreadable_record_is_no_restart(tmp_path):
