@@ -12,7 +12,7 @@ from megatron_ext.config.schema import RecipeConfig, data_parallel_size, keys_ta
 from megatron_ext.config.validate import TrainedWorld, trained_world
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.metrics.run_logger import perplexity
-from megatron_ext.resilience.failures import log_fatal_signals
+from megatron_ext.resilience.failures import fatal_signal_stacks_logged
 from megatron_ext.resilience.process_guard import guard_training_rank
 
 
@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 
-    log_fatal_signals(log_dir(cfg), rank)
     if world.size < world_size:
         if rank == 0:
             logging.getLogger("megatron_ext").info(idle_ranks_line(world_size, world, cfg))
@@ -194,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.training.trainer import RunFailed, pretrain
 
     try:
-        result = pretrain(cfg, startup)
+        with fatal_signal_stacks_logged(log_dir(cfg), rank):
+            result = pretrain(cfg, startup)
     except RunFailed as e:  # already said once for the job, traceback in the rank's log
         _exit_now(e.exit_code)
     # One summary per run: under torchrun's agent a signal stop is a membership change (the agent restarts the

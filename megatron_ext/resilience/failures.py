@@ -3,6 +3,7 @@ full traceback goes to that rank's log file, which the line names. Exit codes sa
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import hashlib
@@ -11,7 +12,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, RecipeError
 
@@ -25,22 +26,33 @@ def rank_log(log_dir: str | Path, rank: int) -> Path:
     return Path(log_dir) / f"rank-{rank}.log"
 
 
-_fatal_signal_log = None  # kept open: faulthandler writes to its descriptor from the signal handler
-
-
-def log_fatal_signals(log_dir: str | Path, rank: int) -> None:
-    """A rank ended by SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT (in native code: gloo, NCCL, a kernel) leaves
-    every thread's Python stack in its log; otherwise the console shows only the launcher's "exitcode -11"."""
+@contextlib.contextmanager
+def fatal_signal_stacks_logged(log_dir: str | Path, rank: int) -> Iterator[None]:
+    """While inside: a rank ended by SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT (in native code: gloo, NCCL, a
+    kernel) leaves every thread's Python stack in its log; otherwise the console shows only the launcher's
+    "exitcode -11". The log is opened ahead (faulthandler writes to its descriptor from the signal handler) and
+    removed again, with a directory made for it, if nothing was written."""
     import faulthandler
 
-    global _fatal_signal_log
     path = rank_log(log_dir, rank)
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _fatal_signal_log = open(path, "a")
+        log = open(path, "a")
     except OSError:
+        yield
         return
-    faulthandler.enable(file=_fatal_signal_log, all_threads=True)
+    faulthandler.enable(file=log, all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.disable()
+        log.close()
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()
+                for directory in made:  # innermost first
+                    directory.rmdir()
 
 
 def _is_peer_loss(exc: BaseException) -> bool:
