@@ -7,7 +7,9 @@ naming the rank that failed first and its log instead of torchrun's traceback; t
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
 can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
 would repeat. SIGTERM or Ctrl-C to this launcher stops the run with a checkpoint at the next step boundary and one
-line; the exit code is then 128 + the signal's number (143, 130).
+line; the exit code is then 128 + the signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's
+ft_launcher instead of torchrun's agent (megatron_ext/resilience/agent.py): the ranks send it heartbeats, its
+``--ft-*`` options apply.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import os
 import signal
 import socket
 import sys
-import time
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_config, log_dir
-from megatron_ext.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
-from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_AT, WORKERS_STOPPED_AT
+from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
+from megatron_ext.resilience.agent import Agent, agent
 from megatron_ext.resilience.failures import rank_log
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
 
@@ -42,11 +43,9 @@ def _recipe_args(recipe_argv: list[str]) -> tuple[str, list[str]]:
     return recipe_argv[1], recipe_argv[2:]
 
 
-def _node_counts(args) -> tuple[range, int]:
-    """(the node counts torchrun may start the job on, processes per node), from its own options."""
-    from torch.distributed.run import config_from_args
-
-    config, _, _ = config_from_args(args)
+def _node_counts(args, chosen: Agent) -> tuple[range, int]:
+    """(the node counts the agent may start the job on, processes per node), from its own options."""
+    config, _, _ = chosen.config_from_args(args)
     return range(config.min_nodes, config.max_nodes + 1), config.nproc_per_node
 
 
@@ -105,78 +104,6 @@ def _node() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-# A restart would fail the same way: fix the config/data/checkpoint, or the run's numerics, first.
-NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED)
-
-
-def _end_restarts_after_errors_a_restart_repeats() -> None:
-    """torchrun's agent restarts its workers after any failure (``--max-restarts``, elastic runs); a failure
-    with an exit code in NOT_RESTARTED ends the job at once instead, with the one-line summary."""
-    from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    monitor = LocalElasticAgent._monitor_workers
-    if getattr(monitor, "ends_restarts", False):
-        return
-
-    def monitor_workers(agent, worker_group):
-        result = monitor(agent, worker_group)
-        if result.state == WorkerState.FAILED and any(
-                failure.exitcode in NOT_RESTARTED for failure in result.failures.values()):
-            agent._remaining_restarts = 0
-        return result
-
-    monitor_workers.ends_restarts = True
-    LocalElasticAgent._monitor_workers = monitor_workers
-
-
-def _time_restarts() -> None:
-    """Record in the agent's environment, which the workers it starts inherit, when it decided to restart them and
-    when the new world's rendezvous was complete: a restarted run's first step says where its recovery went
-    (megatron_ext.resilience.elastic)."""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-
-    if getattr(SimpleElasticAgent._restart_workers, "timed", False):
-        return
-    agent = SimpleElasticAgent
-    restart_workers, initialize_workers, rendezvous = (agent._restart_workers, agent._initialize_workers,
-                                                       agent._rendezvous)
-
-    def timed_restart(agent, worker_group):  # stops the workers, then initializes them (rendezvous, start)
-        os.environ[RESTART_DECIDED_AT] = repr(time.time())
-        return restart_workers(agent, worker_group)
-
-    def timed_initialize(agent, worker_group):
-        os.environ[WORKERS_STOPPED_AT] = repr(time.time())
-        return initialize_workers(agent, worker_group)
-
-    def timed_rendezvous(agent, worker_group):
-        result = rendezvous(agent, worker_group)
-        os.environ[RENDEZVOUS_DONE_AT] = repr(time.time())
-        return result
-
-    timed_restart.timed = True
-    agent._restart_workers, agent._initialize_workers, agent._rendezvous = (timed_restart, timed_initialize,
-                                                                           timed_rendezvous)
-
-
-def _stop_ranks_with_a_checkpoint_on_signals() -> None:
-    """SIGTERM or Ctrl-C to this launcher: torchrun's agent passes the signal on to the ranks and kills them
-    ``--shutdown-timeout`` seconds later (torchrun's default 30). A rank checkpoints on SIGTERM at its next step
-    boundary and exits 0, but SIGINT would interrupt it without a checkpoint: the ranks get SIGTERM for both; the
-    exception remembers which signal this launcher received."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    def raise_stop(signum: int, _frame) -> None:
-        received = signal.Signals(signum)
-        stop = api.SignalException(f"Process {os.getpid()} got signal: {received.name}",
-                                   sigval=signal.SIGTERM if received == signal.SIGINT else received)
-        stop.received = received
-        raise stop
-
-    api._terminate_process_handler = raise_stop  # what torchrun's agent installs when it starts the ranks
-
-
 def _stopped_by(received: signal.Signals, save: str | None) -> str:
     """The line after a stop on a signal: where the run can resume from, read from what the ranks left."""
     from megatron_ext.checkpoint.layout import iteration_dir, latest_iteration
@@ -195,18 +122,22 @@ def _stopped_by(received: signal.Signals, save: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    # torchrun's banner ("Setting OMP_NUM_THREADS ... to 1") and its per-failure lines and traceback, which repeat
-    # what the failed rank said: the summary below replaces them. Errors of its own (rendezvous) still show.
-    for name in ("torch.distributed.run", "torch.distributed.elastic"):
-        logging.getLogger(name).setLevel(logging.CRITICAL if name.endswith("elastic") else logging.ERROR)
     torchrun_argv, recipe_argv = _split(list(sys.argv[1:] if argv is None else argv))
+    nvrx = "--nvrx" in torchrun_argv
+    torchrun_argv = [arg for arg in torchrun_argv if arg != "--nvrx"]
+    try:
+        chosen = agent(nvrx)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    # the agent's banner ("Setting OMP_NUM_THREADS ... to 1") and its per-failure lines and traceback, which repeat
+    # what the failed rank said: the summary below replaces them. Errors of its own (rendezvous) still show.
+    for name, level in (("torch.distributed.run", logging.ERROR), ("torch.distributed.elastic", logging.CRITICAL),
+                        ("nvidia_resiliency_ext", logging.ERROR)):
+        logging.getLogger(name).setLevel(level)
     config, overrides = _recipe_args(recipe_argv)
-    args = parse_args([*torchrun_argv, "-m", "recipes.pretrain", *recipe_argv])
-    nodes, per_node = _node_counts(args)
+    args = chosen.parse_args([*torchrun_argv, "-m", "recipes.pretrain", *recipe_argv])
+    nodes, per_node = _node_counts(args, chosen)
     world_size, elastic = nodes[-1] * per_node, len(nodes) > 1
     if elastic:
         # torch 2.13's c10d rendezvous shares its TCPStore with the workers and keeps the store address of its first
@@ -233,16 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
-    _end_restarts_after_errors_a_restart_repeats()
-    _time_restarts()
-    _stop_ranks_with_a_checkpoint_on_signals()
     try:
-        run(args)
-    except SignalException as e:
+        chosen.run(args)
+    except chosen.processes.SignalException as e:
         received = getattr(e, "received", e.sigval)
         print(_stopped_by(received, cfg.checkpoint.save), file=sys.stderr, flush=True)
         return 128 + int(received)
-    except ChildFailedError as e:
+    except chosen.child_failed as e:
         rank, failure = _root_cause(e.failures)
         others = len(e.failures) - 1
         # "failed" names the node whose rank failed by itself (the SLURM templates leave it out of a requeue);

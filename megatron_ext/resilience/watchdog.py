@@ -2,6 +2,9 @@
 stacks to its log, the ranks whose heartbeat stopped are named once, and the job ends with EXIT_HUNG (the SLURM
 templates requeue it; it resumes from the last checkpoint).
 
+Under NVIDIA Resiliency Extension's ft_launcher the same step boundaries (and the ends of a checkpoint save) are
+also its rank monitor's heartbeats (:mod:`.nvrx`).
+
 Armed after the first step (start-up, compilation and communicator set-up are bounded by
 ``parallel.distributed_timeout_minutes``) and suspended while a checkpoint is written, so a long save is not
 taken for a hang. A thread per rank bumps a heartbeat counter in the job's store every interval: a rank that is
@@ -24,6 +27,7 @@ from typing import Iterator, Optional
 from megatron_ext.errors import EXIT_HUNG
 from megatron_ext.resilience.failures import rank_log, write_rank_log
 from megatron_ext.resilience.job_store import job_store
+from megatron_ext.resilience.nvrx import RankMonitorHeartbeats
 
 
 class HangWatchdog:
@@ -39,6 +43,7 @@ class HangWatchdog:
         self._thread: Optional[threading.Thread] = None
         self._store = None
         self._beats = 0
+        self._launcher_heartbeats = RankMonitorHeartbeats()
 
     def start(self, iteration: int) -> None:
         if not self.timeout_s:
@@ -52,6 +57,7 @@ class HangWatchdog:
 
     def step_done(self, iteration: int) -> None:
         self.iteration, self._last_progress = iteration, time.monotonic()
+        self._launcher_heartbeats.beat()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -62,8 +68,10 @@ class HangWatchdog:
             self._suspended -= 1
             if self._last_progress is not None:
                 self._last_progress = time.monotonic()
+            self._launcher_heartbeats.beat()
 
     def close(self) -> None:
+        self._launcher_heartbeats.close()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval * 2)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint.layout import complete_iterations, latest_iteration
+from megatron_ext.errors import EXIT_FAILED
 from tests.launch import ROOT, SMALL_MODEL, pretrain_command, read_scalars, run_env, run_pretrain
 
 
@@ -117,6 +118,34 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_pa
     for rank in (0, 1, 3):
         stacks = (logs / f"rank-{rank}.log").read_text()
         assert "hang watchdog" in stacks and "(most recent call first)" in stacks and "training/trainer.py" in stacks
+
+
+def test_under_nvrx_a_stopped_rank_is_ended_by_the_rank_monitor_outside_it(tmp_path):
+    """recipes.launch --nvrx (NVIDIA Resiliency Extension's ft_launcher), the hang watchdog off: rank 1 SIGSTOPped
+    after step 3 stalls both pipeline stages; their rank monitors kill them once 3 s pass without a heartbeat, and
+    the job ends with the one-line summary. Before the first heartbeat the timeout is 60 s: ending within 20 s shows
+    the step boundaries reach the monitors as heartbeats."""
+    out = tmp_path / "out.txt"
+    cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, "train.hang_timeout_s=null"], launcher="recipes.launch",
+                           launch_options=("--nvrx", "--ft-initial-rank-heartbeat-timeout=60",
+                                           "--ft-rank-heartbeat-timeout=3", "--ft-workload-check-interval=0.5"))
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(out, "step      3/", proc)
+        stopped = _rank_pid(proc.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        proc.wait(timeout=60)
+        gone = time.monotonic() - start
+    finally:
+        proc.kill()
+    text = out.read_text()
+    assert gone < 20 and not _alive(stopped), (gone, text[-3000:])
+    assert re.search(r"training failed: rank [01] on \S+ was killed by SIGKILL", text), text[-3000:]
+    assert "Did not get subsequent heartbeat. Waited 3.00 seconds" in text
+    # (NVRx's GPU health check logs NVML tracebacks on a machine without NVIDIA's driver: its own, harmless)
+    assert proc.returncode == EXIT_FAILED and "SignalException" not in text, text[-3000:]
 
 
 def test_a_rank_slowed_on_purpose_is_named_and_nobody_else(tmp_path):
@@ -219,7 +248,7 @@ def test_the_checkpoint_save_helper_ends_with_a_rank_killed_by_sigkill():
 def _pdeathsig_after_worker_init(queue) -> None:
     from data_prep.preprocess import _init_worker
 
-    _init_worker(str(ROOT / "data" / "tiny" / "tokenizer.model"), None, True)
+    _init_worker(str(ROOT / "data" / "tiny" / "tokenizer.model"), None, True, False)
     value = ctypes.c_int(0)
     ctypes.CDLL(None).prctl(2, ctypes.byref(value), 0, 0, 0)  # PR_GET_PDEATHSIG
     queue.put(value.value)
