@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from megatron_ext.data.tokenization_record import RECORD_SUFFIX
+
 logger = logging.getLogger(__name__)
 
 MB = 1_000_000
@@ -256,8 +258,8 @@ def run_one(impl: str, workers: int, corpus: Path, tokenizer_model: Path, out_di
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     prefix = result.pop("prefix")
     result["sha256"] = {ext: _sha256(f"{prefix}.{ext}") for ext in ("bin", "idx")}
-    for ext in ("bin", "idx"):  # a 200 MB run writes ~100 MB per configuration
-        os.remove(f"{prefix}.{ext}")
+    for suffix in (".bin", ".idx", RECORD_SUFFIX):  # a 200 MB run writes ~100 MB per configuration
+        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
     s = result["seconds"]
     result.update(impl=impl, workers=workers, tokens_per_s=result["tokens"] / s,
                   tokens_per_s_per_worker=result["tokens"] / s / workers,

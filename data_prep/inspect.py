@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_ext.data.datasets import max_token_id
+from megatron_ext.data.tokenization_record import RECORD_SUFFIX, read_record
 from megatron_ext.errors import DatasetError
 
 HISTOGRAM_WIDTH = 40
@@ -121,6 +122,9 @@ def report(prefix: str, samples: int = 3, tokenizer_model: str | None = None, sa
         f"tokens    {stats.tokens:,d}",
         f"dtype     {stats.dtype}  (ids < {np.iinfo(stats.dtype).max + 1:,d})",
     ]
+    record = read_record(stats.prefix)
+    lines.append(f"tokenized {record.describe()}, with {record.tokenizer}" if record else
+                 f"tokenized (no {RECORD_SUFFIX} beside it: written by another tool or an older data_prep)")
     if lengths.size:
         lines.append(f"document length (tokens): min {lengths.min():,d} | mean {lengths.mean():,.1f} | "
                      f"median {np.median(lengths):,.0f} | max {lengths.max():,d}")

@@ -6,11 +6,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
 
 from data_prep.inspect import check_prefix, normalize_prefix, open_dataset
+from megatron_ext.data.tokenization_record import (
+    RECORD_SUFFIX,
+    TokenizationRecord,
+    mixed_conventions,
+    read_record,
+    write_record,
+)
 from megatron_ext.errors import DatasetError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +67,16 @@ def _common_dtype(prefixes: list[str]) -> np.dtype:
     return next(iter(dtypes.values()))
 
 
+def _common_record(prefixes: list[str]) -> Optional[TokenizationRecord]:
+    """The shards' tokenization record when they all have the same one; shards whose documents begin with BOS
+    and shards whose do not cannot become one dataset."""
+    mixed = mixed_conventions(prefixes)
+    if mixed:
+        raise DatasetError(mixed.replace("the blend mixes", "the shards mix"))
+    records = {read_record(prefix) for prefix in prefixes}
+    return records.pop() if len(records) == 1 else None
+
+
 def merge(inputs: list[str], output_prefix: str) -> MergeResult:
     """Concatenate the shards' documents into output_prefix.bin/.idx; on any failure no pair is left."""
     prefixes = [normalize_prefix(p) for p in inputs]
@@ -72,6 +91,7 @@ def merge(inputs: list[str], output_prefix: str) -> MergeResult:
 
     start = time.perf_counter()
     dtype = _common_dtype(prefixes)
+    record = _common_record(prefixes)
     total_bytes = sum(os.path.getsize(f"{p}.bin") for p in prefixes)
     tmp = f".tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -87,11 +107,13 @@ def merge(inputs: list[str], output_prefix: str) -> MergeResult:
         documents = len(builder.document_indices) - 1
         tokens = int(np.sum(builder.sequence_lengths, dtype=np.int64))
         builder.finalize(f"{output_prefix}.idx{tmp}")
+        if record is not None:
+            write_record(Path(f"{output_prefix}{RECORD_SUFFIX}{tmp}"), record)
         _publish(output_prefix, tmp)
     except BaseException:
         if builder is not None:
             builder.data_file.close()
-        for path in (f"{output_prefix}.bin{tmp}", f"{output_prefix}.idx{tmp}"):
+        for path in (f"{output_prefix}.bin{tmp}", f"{output_prefix}.idx{tmp}", f"{output_prefix}{RECORD_SUFFIX}{tmp}"):
             if os.path.exists(path):
                 os.remove(path)
         raise

@@ -12,13 +12,16 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from data_prep.records import SkippedRecords, iter_documents
+from megatron_ext.data.tokenization_record import RECORD_SUFFIX, Convention, TokenizationRecord, write_record
 from megatron_ext.data.tokenizer import TOKENIZER_TYPES, Tokenizer, load_tokenizer
+from megatron_ext.data.tokenizer import tokenizer_type as tokenizer_type_of
 from megatron_ext.errors import BadRecordError, TokenizerError
 from megatron_ext.resilience.process_guard import die_with_parent
 
@@ -49,9 +52,9 @@ _tokenizer: Tokenizer | None = None
 _append_eod = False
 
 
-def _init_worker(model_path: str, tokenizer_type: str | None, append_eod: bool) -> None:
+def _init_worker(model_path: str, tokenizer_type: str | None, append_eod: bool, include_special_tokens: bool) -> None:
     global _tokenizer, _append_eod
-    _tokenizer, _append_eod = load_tokenizer(model_path, tokenizer_type), append_eod
+    _tokenizer, _append_eod = load_tokenizer(model_path, tokenizer_type, include_special_tokens), append_eod
     # Ctrl-C is handled once, by the parent, which then tears the pool down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A killed parent cannot tear it down: without this the workers would wait on their task queue forever.
@@ -103,12 +106,20 @@ def preprocess(
     skip_bad_records: bool = False,
     chunk_docs: int = 256,
     tokenizer_type: str | None = None,
+    convention: Convention = "default",
 ) -> PreprocessResult:
-    """Write one .bin/.idx pair per json key; on any failure no new pair is left behind. `tokenizer_type`:
-    Megatron-LM's name (GPTSentencePieceTokenizer, HuggingFaceTokenizer), None = from the path."""
+    """Write one .bin/.idx pair per json key, and how it was tokenized beside it (PREFIX.tokenization.json); on any
+    failure no new pair is left behind. `tokenizer_type`: Megatron-LM's name (GPTSentencePieceTokenizer,
+    HuggingFaceTokenizer), None = from the path; `convention`: which of Megatron-LM's flags the tokenization
+    follows (megatron_ext.data.tokenization_record)."""
     start = time.perf_counter()
     json_keys = list(json_keys)
-    dtype = DType.optimal_dtype(load_tokenizer(tokenizer_model, tokenizer_type).vocab_size)
+    include_special_tokens = convention != "default"
+    tokenizer = load_tokenizer(tokenizer_model, tokenizer_type, include_special_tokens)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    bos = getattr(tokenizer, "bos", None)
+    record = TokenizationRecord(tokenizer_type_of(tokenizer_model, tokenizer_type), str(tokenizer_model), convention,
+                                append_eod, begins_with_bos=bos is not None and tokenizer.tokenize("a")[:1] == [bos])
     prefixes = dict(zip(json_keys, (output_prefix_for(output_prefix, key) for key in json_keys)))
     tmp = f".tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -119,7 +130,8 @@ def preprocess(
         for key, prefix in prefixes.items():
             builders[key] = IndexedDatasetBuilder(f"{prefix}.bin{tmp}", dtype=dtype)
         docs = iter_documents(inputs, json_keys, skip_bad_records, skipped)
-        with (multiprocessing.Pool(workers, _init_worker, (tokenizer_model, tokenizer_type, append_eod)) as pool,
+        with (multiprocessing.Pool(workers, _init_worker,
+                                   (tokenizer_model, tokenizer_type, append_eod, include_special_tokens)) as pool,
               tqdm(unit="doc", desc="tokenize", disable=None) as bar):
             for batch in _encode_in_order(pool, _batches(docs, chunk_docs), 2 * workers):
                 for key, (ids, lengths) in batch.items():
@@ -136,13 +148,14 @@ def preprocess(
                 bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
         for key, prefix in prefixes.items():
             builders[key].finalize(f"{prefix}.idx{tmp}")
+            write_record(Path(f"{prefix}{RECORD_SUFFIX}{tmp}"), record)
         for prefix in prefixes.values():
             _publish(prefix, tmp)
     except BaseException:
         for builder in builders.values():
             builder.data_file.close()  # finalize may not have run; the builder owns the handle
         for prefix in prefixes.values():
-            for path in (f"{prefix}.bin{tmp}", f"{prefix}.idx{tmp}"):
+            for path in (f"{prefix}.bin{tmp}", f"{prefix}.idx{tmp}", f"{prefix}{RECORD_SUFFIX}{tmp}"):
                 if os.path.exists(path):
                     os.remove(path)
         raise
@@ -154,6 +167,11 @@ def _publish(prefix: str, tmp: str) -> None:
     # without .idx (unloadable) rather than a new .bin paired with a stale .idx.
     if os.path.exists(f"{prefix}.idx"):
         os.remove(f"{prefix}.idx")
+    record = f"{prefix}{RECORD_SUFFIX}"
+    if os.path.exists(record + tmp):
+        os.replace(record + tmp, record)
+    elif os.path.exists(record):  # it described the data being replaced
+        os.remove(record)
     os.replace(f"{prefix}.bin{tmp}", f"{prefix}.bin")
     os.replace(f"{prefix}.idx{tmp}", f"{prefix}.idx")
 
@@ -169,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
                              "HuggingFaceTokenizer, a file GPTSentencePieceTokenizer)")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--append-eod", action="store_true", help="append the EOS id to every non-empty document")
+    special = parser.add_mutually_exclusive_group()  # Megatron-LM's flags; without either, its default
+    special.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                         help="Hugging Face tokenizer: add what its post-processor adds (Llama 3: BOS on every "
+                              "document); by default no special tokens, as Megatron-LM's default")
+    special.add_argument("--legacy-tokenizer", action="store_true",
+                         help="Megatron-LM's legacy tokenizer: for a Hugging Face tokenizer, with special tokens")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--skip-bad-records", action="store_true",
                         help="skip and count malformed records instead of stopping at the first")
@@ -184,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
                             args.append_eod, args.workers, args.skip_bad_records, args.chunk_docs,
-                            args.tokenizer_type)
+                            args.tokenizer_type, "legacy" if args.legacy_tokenizer else
+                            "include-special-tokens" if args.tokenizer_hf_include_special_tokens else "default")
     except BadRecordError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

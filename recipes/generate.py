@@ -46,7 +46,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not path or not Path(path).exists():
             raise TokenizerError(f"the checkpoint's data.tokenizer_model={path!r} does not exist here: pass "
                                  "--tokenizer PATH (a sentencepiece .model or a Hugging Face tokenizer directory)")
-        tokenizer = load_tokenizer(path, None if args.tokenizer else cfg.data.tokenizer_type)
+        # a prompt starts a sequence: with the tokenizer's BOS, as transformers' generate gets it
+        tokenizer = load_tokenizer(path, None if args.tokenizer else cfg.data.tokenizer_type,
+                                   include_special_tokens=True)
         if tokenizer.vocab_size > saved.padded_vocab:
             raise ConversionError(f"{path} has {tokenizer.vocab_size} tokens, more than the checkpoint's "
                                   f"{saved.padded_vocab} embedding rows: not this model's tokenizer")

@@ -11,6 +11,7 @@ WORDS = ["def", "return", "self", "value", "data", "for", "in", "if", "else", "i
 # Megatron-LM writes it)
 UNICODE_TEXTS = [f"def f{i}(x):\n    return x * {i}  # Café naïve, ünïcode ✓\n" * (1 + i % 4) for i in range(60)]
 UNICODE_TEXTS[7] = ""
+UNICODE_TEXTS[11] = " \t\n "  # whitespace only: tokens, but no words
 
 # One bad JSONL input per kind of problem, and what the error names
 BAD_LINES = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Optional
 
@@ -29,10 +30,11 @@ def validate_data(cfg: RecipeConfig) -> None:
     has_split_blends = any(b for b in (d.train_blend, d.valid_blend, d.test_blend))
     require(bool(d.blend) or has_split_blends, "data.blend", d.blend,
             "give a dataset prefix list (or data.train_blend/valid_blend)")
-    for key, prefix in _blend_prefixes(cfg):
+    for key, prefix in blend_prefixes(cfg):
         for suffix in (".bin", ".idx"):
             require(Path(prefix + suffix).is_file(), key, prefix,
                     f"{prefix}{suffix} does not exist (a prefix names PREFIX.bin + PREFIX.idx)")
+        _check_index_matches_bin(key, prefix)
     try:
         parts = [float(x) for x in d.split.replace("/", ",").split(",")]
     except ValueError:
@@ -50,7 +52,27 @@ def validate_data(cfg: RecipeConfig) -> None:
     _check_token_ids(cfg, cfg.model.vocab_size or vocab)
 
 
-def _blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
+def _check_index_matches_bin(key: str, prefix: str) -> None:
+    """The .idx is one megatron-core can read and the .bin holds every token it describes: a truncated copy or a
+    pair from two different runs is one error here, not a traceback from the first read past the end."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    redo = "re-run data_prep.preprocess for it, or copy both files again"
+    try:
+        index = _IndexReader(prefix + ".idx", multimodal=False)
+    except (AssertionError, ValueError, struct.error) as e:  # megatron-core's own checks are asserts
+        raise ConfigError(f"{key}: {prefix}.idx is not a megatron-core index (version 1) it can read: "
+                          f"{str(e) or type(e).__name__}; {redo}") from None
+    count = len(index.sequence_lengths)
+    described = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if count else 0
+    actual = os.path.getsize(prefix + ".bin")
+    require(actual >= described, key, prefix,
+            f"{prefix}.bin is {actual:,} bytes, but {prefix}.idx describes {described:,} bytes of tokens "
+            f"({count:,} sequences of {index.dtype.__name__}): the .bin is cut short or belongs to another index; "
+            f"{redo}")
+
+
+def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
     """(data.KEY, dataset prefix) for every prefix the blends name."""
     pairs = []
     for key in ("blend", "train_blend", "valid_blend", "test_blend"):
@@ -66,7 +88,7 @@ def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
     d = cfg.data
-    for key, prefix in _blend_prefixes(cfg):
+    for key, prefix in blend_prefixes(cfg):
         top = cached_max_token_id(prefix, d.path_to_cache)
         require(top < vocab, key, prefix,
                 f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "

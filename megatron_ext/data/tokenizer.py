@@ -84,17 +84,18 @@ def _token_text(value: object) -> Optional[str]:
 
 
 class HuggingFaceTokenizer(_LoadedFromPath):
-    """Megatron-LM _HuggingFaceTokenizer semantics for a directory AutoTokenizer loads (tokenizer.json,
-    tokenizer_config.json): tokenize adds what the tokenizer's post-processor adds (Llama 3: the begin-of-text
-    token), eod is the EOS id, vocab_size counts added tokens. Encodes with the `tokenizers` library itself
-    (Rust, batched): the ids AutoTokenizer(text).input_ids gives, without transformers' per-call overhead.
-    Pickles as its directory.
+    """megatron-core's HuggingFaceTokenizer semantics (what Megatron-LM's tools/preprocess_data.py uses) for a
+    directory AutoTokenizer loads (tokenizer.json, tokenizer_config.json): tokenize adds no special tokens unless
+    `include_special_tokens` (then what the tokenizer's post-processor adds, Llama 3: the begin-of-text token, as
+    its --tokenizer-hf-include-special-tokens and its legacy tokenizer do); eod is the EOS id, vocab_size counts
+    added tokens. Encodes with the `tokenizers` library itself (Rust, batched): the ids AutoTokenizer gives, without
+    transformers' per-call overhead. Pickles as its directory and that flag.
     """
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, include_special_tokens: bool = False) -> None:
         from tokenizers import Tokenizer
 
-        self.model_path = directory
+        self.model_path, self.include_special_tokens = directory, include_special_tokens
         path = Path(directory)
         if not (path / "tokenizer.json").is_file():
             raise TokenizerError(f"{directory}: no tokenizer.json — a Hugging Face tokenizer is a directory with "
@@ -133,11 +134,17 @@ class HuggingFaceTokenizer(_LoadedFromPath):
     def pad(self) -> int:
         return -1  # as for sentencepiece: megatron-core's _PAD_TOKEN_ID, masked out of the loss
 
+    def __getstate__(self) -> dict:
+        return {"model_path": self.model_path, "include_special_tokens": self.include_special_tokens}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_path"], state["include_special_tokens"])
+
     def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self._tok.encode_batch(texts)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=self.include_special_tokens)]
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -159,10 +166,11 @@ def tokenizer_type(path: str, declared: Optional[str] = None) -> str:
     return HUGGING_FACE if Path(path).is_dir() else SENTENCEPIECE
 
 
-def load_tokenizer(path: str, declared: Optional[str] = None) -> Tokenizer:
-    """The tokenizer at `path` (see tokenizer_type)."""
+def load_tokenizer(path: str, declared: Optional[str] = None, include_special_tokens: bool = False) -> Tokenizer:
+    """The tokenizer at `path` (see tokenizer_type); `include_special_tokens`: see HuggingFaceTokenizer (a
+    sentencepiece tokenizer adds none either way, as Megatron-LM's)."""
     if tokenizer_type(path, declared) == HUGGING_FACE:
-        return HuggingFaceTokenizer(path)
+        return HuggingFaceTokenizer(path, include_special_tokens)
     if not Path(path).is_file():
         raise TokenizerError(f"{path}: not a sentencepiece .model file")
     return SentencePieceTokenizer(path)

@@ -25,7 +25,9 @@ from tqdm import tqdm
 from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
+from megatron_ext.data.checks import blend_prefixes
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
+from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions
 from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import (
@@ -216,6 +218,8 @@ class Trainer:
                        f"preferred there (train.precision=bf16); fp16 is for GPUs without it (V100, T4)")
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
         self.startup.mark("dataset indices")
+        if not cfg.data.mock:
+            self._say_how_the_data_was_tokenized()
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
         self._build_monitors()
 
@@ -246,6 +250,14 @@ class Trainer:
             self.config.param_sync_func = gather[0] if single else gather
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
+
+    def _say_how_the_data_was_tokenized(self) -> None:
+        prefixes = [prefix for _, prefix in blend_prefixes(self.cfg)]
+        described, mixed = describe_blend(prefixes), mixed_conventions(prefixes)
+        if described:
+            self._info(described)
+        if mixed and self.rank == 0:
+            log.warning(mixed)
 
     def _info(self, message: str) -> None:
         if self.rank == 0:

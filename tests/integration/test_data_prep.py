@@ -52,7 +52,7 @@ def test_preprocess_pulls_input_lazily(sentencepiece_model):
             pulled.append(i)
             yield [{"text": f"def f{i}(x):\n    return x\n"}] * 8
 
-    with multiprocessing.Pool(1, preprocess_mod._init_worker, (str(sentencepiece_model), None, True)) as pool:
+    with multiprocessing.Pool(1, preprocess_mod._init_worker, (str(sentencepiece_model), None, True, False)) as pool:
         results = preprocess_mod._encode_in_order(pool, endless(), max_in_flight=3)
         for k in range(6):
             assert len(next(results)["text"][1]) == 8

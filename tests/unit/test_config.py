@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import shutil
 
 import pytest
 
@@ -213,6 +215,32 @@ def test_yaml_errors_point_at_file_and_line(tmp_path):
 def test_missing_data_files_are_named():
     with pytest.raises(ConfigError, match=r"nowhere/x.bin does not exist"):
         validate_data(tiny("data.blend=[nowhere/x]"))
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("cut the .bin to 1 MB", r"x\.bin is 1,000,000 bytes, but .*x\.idx describes 3,758,350 bytes of tokens \(448 "
+                             r"sequences of uint16\): the \.bin is cut short or belongs to another index; re-run "
+                             r"data_prep.preprocess for it, or copy both files again"),
+    ("write another header", r"x\.idx is not a megatron-core index \(version 1\) it can read: bad header"),
+    ("write another version", r"x\.idx is not a megatron-core index \(version 1\) it can read: bad version"),
+    ("cut the .idx", r"x\.idx is not a megatron-core index \(version 1\) it can read"),
+])
+def test_a_damaged_dataset_is_one_error_naming_its_files(damage, fragment, tmp_path):
+    """Before any rank starts: not a traceback from the first read past the end of a short .bin."""
+    source = ROOT / "data" / "tiny" / "stdlib_text_document"
+    prefix = tmp_path / "x"
+    for suffix in (".bin", ".idx"):
+        shutil.copy(f"{source}{suffix}", f"{prefix}{suffix}")
+    if damage == "cut the .bin to 1 MB":
+        os.truncate(f"{prefix}.bin", 1_000_000)
+    elif damage == "cut the .idx":
+        os.truncate(f"{prefix}.idx", 100)
+    else:
+        with open(f"{prefix}.idx", "r+b") as f:
+            f.seek(0 if damage == "write another header" else 9)
+            f.write(b"XXIDIDX\x00\x00" if damage == "write another header" else (2).to_bytes(8, "little"))
+    with pytest.raises(ConfigError, match=fragment):
+        validate_data(tiny(f"data.blend=[{prefix}]", f"data.path_to_cache={tmp_path / 'cache'}"))
 
 
 def test_checkpoint_optimizer_format_is_one_of_megatron_cores():

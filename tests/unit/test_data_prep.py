@@ -1,10 +1,12 @@
 """data_prep in this process: tokenizer training, preprocessing to .bin/.idx byte-identical to Megatron-LM, bad
 input, readers, inspect and merge."""
 
+import dataclasses
 import gzip
 import itertools
 import json
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import sentencepiece as spm
 from data_prep import train_tokenizer as train_mod
 from data_prep.records import SkippedRecords, iter_documents
 from data_prep.train_tokenizer import chunk_text
+from megatron_ext.data.tokenization_record import read_record, record_path, write_record
 from megatron_ext.data.tokenizer import SentencePieceTokenizer
 from megatron_ext.errors import BadRecordError
 from tests.corpora import BAD_LINES, code_docs, write_jsonl
@@ -275,7 +278,9 @@ def test_merge_equals_concatenation_and_one_pass_preprocess(sentencepiece_model,
     # Merging shards gives exactly the bytes of preprocessing their concatenated input in one run.
     for ext in ("bin", "idx"):
         assert Path(f"{out}.{ext}").read_bytes() == Path(f"{whole}.{ext}").read_bytes()
-    assert sorted(p.name for p in out.parent.iterdir()) == ["m.bin", "m.idx"]
+    # the shards' tokenization record (all the same) carries over; nothing else is left beside them
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.bin", "m.idx", "m.tokenization.json"]
+    assert read_record(str(out)) == read_record(shards[0]) and read_record(str(out)).convention == "default"
 
 
 def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(sentencepiece_model, tmp_path):
@@ -289,6 +294,14 @@ def test_merge_rejects_mixed_dtypes_missing_and_repeated_shards(sentencepiece_mo
     msg = _exit_message(merge_mod.main, ["--input", small, str(wide), "--output-prefix", str(out)])
     assert msg.startswith("error: shards disagree on dtype:")
     assert f"{small} (uint16)" in msg and f"{wide} (int32)" in msg
+    legacy = tmp_path / "legacy"  # documents that begin with BOS, recorded as such
+    shutil.copy(f"{small}.bin", f"{legacy}.bin")
+    shutil.copy(f"{small}.idx", f"{legacy}.idx")
+    write_record(record_path(str(legacy)), dataclasses.replace(read_record(small), convention="legacy",
+                                                                begins_with_bos=True))
+    msg = _exit_message(merge_mod.main, ["--input", small, str(legacy), "--output-prefix", str(out)])
+    assert msg.startswith(f"error: the shards mix tokenization conventions: documents begin with BOS in {legacy} "
+                          f"but not in {small}"), msg
     msg = _exit_message(merge_mod.main, ["--input", small, str(tmp_path / "nope"),
                                          "--output-prefix", str(out)])
     assert msg.startswith(f"error: {tmp_path / 'nope'}.bin: no such file")

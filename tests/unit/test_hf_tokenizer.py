@@ -14,11 +14,12 @@ import pytest
 from data_prep import train_tokenizer as train_mod
 from megatron_ext.config.schema import load_config
 from megatron_ext.data.checks import validate_data
+from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions, read_record
 from megatron_ext.data.tokenizer import HuggingFaceTokenizer, load_tokenizer
 from megatron_ext.errors import ConfigError, TokenizerError
 from tests.corpora import UNICODE_TEXTS
 from tests.launch import ROOT
-from tests.megatron_reference import write_reference
+from tests.megatron_reference import megatron_hf_tokenizer, write_reference
 
 with warnings.catch_warnings():  # importing megatron.core warns about missing Apex/TE
     warnings.simplefilter("ignore")
@@ -34,41 +35,71 @@ def test_byte_bpe_trains_deterministically_into_a_directory_transformers_loads(u
                     "--output-prefix", str(again)])
     assert (again / "tokenizer.json").read_bytes() == (byte_bpe_dir / "tokenizer.json").read_bytes()
     auto = AutoTokenizer.from_pretrained(byte_bpe_dir)
-    ours = HuggingFaceTokenizer(str(byte_bpe_dir))
+    ours, with_special = HuggingFaceTokenizer(str(byte_bpe_dir)), HuggingFaceTokenizer(str(byte_bpe_dir), True)
     assert (auto.bos_token, auto.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>") and auto.pad_token
     assert ours.eod == auto.eos_token_id and ours.bos == auto.bos_token_id and ours.vocab_size == len(auto) <= 400
-    for text in [*UNICODE_TEXTS[:5], "", "日本語 and tabs\t\tand\r\nnewlines"]:
-        assert ours.tokenize(text) == auto(text).input_ids, text
-        assert ours.tokenize(text)[0] == auto.bos_token_id  # Llama 3: begin-of-text on every sequence
-    assert ours.tokenize_batch(UNICODE_TEXTS[:5]) == [auto(t).input_ids for t in UNICODE_TEXTS[:5]]
-    assert ours.detokenize(ours.tokenize("x = 1 ✓")) == "<|begin_of_text|>x = 1 ✓"
+    megatron, megatron_special = megatron_hf_tokenizer(byte_bpe_dir, False), megatron_hf_tokenizer(byte_bpe_dir, True)
+    assert megatron.eod == ours.eod
+    for text in [*UNICODE_TEXTS[:5], "", " \t\n ", "日本語 and tabs\t\tand\r\nnewlines"]:
+        assert ours.tokenize(text) == megatron.tokenize(text), text  # Megatron-LM's default: no special tokens
+        assert with_special.tokenize(text) == megatron_special.tokenize(text) == auto(text).input_ids, text
+        assert with_special.tokenize(text)[0] == auto.bos_token_id  # Llama 3: begin-of-text on every sequence
+    assert ours.tokenize_batch(UNICODE_TEXTS[:5]) == [megatron.tokenize(t) for t in UNICODE_TEXTS[:5]]
+    assert with_special.tokenize_batch(UNICODE_TEXTS[:5]) == [auto(t).input_ids for t in UNICODE_TEXTS[:5]]
+    assert with_special.detokenize(with_special.tokenize("x = 1 ✓")) == "<|begin_of_text|>x = 1 ✓"
 
 
-def test_preprocess_writes_megatron_lm_identical_datasets(unicode_corpus, byte_bpe_dir, tmp_path):
+@pytest.mark.parametrize("flag, convention", [(None, "default"),
+                                              ("--tokenizer-hf-include-special-tokens", "include-special-tokens"),
+                                              ("--legacy-tokenizer", "legacy")])
+def test_preprocess_writes_megatron_lm_identical_datasets(flag, convention, unicode_corpus, byte_bpe_dir, tmp_path):
+    """Megatron-LM core_v0.16.1's tools/preprocess_data.py with the same flag: its default path (megatron-core's
+    tokenizer, no special tokens: no BOS, nothing for an empty document), --tokenizer-hf-include-special-tokens,
+    and --legacy-tokenizer (AutoTokenizer: tokenize = tokenizer(text).input_ids). The corpus has an empty and a
+    whitespace-only document."""
     from transformers import AutoTokenizer
 
     outputs = {}
-    for workers in (1, 2):
+    for workers in (1, 2) if flag is None else (2,):
         prefix = tmp_path / f"w{workers}"
         preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(prefix), "--tokenizer-type",
                              "HuggingFaceTokenizer", "--tokenizer-model", str(byte_bpe_dir), "--json-keys", "text",
-                             "--append-eod", "--workers", str(workers), "--chunk-docs", "7"])
+                             "--append-eod", "--workers", str(workers), "--chunk-docs", "7", *([flag] if flag else [])])
         outputs[workers] = [Path(f"{prefix}_text_document.{ext}").read_bytes() for ext in ("bin", "idx")]
-    assert outputs[1] == outputs[2]
-    # Megatron-LM's _HuggingFaceTokenizer is AutoTokenizer with the defaults: tokenize = tokenizer(text).input_ids,
-    # eod = eos_token_id, vocab_size = len(tokenizer)
+    assert len({tuple(output) for output in outputs.values()}) == 1
     auto = AutoTokenizer.from_pretrained(byte_bpe_dir)
-    write_reference(UNICODE_TEXTS, lambda text: auto(text).input_ids, auto.eos_token_id, len(auto), tmp_path / "ref")
-    assert outputs[1] == [(tmp_path / f"ref.{ext}").read_bytes() for ext in ("bin", "idx")]
-    # the type is also detected from the path (a directory)
-    preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(tmp_path / "auto"), "--tokenizer-model",
-                         str(byte_bpe_dir), "--append-eod"])
-    assert Path(f"{tmp_path / 'auto'}_text_document.bin").read_bytes() == outputs[1][0]
+    tokenize = (lambda text: auto(text).input_ids) if convention == "legacy" else \
+        megatron_hf_tokenizer(byte_bpe_dir, convention == "include-special-tokens").tokenize
+    write_reference(UNICODE_TEXTS, tokenize, auto.eos_token_id, len(auto), tmp_path / "ref")
+    assert outputs[2] == [(tmp_path / f"ref.{ext}").read_bytes() for ext in ("bin", "idx")]
 
-    report = inspect_mod.report(f"{tmp_path / 'w1'}_text_document", samples=2, tokenizer_model=str(byte_bpe_dir))
+    prefix = f"{tmp_path / 'w2'}_text_document"
+    record = read_record(prefix)
+    assert (record.convention, record.begins_with_bos, record.append_eod) == (convention, flag is not None, True)
+    report = inspect_mod.report(prefix, samples=2, tokenizer_model=str(byte_bpe_dir))
     vocab = HuggingFaceTokenizer(str(byte_bpe_dir)).vocab_size
-    assert f"vs vocabulary {vocab}" in report and ": ok" in report and "<|begin_of_text|>def f0(x):" in report
+    assert f"vs vocabulary {vocab}" in report and ": ok" in report
+    assert f"tokenized {record.describe()}, with {byte_bpe_dir}" in report
+    assert f"\n{'<|begin_of_text|>' if flag else ''}def f0(x):" in report  # the first sample, decoded
     assert "documents ending with EOD (id 1): 100.0%" in report
+    if flag is None:  # the type is also detected from the path (a directory)
+        preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(tmp_path / "auto"),
+                             "--tokenizer-model", str(byte_bpe_dir), "--append-eod"])
+        assert Path(f"{tmp_path / 'auto'}_text_document.bin").read_bytes() == outputs[1][0]
+
+
+def test_a_blend_that_mixes_bos_conventions_is_said_once_naming_the_datasets(unicode_corpus, byte_bpe_dir,
+                                                                            tmp_path):
+    prefixes = []
+    for name, flags in (("plain", []), ("legacy", ["--legacy-tokenizer"])):
+        preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(tmp_path / name),
+                             "--tokenizer-model", str(byte_bpe_dir), "--append-eod", *flags])
+        prefixes.append(f"{tmp_path / name}_text_document")
+    assert mixed_conventions(prefixes[:1]) is None and mixed_conventions(prefixes[1:]) is None
+    said = mixed_conventions(prefixes)
+    assert said.startswith(f"the blend mixes tokenization conventions: documents begin with BOS in {prefixes[1]} "
+                           f"but not in {prefixes[0]}"), said
+    assert describe_blend(prefixes).count("HuggingFaceTokenizer") == 2
 
 
 def test_bad_tokenizers_are_one_clear_error(byte_bpe_dir, tmp_path):
