@@ -93,23 +93,29 @@ def test_divergence_stops_at_its_step_once_naming_where_after_the_allowed_skips(
     assert "compute " in proc.stdout and "slowest rank" in proc.stdout
 
 
+def _stop_a_rank(cmd: list[str], out: Path, rank: int, after_step: int) -> tuple[subprocess.Popen, int, float]:
+    """Launch `cmd` (output to `out`), SIGSTOP rank `rank` once step `after_step` is logged and wait for the job to
+    end: the launcher, the stopped rank's pid and the seconds from the stop to the end."""
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(out, f"step {after_step:>6}/", proc)
+        stopped = _rank_pid(proc.pid, rank)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        proc.wait(timeout=60)
+        return proc, stopped, time.monotonic() - start
+    finally:
+        proc.kill()
+
+
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_path):
     """SIGSTOP one of 4 ranks (a stuck GPU, a dead NIC): the others' watchdogs write their stacks, name it once,
     and the job is gone (exit 4, for SLURM to requeue) within the timeout plus a margin."""
     logs, out = tmp_path / "logs", tmp_path / "out.txt"
     cmd = pretrain_command(4, [*SMALL_MODEL, "train.train_iters=1000", "train.hang_timeout_s=5",
                                f"logging.log_dir={logs}"], launcher="recipes.launch")
-    with open(out, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        _wait_for(out, "step      2/", proc)
-        stopped = _rank_pid(proc.pid, 2)
-        os.kill(stopped, signal.SIGSTOP)
-        start = time.monotonic()
-        proc.wait(timeout=60)
-        gone = time.monotonic() - start
-    finally:
-        proc.kill()
+    proc, stopped, gone = _stop_a_rank(cmd, out, rank=2, after_step=2)
     text = out.read_text()
     assert proc.returncode == 4, text[-3000:]
     assert gone < 5 + 20 and not _alive(stopped), (gone, text[-3000:])
@@ -129,17 +135,7 @@ def test_under_nvrx_a_stopped_rank_is_ended_by_the_rank_monitor_outside_it(tmp_p
     cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, "train.hang_timeout_s=null"], launcher="recipes.launch",
                            launch_options=("--nvrx", "--ft-initial-rank-heartbeat-timeout=60",
                                            "--ft-rank-heartbeat-timeout=3", "--ft-workload-check-interval=0.5"))
-    with open(out, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        _wait_for(out, "step      3/", proc)
-        stopped = _rank_pid(proc.pid, 1)
-        os.kill(stopped, signal.SIGSTOP)
-        start = time.monotonic()
-        proc.wait(timeout=60)
-        gone = time.monotonic() - start
-    finally:
-        proc.kill()
+    proc, stopped, gone = _stop_a_rank(cmd, out, rank=1, after_step=3)
     text = out.read_text()
     assert gone < 20 and not _alive(stopped), (gone, text[-3000:])
     assert re.search(r"training failed: rank [01] on \S+ was killed by SIGKILL", text), text[-3000:]
