@@ -204,11 +204,12 @@ def load_sharded(state: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
     return loaded
 
 
-def load_model_chunks(model_chunks: list[torch.nn.Module], loaded: dict[str, Any]) -> None:
-    """Load each chunk's weights from `loaded`; ``_extra_state`` the checkpoint lacked stays as the module has it."""
-    for i, chunk in enumerate(model_chunks):
-        weights = loaded["model"] if len(model_chunks) == 1 else loaded[f"model{i}"]
-        for key, value in chunk.module.state_dict().items():
+def load_model_chunks(models: list[torch.nn.Module], loaded: dict[str, Any]) -> None:
+    """Load each unwrapped model chunk's weights from `loaded`; ``_extra_state`` the checkpoint lacked stays as the
+    module has it."""
+    for i, model in enumerate(models):
+        weights = loaded["model"] if len(models) == 1 else loaded[f"model{i}"]
+        for key, value in model.state_dict().items():
             if key.endswith(EXTRA_STATE_SUFFIX):
                 weights.setdefault(key, value)
-        chunk.module.load_state_dict(weights)
+        model.load_state_dict(weights)

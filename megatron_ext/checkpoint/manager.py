@@ -45,11 +45,13 @@ class CheckpointManager:
         self.lock: RunLock | None = None
         self.last_save = time.monotonic()  # the clock checkpoint.save_interval_minutes runs on
 
-    def load(self) -> tuple[int, int]:
+    def load(self, weights_loaded: bool = False) -> tuple[int, int]:
         """Take the save directory's run lock, then resume (checkpoint.load) or start from weights
-        (checkpoint.pretrained_checkpoint); returns the (iteration, consumed samples) the run continues from."""
+        (checkpoint.pretrained_checkpoint; already in the model when `weights_loaded`, see
+        :func:`resume.load_weights_before_sharding`); returns the (iteration, consumed samples) the run continues
+        from."""
         self._lock_save_directory()
-        return resume_training(self.cfg, self.model, self.optimizer, self.scheduler)
+        return resume_training(self.cfg, self.model, self.optimizer, self.scheduler, weights_loaded)
 
     def _lock_save_directory(self) -> None:
         """Rank 0 takes checkpoint.save's run lock; every rank raises the same error when another run holds it."""

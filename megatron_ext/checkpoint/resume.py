@@ -93,37 +93,57 @@ def _check_config(ckpt_dir: Path, saved: dict[str, Any], cfg: RecipeConfig) -> N
           f"over {o.lr_decay_iters or cfg.train.train_iters} iterations from {o.lr} to {o.min_lr}")
 
 
-def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler) -> tuple[int, int]:
-    """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from."""
+def weights_source(cfg: RecipeConfig) -> Optional[Path]:
+    """Collective: the checkpoint whose weights alone a run starts from — checkpoint.load's newest intact one when
+    it holds weights only (an import), else checkpoint.pretrained_checkpoint's newest intact one when there is
+    nothing to resume — or None: the run resumes a training state, or starts from its seed."""
+    load = resume_dir(cfg)
+    if load and layout.latest_iteration(load) is not None:
+        ckpt_dir = layout.iteration_dir(load, save_load.intact_iteration(load))
+        return ckpt_dir if layout.read_common(ckpt_dir).get("content") == layout.WEIGHTS_ONLY else None
+    pretrained = cfg.checkpoint.pretrained_checkpoint
+    return layout.iteration_dir(pretrained, save_load.intact_iteration(pretrained)) if pretrained else None
+
+
+def load_weights_before_sharding(cfg: RecipeConfig, models: list) -> bool:
+    """Collective: a Megatron-FSDP run that starts from weights loads them into its unwrapped model chunks, because
+    Megatron-FSDP shards the values the chunks hold when it wraps them (ZeRO-3's parameters are shards after).
+    Returns whether it loaded any; :func:`resume_training` is then told so."""
+    source = weights_source(cfg) if cfg.parallel.use_megatron_fsdp else None
+    if source is not None:
+        save_load.load_weights(source, models)
+    return source is not None
+
+
+def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, weights_loaded: bool = False
+                    ) -> tuple[int, int]:
+    """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from.
+    `weights_loaded`: the weights the run starts from are in the model already
+    (:func:`load_weights_before_sharding`)."""
     ck = cfg.checkpoint
     load = resume_dir(cfg)
-    start = None
     if load and layout.latest_iteration(load) is None:
         own = ck.save and Path(load).resolve() == Path(ck.save).resolve()
         if not own:
             raise CheckpointError(f"checkpoint.load={load} holds no checkpoint ({Path(load) / layout.TRACKER} "
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
         _info(f"no checkpoint in {load} yet: starting at iteration 0")
-    elif load:
-        iteration = save_load.intact_iteration(load)
-        ckpt_dir = layout.iteration_dir(load, iteration)
+    start = (0, 0)
+    weights = weights_source(cfg)
+    if weights is not None:
+        if not weights_loaded:
+            save_load.load_weights(weights, [chunk.module for chunk in model_chunks])
+            optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
+        _info(f"loaded weights of {weights}; training starts at iteration 0")
+    elif load and layout.latest_iteration(load) is not None:
+        ckpt_dir = layout.iteration_dir(load, save_load.intact_iteration(load))
         common = layout.read_common(ckpt_dir)
         problem = save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
         if problem:
             raise CheckpointError(problem)
-        if common.get("content", layout.TRAINING_STATE) == layout.WEIGHTS_ONLY:
-            save_load.load_pretrained_weights(load, model_chunks, optimizer, iteration)
-            _info(f"loaded weights of {load} (iteration {iteration}); training starts at iteration 0")
-            start = (0, 0)
-        else:
-            _check_config(ckpt_dir, common.get("config", {}), cfg)
-            start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler,
-                                                  cfg.to_dict())
-            _info(f"resumed from {load} at iteration {start[0]} ({start[1]} samples consumed)")
-    if start is None and ck.pretrained_checkpoint:
-        source = save_load.load_pretrained_weights(ck.pretrained_checkpoint, model_chunks, optimizer)
-        _info(f"loaded weights of {ck.pretrained_checkpoint} (iteration {source})")
-    start = start or (0, 0)
+        _check_config(ckpt_dir, common.get("config", {}), cfg)
+        start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler, cfg.to_dict())
+        _info(f"resumed from {load} at iteration {start[0]} ({start[1]} samples consumed)")
     ahead = layout.latest_iteration(ck.save) if ck.save else None
     if ahead is not None and ahead > start[0]:
         raise CheckpointError(

@@ -58,16 +58,21 @@ log = logging.getLogger(__name__)
 _FORMAT_OF_OLDER_CHECKPOINTS = "fully_reshardable"  # written before the format was recorded
 
 
-def _model_state(model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    # sharded_state_dict() of the DDP-wrapped module, not the wrapper: keys must not get "module.".
-    if len(model_chunks) == 1:
-        return {"model": model_chunks[0].module.sharded_state_dict()}
-    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+def _bare(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The models inside the DDP wrappers: their state's keys must not get "module."."""
+    return [chunk.module for chunk in model_chunks]
+
+
+def _model_state(models: list[torch.nn.Module]) -> dict[str, Any]:
+    """The sharded state of unwrapped models (one per virtual pipeline stage)."""
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    return {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
 
 
 def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], scheduler, is_loading: bool,
                    with_rng: bool, optimizer_format: str) -> dict[str, Any]:
-    state = _model_state(model_chunks)
+    state = _model_state(_bare(model_chunks))
     if optimizer is not None:
         compat.fill_empty_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -91,8 +96,7 @@ def format_mismatch(ckpt_dir: Path, common: dict[str, Any], use_megatron_fsdp: b
     """Why `ckpt_dir` cannot be resumed (or, holding weights only, started from) in a run with(out) Megatron-FSDP, or
     None when it can."""
     if common.get("content", TRAINING_STATE) == WEIGHTS_ONLY:
-        return (f"{ckpt_dir} holds weights only (an import): starting a Megatron-FSDP run from weights is not wired; "
-                "train from it with parallel.use_megatron_fsdp=false") if use_megatron_fsdp else None
+        return None  # weights load into either (a Megatron-FSDP run's before it shards them)
     saved_fsdp = common.get("optimizer_format") == fsdp_dtensor.FORMAT
     if saved_fsdp == use_megatron_fsdp:
         return None
@@ -264,7 +268,7 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout,
                            optimizer_format=common.get("optimizer_format", _FORMAT_OF_OLDER_CHECKPOINTS))
     loaded = compat.load_sharded(state, ckpt_dir)
-    compat.load_model_chunks(model_chunks, loaded)
+    compat.load_model_chunks(_bare(model_chunks), loaded)
     # no_grad: in fp32 the distributed optimizer's main params are views of the model's leaf params, which
     # dp_reshardable's load copies into in place (an autograd error otherwise).
     with torch.no_grad():
@@ -287,14 +291,8 @@ def _load_fsdp_training_state(ckpt_dir: Path, common: dict[str, Any], model_chun
     return int(common["iteration"]), int(common["consumed_samples"])
 
 
-def load_pretrained_weights(root: str | Path, model_chunks, optimizer: MegatronOptimizer,
-                            iteration: Optional[int] = None) -> int:
-    """Model weights only from `root`'s latest intact checkpoint, or its `iteration` when the caller already
-    verified it (any layout); training starts at iteration 0. Returns the iteration the weights were saved at."""
-    if iteration is None:
-        iteration = intact_iteration(root)
-    loaded = compat.load_sharded(_model_state(model_chunks), iteration_dir(root, iteration))
-    compat.load_model_chunks(model_chunks, loaded)
-    optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
-    return iteration
+def load_weights(ckpt_dir: Path, models: list[torch.nn.Module]) -> None:
+    """Collective: the model weights alone of `ckpt_dir` (saved in any layout, without Megatron-FSDP) into unwrapped
+    model chunks, each rank its own tensor- and pipeline-parallel part."""
+    compat.load_model_chunks(models, compat.load_sharded(_model_state(models), ckpt_dir))
 

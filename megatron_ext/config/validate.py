@@ -92,9 +92,6 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
         require(c.optimizer_format == "auto", "checkpoint.optimizer_format", c.optimizer_format,
                 "is the distributed optimizer's format; Megatron-FSDP runs write megatron-core's fsdp_dtensor "
                 "format (reshardable across DP sizes and ZeRO-2/3): leave it auto")
-        require(c.pretrained_checkpoint is None, "checkpoint.pretrained_checkpoint", c.pretrained_checkpoint,
-                "starting a Megatron-FSDP run from another checkpoint's weights is not wired: start the run with "
-                "parallel.use_megatron_fsdp=false, or resume a Megatron-FSDP checkpoint with checkpoint.load")
 
 
 def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.manager import CheckpointManager
+from megatron_ext.checkpoint.resume import load_weights_before_sharding
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
 from megatron_ext.data.checks import blend_prefixes
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
@@ -179,6 +180,7 @@ class Trainer:
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         cfg, self.config, chunks = build_model(cfg, vocab, self.on_gpu)
         self.cfg = cfg  # with its `auto` kernel options decided
+        weights_loaded = load_weights_before_sharding(cfg, chunks)
         self.model = wrap_with_ddp(chunks, self.config, cfg)
         self.optimizer = build_optimizer(cfg, self.model, self.on_gpu)
         if cfg.optimizer.optimizer_cpu_offload:
@@ -200,7 +202,7 @@ class Trainer:
                                               before_commit=raise_if_launcher_gone, helper_initializer=die_with_parent)
         try:
             with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
-                self.iteration, self.consumed_samples = self.checkpointer.load()
+                self.iteration, self.consumed_samples = self.checkpointer.load(weights_loaded)
         except BaseException:
             self.checkpointer.abort()  # gives back the run lock it may have taken
             raise

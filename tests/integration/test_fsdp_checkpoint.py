@@ -1,7 +1,8 @@
 """Checkpoints of Megatron-FSDP runs (fsdp_dtensor, :mod:`megatron_ext.checkpoint.fsdp_dtensor`) on CPU/gloo: a ZeRO-3
 run stopped and resumed reproduces the uninterrupted one exactly (written in the background); its checkpoint goes on
 under ZeRO-2 at DP4; retention, manifests and ``recipes.checkpoints`` treat it as any other;
-``recipes.convert export-hf`` reads it; a run without Megatron-FSDP refuses it in one line."""
+``recipes.convert export-hf`` reads it; a run without Megatron-FSDP refuses it in one line; a Megatron-FSDP run
+starts from another run's weights."""
 
 from __future__ import annotations
 
@@ -80,14 +81,18 @@ def test_run_without_megatron_fsdp_refuses_it_in_one_line_before_any_rank_starts
     assert "rank" not in lines[0] and not (tmp_path / "ckpt").exists()  # said by the launcher, no rank started
 
 
-def test_export_hf_reads_it_identically_to_the_same_weights_saved_without_fsdp(initial_weights, megatron, tmp_path):
-    """A 0-step ZeRO-3 checkpoint holds the seed's initial weights, as `initial_weights` (1 process, torch_dist)
-    does: both export to the same Hugging Face tensors, bit for bit."""
+def test_starts_from_weights_and_export_hf_reads_them_back_bit_for_bit(initial_weights, megatron, tmp_path):
+    """A ZeRO-3 run of another seed started from `initial_weights` (1 process, torch_dist) and stopped at step 0
+    holds exactly those weights (loaded before Megatron-FSDP shards them): both checkpoints export to the same
+    Hugging Face tensors, bit for bit."""
     from safetensors.torch import load_file
 
     from recipes.convert import export_hf
 
-    run_pretrain(2, [*SMALL_MODEL, *ZERO3, "train.train_iters=0", f"checkpoint.save={tmp_path / 'zero3'}"])
+    started = run_pretrain(2, [*SMALL_MODEL, *ZERO3, "train.train_iters=0", "train.seed=4321",
+                               f"checkpoint.pretrained_checkpoint={initial_weights}",
+                               f"checkpoint.save={tmp_path / 'zero3'}"])
+    assert f"loaded weights of {initial_weights}" in started.stdout + started.stderr
     assert (tmp_path / "zero3" / TRACKER).is_file()
     exported = {}
     for name, ckpt in (("zero3", tmp_path / "zero3"), ("reference", initial_weights)):

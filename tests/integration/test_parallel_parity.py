@@ -97,10 +97,7 @@ LAYOUTS = {
 def test_layout_matches_single_process(name, initial_weights, single_process_reference, tmp_path):
     nproc, layout, expected = LAYOUTS[name]
     tb = tmp_path / "tb"
-    # Megatron-FSDP runs do not start from weights (checkpoint.pretrained_checkpoint); at PP 1 their seed-initialised
-    # weights are the initial weights
-    weights = None if FSDP[0] in layout else initial_weights
-    proc = run_pretrain(nproc, [*parity_overrides(weights, tb), *layout], timeout=900)
+    proc = run_pretrain(nproc, [*parity_overrides(initial_weights, tb), *layout], timeout=900)
     log = proc.stdout + proc.stderr
     missing = [fragment for fragment in expected if fragment not in log]
     assert not missing, f"{name}: the start-up log does not show {missing}:\n{log[:4000]}"

@@ -114,8 +114,6 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be a positive"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
       "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
-    (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
-      "checkpoint.pretrained_checkpoint=/ckpt"], "starting a Megatron-FSDP run from another checkpoint's weights"),
 ])
 def test_invalid_run_settings_name_the_key(overrides, fragment):
     from megatron_ext.config.validate import validate
