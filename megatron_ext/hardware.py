@@ -25,7 +25,7 @@ def peak_bf16_tflops(device_name: str) -> Optional[float]:
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One accelerator type: memory, compute and the two link classes the planner's time model uses."""
+    """One accelerator type: memory, compute and the link classes the planner's time model uses."""
 
     name: str
     memory_gib: float
@@ -34,11 +34,13 @@ class GPUSpec:
     nvlink_gb_s: float  # NCCL bus bandwidth inside a node
     internode_gb_s: float  # NCCL bus bandwidth per GPU across nodes
     fp8: bool
+    pcie_gb_s: float  # host ↔ GPU copies of pinned memory, per direction
+    node_host_memory_gib: float  # CPU memory of the 8-GPU DGX/HGX node that carries them
 
 
 GPUS: dict[str, GPUSpec] = {
-    "h100-80gb": GPUSpec("H100 SXM 80GB", 79.6, PEAK_BF16_TFLOPS["H100"], 3.35, 360.0, 40.0, True),
-    "h200-141gb": GPUSpec("H200 SXM 141GB", 139.8, PEAK_BF16_TFLOPS["H200"], 4.8, 360.0, 40.0, True),
-    "a100-80gb": GPUSpec("A100 SXM 80GB", 79.2, PEAK_BF16_TFLOPS["A100"], 2.04, 230.0, 20.0, False),
-    "a100-40gb": GPUSpec("A100 SXM 40GB", 39.4, PEAK_BF16_TFLOPS["A100"], 1.555, 230.0, 20.0, False),
+    "h100-80gb": GPUSpec("H100 SXM 80GB", 79.6, PEAK_BF16_TFLOPS["H100"], 3.35, 360.0, 40.0, True, 50.0, 2048.0),
+    "h200-141gb": GPUSpec("H200 SXM 141GB", 139.8, PEAK_BF16_TFLOPS["H200"], 4.8, 360.0, 40.0, True, 50.0, 2048.0),
+    "a100-80gb": GPUSpec("A100 SXM 80GB", 79.2, PEAK_BF16_TFLOPS["A100"], 2.04, 230.0, 20.0, False, 25.0, 2048.0),
+    "a100-40gb": GPUSpec("A100 SXM 40GB", 39.4, PEAK_BF16_TFLOPS["A100"], 1.555, 230.0, 20.0, False, 25.0, 1024.0),
 }

@@ -35,9 +35,10 @@ COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "ZeRO", "recomp", "mbs", "m
 
 
 def _zero(L: Layout) -> str:
-    """The data-parallel sharding: 0 (DDP), 1 (distributed optimizer), 2/3 (Megatron-FSDP), and HSDP's groups."""
+    """The data-parallel sharding: 0 (DDP), 1 (distributed optimizer), 2/3 (Megatron-FSDP), HSDP's groups, and the
+    optimizer state's share in host memory."""
     level = ZERO_LEVEL[L.sharding] if L.sharding else int(L.distopt)
-    return f"{level}" + (f" H{L.replicas}" if L.replicas > 1 else "")
+    return f"{level}" + (f" H{L.replicas}" if L.replicas > 1 else "") + (f" off{L.offload:.0%}" if L.offload else "")
 
 
 def _row(i: int, e: Estimate) -> list[str]:

@@ -22,7 +22,8 @@ allocates it under this recipe (``wrap_with_ddp`` sets ``grad_reduce_in_fp32=Tru
   logits gradient, the SP all-gather buffer, plus ``NON_TORCH_RESERVE_GIB`` outside torch's
   allocator (CUDA context, cuBLAS/NCCL workspaces).
 
-A layout fits when (allocated + reserve) · (1 + ``FRAGMENTATION``) ≤ GPU memory.
+A layout fits when (allocated + reserve) · (1 + ``FRAGMENTATION``) ≤ GPU memory (and, with optimizer offload, the
+node's offloaded state ≤ ``HOST_MEMORY_FOR_OFFLOAD`` of its host memory).
 
 Step time: model FLOPs (+ recompute) at the calibrated ``KERNEL_EFFICIENCY`` of dense BF16 peak (eager or
 compiled layers) on the slowest stage, a fixed cost per micro batch (grad accumulation, per-layer launches),
@@ -37,7 +38,14 @@ measured H100 throughputs (see the calibration block below). Collectives cost
 GPU table (``GPUS``): memory as ``nvidia-smi`` reports it, dense BF16 peak (datasheet, no
 sparsity), HBM bandwidth (datasheet), NVLink and inter-node *bus* bandwidths as NCCL reaches them
 (about 80 % of the link rate: NVLink 4 = 450 GB/s per direction → 360; NVLink 3 = 300 → 230;
-one 400 Gb/s NDR NIC per GPU = 50 GB/s → 40; one 200 Gb/s HDR NIC per GPU = 25 GB/s → 20).
+one 400 Gb/s NDR NIC per GPU = 50 GB/s → 40; one 200 Gb/s HDR NIC per GPU = 25 GB/s → 20), and host ↔ GPU
+copies at the same 80 % of the PCIe link (PCIe 5 x16 = 64 GB/s per direction → 50; PCIe 4 x16 = 32 → 25), and
+the host memory of the DGX node of 8 (DGX H100/H200 and DGX A100 640GB: 2 TB; DGX A100 320GB: 1 TB).
+
+Optimizer CPU offload (searched only when no layout fits without it): the offloaded fraction of a rank's optimizer
+state leaves its memory; the step gains the host's Adam step over those elements (``HOST_ADAM_ELEMENTS_PER_S``) or
+their gradients' and weights' PCIe copies, whichever is longer (megatron-core overlaps them group by group) —
+uncalibrated on a GPU node.
 """
 
 from __future__ import annotations
@@ -76,6 +84,15 @@ GRAD_ACCUMULATE_BYTES = 10  # per parameter per micro batch: fp32 main_grad += b
 # per owned element per step at HBM bandwidth: AdamW over fp32 master weights (11.8 ms), the bf16 copy of the
 # updated weights (2.7 ms) and the grad-norm passes (3.4 ms) profiled for 1.24 B parameters: 17.9 ms.
 OPTIMIZER_BYTES_PER_ELEMENT = 48
+# torch's fused CPU AdamW, which megatron-core's HybridDeviceOptimizer steps the offloaded state with: 2.2-2.4 G
+# elements/s measured on one and two cores of the project's 2-core AMD EPYC VM (2026-11-24, torch 2.13.0)
+HOST_ADAM_ELEMENTS_PER_S = 2.0e9
+OFFLOAD_COPY_BYTES = 4  # per offloaded element and direction: its fp32 gradient to the host, its fp32 weight back
+HOST_BYTES_PER_OFFLOADED_ELEMENT = 16  # the host's fp32 weight, gradient and both Adam moments
+OFFLOAD_FRACTIONS = (0.5, 1.0)  # what the search tries when no layout fits without offload
+# of a node's host memory the offloaded optimizer state may take: the rest is the OS's, the data loaders' and the
+# page cache's, and the staging copies of asynchronous checkpoint saves
+HOST_MEMORY_FOR_OFFLOAD = 0.75
 CP_STEP_LAUNCH_S = 10e-6  # per ring step of context-parallel attention: extra kernel launches and sync
 
 
@@ -96,16 +113,21 @@ class Layout:
     sharding: Optional[ShardingStrategy] = None
     # HSDP under Megatron-FSDP: shard within this many groups of DP×CP ranks, replicated across them
     replicas: int = 1
+    # optimizer.optimizer_offload_fraction under optimizer.optimizer_cpu_offload; 0 = no offload
+    offload: float = 0.0
 
     def overrides(self) -> dict[str, Any]:
         """The config values of this layout, as ``section.key`` → value."""
         # Megatron-FSDP overlaps its own gathers and reduce-scatters (megatron-core's overlap flags are refused).
-        fsdp = ({"parallel.data_parallel_sharding_strategy": self.sharding, "parallel.overlap_grad_reduce": False,
-                 "parallel.overlap_param_gather": False} if self.sharding else {})
+        memory = ({"parallel.data_parallel_sharding_strategy": self.sharding, "parallel.overlap_grad_reduce": False,
+                   "parallel.overlap_param_gather": False} if self.sharding else {})
         # the planner's HSDP replicates across its groups (it does not search outer sharding)
-        fsdp.update({"parallel.num_distributed_optimizer_instances": self.replicas,
-                     "parallel.outer_dp_sharding_strategy": "no_shard"})
-        return {"parallel.use_megatron_fsdp": self.sharding is not None, **fsdp,
+        memory.update({"parallel.num_distributed_optimizer_instances": self.replicas,
+                       "parallel.outer_dp_sharding_strategy": "no_shard",
+                       "optimizer.optimizer_cpu_offload": self.offload > 0})
+        if self.offload:
+            memory["optimizer.optimizer_offload_fraction"] = self.offload
+        return {"parallel.use_megatron_fsdp": self.sharding is not None, **memory,
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,
@@ -131,7 +153,9 @@ class Layout:
             num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
         )
         t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
-        return dataclasses.replace(cfg, parallel=p, train=t)
+        o = dataclasses.replace(cfg.optimizer, optimizer_cpu_offload=self.offload > 0,
+                                optimizer_offload_fraction=self.offload or cfg.optimizer.optimizer_offload_fraction)
+        return dataclasses.replace(cfg, parallel=p, train=t, optimizer=o)
 
     @classmethod
     def of(cls, cfg: RecipeConfig, world_size: int) -> "Layout":
@@ -142,7 +166,7 @@ class Layout:
                    p.virtual_pipeline_model_parallel_size, p.context_parallel_size, dp, p.sequence_parallel,
                    p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
                    p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None,
-                   p.num_distributed_optimizer_instances)
+                   p.num_distributed_optimizer_instances, offload_fraction(cfg))
 
     def label(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
@@ -150,7 +174,14 @@ class Layout:
                 f"{' SP' if self.sp else ''}{' distopt' if self.distopt else ''}"
                 f"{f' ZeRO-{ZERO_LEVEL[self.sharding]}' if self.sharding else ''}"
                 f"{f' HSDP{self.replicas}' if self.replicas > 1 else ''}"
+                f"{f' offload{self.offload:.0%}' if self.offload else ''}"
                 f" mbs{self.mbs} recompute={self.recompute or 'none'}")
+
+
+def offload_fraction(cfg: RecipeConfig) -> float:
+    """The fraction of each rank's optimizer state `cfg` keeps in host memory (0 without offload)."""
+    o = cfg.optimizer
+    return o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
 
 
 @dataclass(frozen=True)
@@ -525,6 +556,8 @@ class Estimate:
     gpu_memory: float
     # Megatron-FSDP layouts: the same layout's memory (bytes, by part as `memory`) with ZeRO-1 instead
     without_sharding: Optional[dict[str, float]] = None
+    # Optimizer-offload layouts found by the search: the same layout's memory without offload
+    without_offload: Optional[dict[str, float]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.label(), "overrides": self.layout.overrides(),
@@ -558,8 +591,7 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
         buffers += _output_loss_bytes(cfg, shape, tokens)[1]
     # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
     # optimizer.optimizer_cpu_offload keeps that fraction of the state (fp32 master weights, moments) in host memory.
-    o = cfg.optimizer
-    on_device = 1 - o.optimizer_offload_fraction if o.optimizer_cpu_offload else 1
+    on_device = 1 - layout.offload
     mem = {
         "params": params * d_bytes, "grads": grads * grad_bytes,
         "optimizer": max(owned) * (8 + (4 if d_bytes == 2 else 0)) * on_device,
@@ -567,6 +599,7 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
         "buffers": buffers, "reserved": NON_TORCH_RESERVE_GIB * GIB,
     }
     mem["total"] = sum(mem.values())
+    mem["host"] = layout.offload * max(owned) * HOST_BYTES_PER_OFFLOADED_ELEMENT  # not on the GPU: not in the total
     return mem
 
 
@@ -659,9 +692,11 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
             reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
         if cfg.parallel.overlap_param_gather and layout.distopt:
             gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
-    optimizer = max(owned) * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    optimizer = (1 - layout.offload) * max(owned) * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    hosted = layout.offload * max(owned)  # the host's Adam step overlapped with the copies to and from it
+    offload = max(hosted / HOST_ADAM_ELEMENTS_PER_S, hosted * OFFLOAD_COPY_BYTES / (gpu.pcie_gb_s * 1e9))
     time = {"compute": compute * m, "overhead": overhead * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m, "pp_p2p": p2p * m,
-            "pp_bubble": bubble, "dp_comm": reduce + gather, "optimizer": optimizer}
+            "pp_bubble": bubble, "dp_comm": reduce + gather, "optimizer": optimizer, "offload": offload}
     time["step"] = sum(time.values())
     return time
 
@@ -680,7 +715,9 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     stages = [_stage_memory(cfg, vocab_size, world_size, r, grad_bytes) for r in range(layout.pp)]
     peak_stage = max(range(layout.pp), key=lambda r: stages[r]["total"])
     memory = stages[peak_stage]
-    fits = memory["total"] * (1 + FRAGMENTATION) <= gpu.memory_gib * GIB
+    host_per_node = memory["host"] * min(gpus_per_node, world_size)
+    fits = (memory["total"] * (1 + FRAGMENTATION) <= gpu.memory_gib * GIB
+            and host_per_node <= HOST_MEMORY_FOR_OFFLOAD * gpu.node_host_memory_gib * GIB)
     time = _step_time(cfg, vocab_size, world_size, gpus_per_node, gpu, mfu or kernel_efficiency(cfg), grad_bytes)
     tokens = cfg.train.global_batch_size * shape.seq
     model_flops = _flops_per_token(shape, shape.layers, True, None) * tokens
@@ -714,7 +751,8 @@ def _hsdp_replicas(sharding: Optional[ShardingStrategy], tp: int, cp: int, dp: i
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                       micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
     """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split; with the
-    distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1)."""
+    distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1). Without optimizer offload, whatever
+    `cfg` sets: like recompute, it is the search's to choose (:func:`plan`)."""
     gpn = min(gpus_per_node, world_size)
     layers = cfg.model.num_layers
     for tp in _divisors(gpn):
@@ -740,22 +778,46 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                                         yield layout
 
 
+def _with_offload(cfg: RecipeConfig, world_size: int, layouts: list[Layout]) -> Iterator[Layout]:
+    """The distributed-optimizer layouts among `layouts` again with OFFLOAD_FRACTIONS of the optimizer state in host
+    memory, where `validate_layout` accepts it (bf16, no Megatron-FSDP)."""
+    for layout in layouts:
+        if layout.distopt and not layout.sharding:
+            for fraction in OFFLOAD_FRACTIONS:
+                offloaded = dataclasses.replace(layout, offload=fraction)
+                try:
+                    validate_layout(offloaded.apply(cfg), world_size, te_available=True, fp8_capable=True)
+                except ConfigError:
+                    continue
+                yield offloaded
+
+
 def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUSpec,
          mfu: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
-    """Every valid layout: those that fit first, DDP/ZeRO-1 before ZeRO-2/3, fastest first (then smallest memory)."""
+    """Every valid layout: those that fit first, DDP/ZeRO-1 before ZeRO-2/3 before optimizer offload (tried only
+    when nothing fits without it), fastest first (then smallest memory)."""
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     vocab = model_vocab_size(cfg)
-    estimates = [estimate(layout.apply(cfg), world_size, gpus_per_node, spec, vocab, mfu, grad_reduce_in_fp32)
-                 for layout in candidate_layouts(cfg, world_size, gpus_per_node)]
+
+    def estimates_of(layouts: Iterator[Layout]) -> list[Estimate]:
+        return [estimate(layout.apply(cfg), world_size, gpus_per_node, spec, vocab, mfu, grad_reduce_in_fp32)
+                for layout in layouts]
+
+    estimates = estimates_of(candidate_layouts(cfg, world_size, gpus_per_node))
+    if not any(e.fits for e in estimates):  # the guide's last resort
+        estimates += estimates_of(_with_offload(cfg, world_size, [e.layout for e in estimates]))
     by_layout = {e.layout: e for e in estimates}
     for e in estimates:
         if e.layout.sharding:
             counterpart = by_layout.get(dataclasses.replace(e.layout, sharding=None, replicas=1))
             e.without_sharding = counterpart.memory if counterpart else None
-    # The guide's decision tree: ZeRO-2/3 when nothing lighter fits. Megatron-FSDP's time terms are uncalibrated and
-    # its gathers cost bandwidth ZeRO-1 does not spend, so a fitting DDP/ZeRO-1 layout ranks first.
-    return sorted(estimates, key=lambda e: (not e.fits, e.layout.sharding is not None, e.time["step"],
-                                            e.memory["total"]))
+        if e.layout.offload:
+            counterpart = by_layout.get(dataclasses.replace(e.layout, offload=0.0))
+            e.without_offload = counterpart.memory if counterpart else None
+    # The guide's decision tree: ZeRO-2/3 when nothing lighter fits, offload last. Megatron-FSDP's and offload's time
+    # terms are uncalibrated and cost bandwidth ZeRO-1 does not spend, so a fitting DDP/ZeRO-1 layout ranks first.
+    return sorted(estimates, key=lambda e: (not e.fits, e.layout.offload > 0, e.layout.sharding is not None,
+                                            e.time["step"], e.memory["total"]))
 
 
 def detect_gpu() -> str:
@@ -803,6 +865,8 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
                      "beyond what attention hides.")
     over = f"DP×CP={L.dp * L.cp}" if L.replicas == 1 else f"HSDP groups of {L.dp * L.cp // L.replicas} DP×CP ranks"
     shard = f"sharded over {over}" if L.distopt and L.dp * L.cp > 1 else "replicated"
+    if L.offload:
+        shard = f"{1 - L.offload:.0%} of it on the GPU, {shard}"
     if L.sharding:
         level = ZERO_LEVEL[L.sharding]
         shard += (f"; Megatron-FSDP ZeRO-{level} shards the gradients"
@@ -815,6 +879,14 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
     if L.replicas > 1:
         parts.append(f"HSDP keeps the sharding's gathers inside each of the {L.replicas} groups; the groups replicate "
                      "each other and all-reduce their gradient shards once per step.")
+    if L.offload:
+        parts.append(f"Optimizer CPU offload keeps {L.offload:.0%} of this rank's optimizer state in host memory "
+                     f"({mem['host'] / GIB:.1f} GiB per GPU, {gpus_per_node * mem['host'] / GIB:.0f} of the "
+                     f"{gpus_per_node}-GPU node's {gpu.node_host_memory_gib:.0f} GiB); the host's Adam step and the "
+                     f"PCIe copies add {t['offload']:.2f} s (uncalibrated).")
+    if L.offload and e.without_offload is not None:
+        parts.append(f"Without offload this layout needs {e.without_offload['total'] / GIB:.1f} GiB/GPU (optimizer "
+                     f"state {e.without_offload['optimizer'] / GIB:.1f} GiB) and nothing fits without it.")
     zero1 = e.without_sharding
     if L.sharding and zero1 is not None:
         verdict = "does not fit" if zero1["total"] * (1 + FRAGMENTATION) > e.gpu_memory else "would fit too"

@@ -70,6 +70,7 @@ def test_best_layout_gives_config_values_the_recipe_accepts():
                          "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",
                          "parallel.sequence_parallel", "parallel.use_distributed_optimizer",
                          "parallel.use_megatron_fsdp", "parallel.num_distributed_optimizer_instances",
+                         "optimizer.optimizer_cpu_offload",
                          "parallel.outer_dp_sharding_strategy", "train.micro_batch_size", "train.recompute_granularity"}
     overrides = [f"{k}={'null' if v is None else str(v).lower()}" for k, v in best.items()]
     validate_layout(load_config(LLAMA3_8B, overrides), 8, te_available=True)
@@ -320,3 +321,16 @@ def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes():
     assert est["hsdp"].layout.overrides()["parallel.num_distributed_optimizer_instances"] == 4
     searched = {L.replicas for L in planner.candidate_layouts(cfgs["zero3"], 32, 8) if L.sharding and L.tp == 1}
     assert searched == {1, 4}
+
+
+def test_offloaded_optimizer_state_must_fit_in_the_nodes_host_memory():
+    """The 405B shape fits on 48 H100s only with all of its optimizer state in host memory (1029 GiB a node): on
+    nodes of 1 TiB (75 % of it for offload) it does not."""
+    import dataclasses
+
+    cfg = load_config(ROOT / "configs" / "llama3_1_405b_48gpu_bf16.yaml")
+    best = plan(cfg, 48, 8, "h100-80gb")[0]
+    assert best.fits and best.layout.offload == 1.0
+    assert 1000 * GIB < 8 * best.memory["host"] < 0.75 * 2048 * GIB
+    small_nodes = dataclasses.replace(GPUS["h100-80gb"], node_host_memory_gib=1024.0)
+    assert not any(e.fits for e in plan(cfg, 48, 8, small_nodes))
