@@ -1,8 +1,8 @@
 """Checkpoints of Megatron-FSDP runs (fsdp_dtensor, :mod:`megatron_ext.checkpoint.fsdp_dtensor`) on CPU/gloo: a ZeRO-3
-run stopped and resumed reproduces the uninterrupted one exactly (written in the background); its checkpoint goes on
-under ZeRO-2 at DP4; retention, manifests and ``recipes.checkpoints`` treat it as any other;
-``recipes.convert export-hf`` reads it; a run without Megatron-FSDP refuses it in one line; a Megatron-FSDP run
-starts from another run's weights."""
+run stopped and resumed reproduces the uninterrupted one exactly (written in the background; the newest checkpoint
+damaged, the one before it resumed); its checkpoint goes on under ZeRO-2 at DP4; retention, manifests and
+``recipes.checkpoints`` treat it as any other; ``recipes.convert export-hf`` reads it; a run without Megatron-FSDP
+refuses it in one line; a Megatron-FSDP run starts from another run's weights."""
 
 from __future__ import annotations
 
@@ -28,21 +28,27 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp")
     run_pretrain(2, [*parity_overrides(None, root / "tb_full", STEPS), *ZERO3, f"checkpoint.save={root / 'full'}",
                      f"checkpoint.save_interval={STOP}", "checkpoint.keep_last=1"])
-    interrupted = [*parity_overrides(None, root / "tb_resumed", STEPS), *ZERO3, f"checkpoint.save={root / 'ckpt'}"]
+    interrupted = [*parity_overrides(None, root / "tb_resumed", STEPS), *ZERO3, f"checkpoint.save={root / 'ckpt'}",
+                   "checkpoint.save_interval=1"]
     run_pretrain(2, [*interrupted, f"train.exit_interval={STOP}", "checkpoint.async_save=true"])
     shutil.copytree(root / "ckpt", root / "at_stop")
+    # the newest checkpoint damaged (a shard cut short, as by a full disk): the resume falls back to the one before
+    shard = next((root / "ckpt" / f"iter_{STOP:07d}").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     resumed = run_pretrain(2, interrupted)
     return {"root": root, "full": root / "tb_full", "resumed": root / "tb_resumed", "at_stop": root / "at_stop",
             "resumed_log": resumed.stdout + resumed.stderr}
 
 
 def test_zero3_resume_reproduces_the_uninterrupted_run_exactly(runs):
-    assert "resumed from" in runs["resumed_log"]
+    """Through the corrupt-checkpoint fallback: the newest checkpoint (a shard cut short) is set aside and the one
+    before it resumed."""
+    log = runs["resumed_log"]
+    assert "CHECKPOINT NOT USABLE" in log and "truncated" in log and f"at iteration {STOP - 1}" in log, log[-3000:]
     for tag in TAGS:
         full, resumed = read_scalars(runs["full"], tag), read_scalars(runs["resumed"], tag)
         assert sorted(resumed) == list(range(1, STEPS + 1)), tag
-        assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == \
-            {k: full[k] for k in range(STOP + 1, STEPS + 1)}, tag
+        assert {k: resumed[k] for k in range(STOP, STEPS + 1)} == {k: full[k] for k in range(STOP, STEPS + 1)}, tag
     common = read_common(iteration_dir(runs["at_stop"], STOP))
     assert common["optimizer_format"] == "fsdp_dtensor" and common["iteration"] == STOP
 
