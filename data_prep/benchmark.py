@@ -1,5 +1,6 @@
 """Measures preprocess throughput and peak memory against a Megatron-LM-style per-document baseline, for the
-sentencepiece path and for a Hugging Face byte-level BPE of the same vocabulary size (tokens/s per worker)."""
+sentencepiece path and for a Hugging Face byte-level BPE of the same vocabulary size (tokens/s per worker, against
+that tokenizer's own single-thread encode)."""
 
 import argparse
 import hashlib
@@ -29,6 +30,9 @@ GENERATOR_VERSION = 2  # part of the cached corpus name: bump when the generator
 # baseline first: each pair runs in that order; data_prep-hf tokenizes with a byte-level BPE of the same vocabulary
 # size trained on the same sample (other ids, so its output is not compared with the sentencepiece runs')
 IMPLS = ("megatron-style", "data_prep", "data_prep-hf")
+# the yardstick of data_prep-hf's workers: the `tokenizers` call it makes, on one thread, in memory (no JSON, no
+# worker pool, no output), once per benchmark
+TOKENIZERS_REFERENCE = "tokenizers-1thread"
 MEASURE_FLAG = "--measure-one"  # internal: run one preprocess in this fresh process, print JSON
 
 COMMON_WORDS = (
@@ -215,6 +219,8 @@ def _measure_one(spec: dict) -> dict:
         warnings.simplefilter("ignore")
         from data_prep.preprocess import preprocess
 
+    if spec["impl"] == TOKENIZERS_REFERENCE:
+        return _measure_tokenizers(spec)
     before = resource.getrusage(resource.RUSAGE_SELF)  # after the imports: they are not the work
     start = time.perf_counter()
     if spec["impl"] in ("data_prep", "data_prep-hf"):
@@ -234,6 +240,28 @@ def _measure_one(spec: dict) -> dict:
         "cpu_seconds": (me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime
                         + kids.ru_utime + kids.ru_stime),
     }
+
+
+def _measure_tokenizers(spec: dict) -> dict:
+    """The Hugging Face tokenizer's own batch encode of the corpus on one thread, as data_prep-hf's workers call it
+    (megatron_ext.data.tokenizer), with the texts already in memory; tokens counted with their EOD, as the runs'."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from megatron_ext.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec["tokenizer_model"])
+    with open(spec["input"], encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    size = spec["chunk_docs"]
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(texts), size):
+        tokens += sum(len(ids) + 1 for ids in tokenizer.tokenize_batch(texts[i:i + size]) if ids)
+    seconds = time.perf_counter() - start
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return {"documents": len(texts), "tokens": tokens, "seconds": seconds, "prefix": None,
+            "main_rss_mb": me.ru_maxrss * 1024 / MB, "worker_rss_mb": 0.0,
+            "cpu_seconds": me.ru_utime + me.ru_stime - before.ru_utime - before.ru_stime}
 
 
 def _sha256(path: str) -> str:
@@ -257,9 +285,10 @@ def run_one(impl: str, workers: int, corpus: Path, tokenizer_model: Path, out_di
                            f"{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     prefix = result.pop("prefix")
-    result["sha256"] = {ext: _sha256(f"{prefix}.{ext}") for ext in ("bin", "idx")}
-    for suffix in (".bin", ".idx", RECORD_SUFFIX):  # a 200 MB run writes ~100 MB per configuration
-        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+    if prefix is not None:
+        result["sha256"] = {ext: _sha256(f"{prefix}.{ext}") for ext in ("bin", "idx")}
+        for suffix in (".bin", ".idx", RECORD_SUFFIX):  # a 200 MB run writes ~100 MB per configuration
+            Path(f"{prefix}{suffix}").unlink(missing_ok=True)
     s = result["seconds"]
     result.update(impl=impl, workers=workers, tokens_per_s=result["tokens"] / s,
                   tokens_per_s_per_worker=result["tokens"] / s / workers,
@@ -274,11 +303,11 @@ def run_one(impl: str, workers: int, corpus: Path, tokenizer_model: Path, out_di
 
 
 def format_table(runs: list[dict]) -> str:
-    header = (f"{'impl':<15} {'workers':>7} {'docs':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} "
+    header = (f"{'impl':<18} {'workers':>7} {'docs':>9} {'tokens':>12} {'seconds':>8} {'MB/s':>6} "
               f"{'tok/s':>10} {'tok/s/wkr':>10} {'tok/CPU-s':>10} {'main RSS MB':>11} {'wkr RSS MB':>10}")
     lines = [header, "-" * len(header)]
     for r in runs:
-        lines.append(f"{r['impl']:<15} {r['workers']:>7d} {r['documents']:>9,d} {r['tokens']:>12,d} "
+        lines.append(f"{r['impl']:<18} {r['workers']:>7d} {r['documents']:>9,d} {r['tokens']:>12,d} "
                      f"{r['seconds']:>8.1f} {r['input_mb_per_s']:>6.2f} {r['tokens_per_s']:>10,.0f} "
                      f"{r['tokens_per_s_per_worker']:>10,.0f} {r['tokens_per_cpu_s']:>10,.0f} "
                      f"{r['main_rss_mb']:>11.0f} {r['worker_rss_mb']:>10.0f}")
@@ -320,30 +349,31 @@ def benchmark(size_mb: float, workers: list[int], out_dir: Path, vocab_size: int
         logger.info("tokenizer: byte-bpe vocab %d on %.1f MB -> %s (%.1fs)", vocab_size, r.sample_bytes / MB,
                     r.model_path, r.seconds)
 
-    runs, hashes = [], set()
+    runs, hashes = [], {"sentencepiece": set(), "hf": set()}
     impls = IMPLS if baseline else IMPLS[1:]
-    for n in workers:
-        for impl in impls:
-            tries = []
-            for attempt in range(repeats):
-                logger.info("running %s with %d worker(s) (%d/%d) ...", impl, n, attempt + 1, repeats)
-                model = hf_tokenizer if impl == "data_prep-hf" else tokenizer_model
-                r = run_one(impl, n, corpus, model, out_dir, chunk_docs, input_bytes)
-                logger.info("  %.1fs, %s tokens/s, %s tokens per CPU-second, main RSS %.0f MB", r["seconds"],
-                            f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_cpu_s']:,.0f}", r["main_rss_mb"])
-                if impl != "data_prep-hf":
-                    hashes.add(json.dumps(r["sha256"], sort_keys=True))
-                tries.append(r)
-            # Best of N: on a shared machine the slower tries measure the neighbours, not the code.
-            best = min(tries, key=lambda t: t["seconds"])
-            runs.append({**best, "repeats": repeats})
+    configurations = [(TOKENIZERS_REFERENCE, 1)] + [(impl, n) for n in workers for impl in impls]
+    for impl, n in configurations:
+        tries = []
+        for attempt in range(repeats):
+            logger.info("running %s with %d worker(s) (%d/%d) ...", impl, n, attempt + 1, repeats)
+            model = hf_tokenizer if impl in ("data_prep-hf", TOKENIZERS_REFERENCE) else tokenizer_model
+            r = run_one(impl, n, corpus, model, out_dir, chunk_docs, input_bytes)
+            logger.info("  %.1fs, %s tokens/s, %s tokens per CPU-second, main RSS %.0f MB", r["seconds"],
+                        f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_cpu_s']:,.0f}", r["main_rss_mb"])
+            if "sha256" in r:
+                hashes["hf" if impl == "data_prep-hf" else "sentencepiece"].add(json.dumps(r["sha256"], sort_keys=True))
+            tries.append(r)
+        # Best of N: on a shared machine the slower tries measure the neighbours, not the code.
+        best = min(tries, key=lambda t: t["seconds"])
+        runs.append({**best, "repeats": repeats})
     return {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "processor": platform.processor() or platform.machine(),
                     "load_average_at_end": os.getloadavg()},
         "size_mb": size_mb, "input_bytes": input_bytes, "vocab_size": vocab_size,
         "tokenizer_model": str(tokenizer_model), "hf_tokenizer": str(hf_tokenizer), "chunk_docs": chunk_docs,
-        "identical_outputs": len(hashes) == 1, "runs": runs,
+        "identical_outputs": len(hashes["sentencepiece"]) == 1, "identical_hf_outputs": len(hashes["hf"]) == 1,
+        "runs": runs,
     }
 
 
@@ -357,6 +387,12 @@ def _comparison(runs: list[dict]) -> list[str]:
             per_cpu = ours["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
             lines.append(f"{n} worker(s): data_prep / megatron-style = {speed:.2f}x tokens/s, "
                          f"{per_cpu:.2f}x tokens per CPU-second")
+    reference, single = by_key.get((TOKENIZERS_REFERENCE, 1)), by_key.get(("data_prep-hf", 1))
+    for (impl, n), ours in by_key.items():
+        if impl == "data_prep-hf" and reference and single:
+            lines.append(f"{n} worker(s): data_prep-hf = {ours['tokens_per_s'] / single['tokens_per_s']:.2f}x its "
+                         f"1-worker tokens/s; {ours['tokens_per_s_per_worker'] / reference['tokens_per_s']:.0%} of "
+                         "tokenizers' single-thread encode per worker")
     return lines
 
 
@@ -395,12 +431,13 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(result["runs"]))
     for line in _comparison(result["runs"]):
         print(line)
-    print(f"outputs identical across all sentencepiece runs: {'yes' if result['identical_outputs'] else 'NO'}")
+    print(f"outputs identical across all sentencepiece runs: {'yes' if result['identical_outputs'] else 'NO'}; "
+          f"across all Hugging Face runs: {'yes' if result['identical_hf_outputs'] else 'NO'}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
-    if not result["identical_outputs"]:
+    if not (result["identical_outputs"] and result["identical_hf_outputs"]):
         sys.exit("error: the runs wrote different datasets (see sha256 in the JSON)")
 
 

@@ -54,6 +54,9 @@ _append_eod = False
 
 def _init_worker(model_path: str, tokenizer_type: str | None, append_eod: bool, include_special_tokens: bool) -> None:
     global _tokenizer, _append_eod
+    # One core per worker: `tokenizers`' batch encode would otherwise run a thread per core in every worker, and
+    # the workers' thread pools would share the cores instead of adding to them (docs/data.md, measured).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _tokenizer, _append_eod = load_tokenizer(model_path, tokenizer_type, include_special_tokens), append_eod
     # Ctrl-C is handled once, by the parent, which then tears the pool down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -167,10 +167,12 @@ def test_benchmark_runs_and_reports(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tok/CPU-s" in proc.stdout and "outputs identical across all sentencepiece runs: yes" in proc.stdout
+    assert "of tokenizers' single-thread encode per worker" in proc.stdout, proc.stdout
     result = json.loads(out.read_text())
-    assert [(r["impl"], r["workers"]) for r in result["runs"]] == [("megatron-style", 1), ("data_prep", 1),
-                                                                   ("data_prep-hf", 1)]
-    assert result["runs"][2]["tokens_per_s_per_worker"] > 0
-    assert result["identical_outputs"] and result["runs"][0]["tokens"] == result["runs"][1]["tokens"] > 0
+    assert [(r["impl"], r["workers"]) for r in result["runs"]] == [
+        ("tokenizers-1thread", 1), ("megatron-style", 1), ("data_prep", 1), ("data_prep-hf", 1)]
+    reference, baseline, ours, hf = result["runs"]
+    assert hf["tokens_per_s_per_worker"] > 0 and hf["tokens"] == reference["tokens"] > 0
+    assert result["identical_outputs"] and baseline["tokens"] == ours["tokens"] > 0
     assert all(r["main_rss_mb"] > 0 and r["cpu_seconds"] > 0 for r in result["runs"])
     assert not list((tmp_path / "work").glob("out-*"))  # scratch datasets are removed
