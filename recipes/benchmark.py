@@ -61,6 +61,9 @@ MEGATRON_VARIANTS = {
     "megatron-cudagraph": ["model.attention_backend=local", "train.compile=false", "train.cuda_graphs=true"],
     "megatron-liger": ["model.attention_backend=local", "train.compile=true", "train.liger_kernels=true",
                        "train.fused_linear_cross_entropy=true"],
+    # document masking (FlexAttention's block mask on a GPU) against megatron-compile's plain causal attention
+    "megatron-docmask": ["model.attention_backend=local", "train.compile=true", "data.reset_attention_mask=true",
+                         "data.reset_position_ids=true"],
 }
 HF_VARIANTS = {  # name: (fp32 master weights + autocast, torch.compile)
     "hf": (False, False), "hf-compile": (False, True), "hf-amp": (True, False), "hf-amp-compile": (True, True),

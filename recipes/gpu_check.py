@@ -38,9 +38,11 @@ def steps(out: Path) -> list[Step]:
     return [
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-rs", "tests/integration/test_cuda_graphs.py",
                            "tests/integration/test_liger.py", "tests/integration/test_optimizer_offload_gpu.py",
-                           "tests/integration/test_activation_offload_gpu.py"], 900,
+                           "tests/integration/test_activation_offload_gpu.py",
+                           "tests/integration/test_document_mask_gpu.py"], 900,
              "CUDA graphs and liger kernels train like the eager/unfused paths; optimizer and activation CPU offload "
-             "(with TE) train like the state kept on the GPU, the activations' with a lower peak"),
+             "(with TE) train like the state kept on the GPU, the activations' with a lower peak; document masking's "
+             "FlexAttention matches the dense mask and trains"),
         Step("doctor", [py, "-m", "recipes.doctor", "--workdir", str(out / "doctor")], 900,
              "layer spec, FP8, resume and Hugging Face round trip on this GPU"),
         Step("benchmark", [py, "-m", "recipes.benchmark", "--out-dir", str(out / "benchmark")], 1800,

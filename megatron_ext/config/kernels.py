@@ -7,7 +7,7 @@ import dataclasses
 import importlib
 
 from megatron_ext.config.schema import AUTO, RecipeConfig, TrainConfig
-from megatron_ext.config.validate import require
+from megatron_ext.config.validate import THD_NOT_WIRED, require
 from megatron_ext.errors import ConfigError
 
 
@@ -24,6 +24,8 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
     fused linear cross-entropy computes the loss) (docs/performance.md). Raises ConfigError for kernels this
     machine or spec cannot run."""
     t = cfg.train
+    require(not (use_te and cfg.data.reset_attention_mask), "data.reset_attention_mask", True,
+            f"TransformerEngine imports here, so model.attention_backend=auto builds its layers, and {THD_NOT_WIRED}")
     if t.liger_kernels:
         require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers "
                 "only; with TransformerEngine set model.attention_backend=local to use it")

@@ -195,6 +195,10 @@ class DataConfig:
     mock: bool = False  # random tokens (megatron-core MockGPTDataset): benchmarks and smoke tests
     num_workers: int = 0  # data-loader worker processes per rank
     path_to_cache: Optional[str] = None  # where megatron-core caches its dataset indices; null = next to the data
+    # Packed sequences (megatron-core GPTDatasetConfig's names; docs/data.md "Document masking"):
+    reset_attention_mask: bool = False  # a token attends only to its own document's earlier tokens
+    reset_position_ids: bool = False  # positions, and so RoPE's rotation, restart at each document
+    eod_mask_loss: bool = False  # no loss where the input token is EOD (guessing the next document's first token)
 
 
 @dataclass

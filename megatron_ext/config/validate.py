@@ -272,6 +272,11 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
         require(t.hysteresis >= 1, "train.hysteresis", t.hysteresis, "must be >= 1")
 
 
+# Document masking runs in megatron-core's local layers (FlexAttention on a GPU, the ring attention under CP).
+THD_NOT_WIRED = ("document masking is not wired into TransformerEngine's packed-sequence (THD) path: set "
+                 "model.attention_backend=local")
+
+
 def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
     """Fused kernels, compile and CUDA graphs against precision, layout and the layer spec (the machine-dependent
     rules are in resolve_kernel_options)."""
@@ -286,6 +291,11 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
                 "parallel.tensor_model_parallel_size=1, or use train.fused_cross_entropy with tensor parallelism")
         require(t.fused_cross_entropy is not True, "train.fused_cross_entropy", True,
                 "replaced by train.fused_linear_cross_entropy=true, which computes the loss itself: set one")
+    if cfg.data.reset_attention_mask:
+        require(m.attention_backend != "te", "data.reset_attention_mask", True,
+                f"model.attention_backend=te builds TransformerEngine's layers, and {THD_NOT_WIRED}")
+        require(not t.cuda_graphs, "train.cuda_graphs", True, "captures one attention pattern, and "
+                "data.reset_attention_mask changes it with every micro batch: set one of them false")
     require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,
             "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
             "kernels — set model.attention_backend=local to compile, or train.compile=false")

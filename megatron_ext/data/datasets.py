@@ -7,7 +7,7 @@ lives in Megatron-LM's training package rather than in megatron-core, so it is w
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -50,10 +50,11 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object
         split=None if per_split else d.split.replace("/", ","),  # mock: no blend at all → MockGPTDataset
         path_to_cache=d.path_to_cache,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,  # causal attention needs no mask tensor
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        # no [s, s] mask: document masking reads document ids (microbatch_iterator), causal attention needs nothing
+        create_attention_mask=False,
         mmap_bin_files=True,
     )
     dataset_class = MockGPTDataset if d.mock else GPTDataset
@@ -87,14 +88,36 @@ class DistributedBatchSampler(torch.utils.data.Sampler):
             yield list(range(first, first + self.micro_batch_size))
 
 
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """[b, s] int32: the number of EOD tokens before each token — the document each token is in, a document's EOD
+    being its own last token (as megatron-core's reset_attention_mask draws the boundaries)."""
+    ends = (tokens == eod).to(torch.int32)
+    return torch.cumsum(ends, dim=1, dtype=torch.int32) - ends
+
+
+class _WithDocumentIds:
+    """DataLoader collate: the default one, plus each sequence's ``documents`` (:func:`document_ids`)."""
+
+    def __init__(self, eod: int):
+        self.eod = eod
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = torch.utils.data.default_collate(samples)
+        batch["documents"] = document_ids(batch["tokens"], self.eod)
+        return batch
+
+
 def microbatch_iterator(dataset: GPTDataset, consumed_samples: int, micro_batch_size: int,
-                        dp_rank: int, dp_size: int, num_workers: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless-enough iterator of this rank's micro batches (dicts of tokens/labels/loss_mask/position_ids)."""
+                        dp_rank: int, dp_size: int, num_workers: int, documents_eod: Optional[int] = None
+                        ) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless-enough iterator of this rank's micro batches (dicts of tokens/labels/loss_mask/position_ids, and
+    with `documents_eod` the document ids that EOD token draws, for document masking)."""
     sampler = DistributedBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     # Its own generator: a DataLoader iterator otherwise draws its workers' base seed from the global RNG, so
     # every new iterator (at the start, at each evaluation) would shift the dropout masks after it, and a resumed
     # run (one iterator fewer) would not repeat the uninterrupted one.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=None if documents_eod is None else _WithDocumentIds(documents_eod),
                                          pin_memory=torch.cuda.is_available(),
                                          persistent_workers=num_workers > 0, generator=torch.Generator())
     return iter(loader)

@@ -1,4 +1,5 @@
-"""Core attention for megatron-core's local layer spec: causal SDPA, and the shared module interface."""
+"""Core attention for megatron-core's local layer spec: causal SDPA (within documents when the model is given document
+ids, :mod:`document_mask`), and the shared module interface."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_ext.model.document_mask import flex_document_attention, visible
+
 
 class CausalCoreAttention(MegatronModule):
     """megatron-core's ``core_attention`` interface for causal self-attention.
 
-    Takes megatron's [s, b, heads, dim] query/key/value (key/value may have fewer, grouped heads)
-    and returns [s, b, heads·dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
+    Takes megatron's [s, b, heads, dim] query/key/value (key/value may have fewer, grouped heads) and, as
+    ``attention_mask``, None or the sequence's document ids (:func:`document_mask.document_ids`), and returns
+    [s, b, heads·dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
     """
 
     def __init__(
@@ -39,7 +43,8 @@ class CausalCoreAttention(MegatronModule):
         # comparison into a SymBool, which SDPA rejects.
         self.grouped_query = config.num_query_groups not in (None, config.num_attention_heads)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -47,21 +52,29 @@ class CausalCoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError(f"{type(self).__name__}: packed sequences / attention bias are not supported")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = self.attend(q, k, v)
+        out = self.attend(q, k, v, attention_mask)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 class SDPAttention(CausalCoreAttention):
-    """Causal attention through torch.nn.functional.scaled_dot_product_attention (flash on GPU, GQA native)."""
+    """Causal attention through torch.nn.functional.scaled_dot_product_attention (flash on GPU, GQA native); within
+    documents through FlexAttention's block mask on a GPU, SDPA's boolean mask on CPU."""
 
     def __init__(self, config: TransformerConfig, *args, **kwargs):
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not split sequences across context-parallel ranks")
         super().__init__(config, *args, **kwargs)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0, enable_gqa=self.grouped_query,
-        )
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Optional[torch.Tensor]) -> torch.Tensor:
+        dropout = self.dropout_p if self.training else 0.0
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                  dropout_p=dropout, enable_gqa=self.grouped_query)
+        if q.is_cuda:
+            return flex_document_attention(q, k, v, documents, self.softmax_scale, self.grouped_query)
+        positions = torch.arange(q.size(2), device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible(documents, positions, positions),
+                                              scale=self.softmax_scale, dropout_p=dropout,
+                                              enable_gqa=self.grouped_query)

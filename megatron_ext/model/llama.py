@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
+from megatron_ext.model.document_mask import restart_rotary_at_documents
 from megatron_ext.model.fused_output import FusedOutputGPTModel
 from megatron_ext.model.ring_attention import RingAttention
 
@@ -237,6 +238,9 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             vp_stage=stage,
         ))
     _give_row_parallel_layers_their_group(chunks)
+    if cfg.data.reset_position_ids:
+        for chunk in chunks:
+            restart_rotary_at_documents(chunk)
     return chunks
 
 

@@ -13,7 +13,9 @@ i shifts rank r holds the K/V of rank j = (r−i) mod CP and, by the zigzag layo
 * j < r: both query chunks see K/V chunk j fully and never its late chunk 2·CP−1−j;
 * j > r: only the late query chunk 2·CP−1−r sees anything: both of rank j's chunks, fully.
 
-Blocks are merged with their log-sum-exp. Each block runs through a math path (matmul, masked
+With document ids (:mod:`document_mask`), each block also hides the keys of other documents, by the global
+positions of its query and key chunks; a query that sees no key of a block gets a finite placeholder whose weight in
+the merge is exactly 0. Blocks are merged with their log-sum-exp. Each block runs through a math path (matmul, masked
 softmax) rather than ``scaled_dot_product_attention``: the public SDPA returns no log-sum-exp,
 and the private kernels that do cannot back-propagate through it, which the merge needs. The
 backward pass is autograd's; the ring shift is an autograd Function whose backward sends the
@@ -30,6 +32,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.model.attention import CausalCoreAttention
+from megatron_ext.model.document_mask import MASKED_SCORE, visible
 
 
 def _exchange(send: torch.Tensor, to_rank: int, from_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -53,13 +56,14 @@ class _RingShift(torch.autograd.Function):
         return _exchange(grad.contiguous(), ctx.prev_rank, ctx.next_rank, ctx.group), None, None, None
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: Optional[torch.Tensor]
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [b, h, sq, d] to k/v [b, h, sk, d]: (output, log-sum-exp [b, h, sq, 1])."""
-    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale
-    if causal:  # aligned diagonal block: query i sees keys 0..i
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+    """Attention of q [b, h, sq, d] to k/v [b, h, sk, d], each query seeing the keys `allowed` [b|1, 1, sq, sk]
+    lets it (all when None): (output, log-sum-exp [b, h, sq, 1])."""
+    scores = torch.matmul(q, k.transpose(-2, -1))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale  # fp32 at least
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, MASKED_SCORE)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     out = torch.matmul(torch.exp(scores - lse).to(v.dtype), v)
     return out, lse
@@ -74,8 +78,10 @@ def _merge(acc: Optional[tuple[torch.Tensor, torch.Tensor]], new: tuple[torch.Te
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   group: dist.ProcessGroup, global_ranks: list[int]) -> torch.Tensor:
-    """Causal attention of this rank's zigzag chunks q [b, h, 2c, d] against the whole sequence.
+                   group: dist.ProcessGroup, global_ranks: list[int],
+                   documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of this rank's zigzag chunks q [b, h, 2c, d] against the whole sequence, within the
+    documents `documents` [b, 2c·CP] (the whole sequence's document ids) says.
 
     k/v may have fewer (grouped) heads than q; they travel the ring un-expanded.
     """
@@ -83,6 +89,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     next_rank, prev_rank = global_ranks[(rank + 1) % cp], global_ranks[(rank - 1) % cp]
     repeat = q.size(1) // k.size(1)
     c = q.size(2) // 2
+
+    def chunk(index: int) -> torch.Tensor:  # sequence positions of zigzag chunk `index`
+        return torch.arange(index * c, (index + 1) * c, device=q.device)
+
+    def allowed(q_chunk: int, k_chunks: tuple[int, ...], causal: bool) -> Optional[torch.Tensor]:
+        if documents is None and not causal:
+            return None
+        return visible(documents, chunk(q_chunk), torch.cat([chunk(i) for i in k_chunks]), causal)
+
     q_early, q_late = q[:, :, :c], q[:, :, c:]
     early: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     late: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -93,15 +108,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         source = (rank - step) % cp
         k_blk, v_blk = (x.repeat_interleave(repeat, dim=1) if repeat > 1 else x for x in kv)
         k_early, k_late, v_early, v_late = k_blk[:, :, :c], k_blk[:, :, c:], v_blk[:, :, :c], v_blk[:, :, c:]
+        mine, late_chunk, source_late = rank, 2 * cp - 1 - rank, 2 * cp - 1 - source
         if source == rank:
-            early = _merge(early, _block(q_early, k_early, v_early, scale, causal=True))
-            late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
-            late = _merge(late, _block(q_late, k_late, v_late, scale, causal=True))
+            early = _merge(early, _block(q_early, k_early, v_early, scale, allowed(mine, (mine,), True)))
+            late = _merge(late, _block(q_late, k_early, v_early, scale, allowed(late_chunk, (mine,), False)))
+            late = _merge(late, _block(q_late, k_late, v_late, scale, allowed(late_chunk, (late_chunk,), True)))
         elif source < rank:
-            early = _merge(early, _block(q_early, k_early, v_early, scale, causal=False))
-            late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
+            early = _merge(early, _block(q_early, k_early, v_early, scale, allowed(mine, (source,), False)))
+            late = _merge(late, _block(q_late, k_early, v_early, scale, allowed(late_chunk, (source,), False)))
         else:
-            late = _merge(late, _block(q_late, k_blk, v_blk, scale, causal=False))
+            late = _merge(late, _block(q_late, k_blk, v_blk, scale,
+                                       allowed(late_chunk, (source, source_late), False)))
     return torch.cat([early[0], late[0]], dim=2)
 
 
@@ -113,6 +130,7 @@ class RingAttention(CausalCoreAttention):
         if self.dropout_p > 0:
             raise ValueError("RingAttention does not implement attention dropout")
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Optional[torch.Tensor]) -> torch.Tensor:
         return ring_attention(q, k, v, self.softmax_scale, parallel_state.get_context_parallel_group(),
-                              parallel_state.get_context_parallel_global_ranks())
+                              parallel_state.get_context_parallel_global_ranks(), documents)

@@ -68,6 +68,7 @@ from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
 from megatron_ext.hardware import GPUS, GPUSpec
+from megatron_ext.model.document_mask import block_mask_bytes
 
 GIB = 2**30
 NON_TORCH_RESERVE_GIB = 2.0  # CUDA context + cuBLAS/NCCL workspaces: memory torch's allocator never sees
@@ -589,6 +590,8 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
         buffers += (gathered + sum(shape.layer_params())) * d_bytes
     if _stage_chunks(shape, layout.pp, layout.vpp, pp_rank)[-1][2]:
         buffers += _output_loss_bytes(cfg, shape, tokens)[1]
+    if cfg.data.reset_attention_mask:  # document ids and FlexAttention's block mask, per micro batch
+        buffers += block_mask_bytes(layout.mbs, shape.seq)
     # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
     # optimizer.optimizer_cpu_offload keeps that fraction of the state (fp32 master weights, moments) in host memory.
     on_device = 1 - layout.offload

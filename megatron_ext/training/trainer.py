@@ -125,10 +125,11 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     batch = {k: v.to(_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    documents = batch.pop("documents", None)  # data.reset_attention_mask: the whole sequence's, on every CP rank
     # Under CP, tokens, labels, loss mask and positions are cut into the same zigzag chunks
     # (RoPE slices its global positions the same way inside GPTModel).
     batch = get_batch_on_this_cp_rank(batch)
-    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"],
+    output = model(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, partial(_loss_func, batch["loss_mask"])
 
@@ -275,8 +276,9 @@ class Trainer:
         wait for each batch counts as the step's data time."""
         t = self.cfg.train
         dp_rank = parallel_state.get_data_parallel_rank()
+        eod = self.tokenizer.eod if self.cfg.data.reset_attention_mask else None  # document ids for the masking
         its = [microbatch_iterator(dataset, consumed_samples, t.micro_batch_size, dp_rank, self.dp_size,
-                                   self.cfg.data.num_workers) for _ in self.model]
+                                   self.cfg.data.num_workers, eod) for _ in self.model]
         if timed:
             its = [self.metrics.timers.timed_batches(it) for it in its]
         return its[0] if len(its) == 1 else its

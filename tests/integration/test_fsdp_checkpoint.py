@@ -2,7 +2,8 @@
 run stopped and resumed reproduces the uninterrupted one exactly (written in the background; the newest checkpoint
 damaged, the one before it resumed); its checkpoint goes on under ZeRO-2 at DP4; retention, manifests and
 ``recipes.checkpoints`` treat it as any other; ``recipes.convert export-hf`` reads it; a run without Megatron-FSDP
-refuses it in one line; a Megatron-FSDP run starts from another run's weights."""
+refuses it in one line; a Megatron-FSDP run starts from another run's weights. The runs mask documents in their
+packed sequences (data.reset_attention_mask and friends), so their resumes are exact with it on."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, r
 STEPS, STOP = 4, 2
 ZERO3 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
          "parallel.sequence_parallel=false", "parallel.use_megatron_fsdp=true"]
+# document masking on in these runs: its resume (and resharded resume) must be exact too
+DOCUMENTS = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]
 TAGS = ("train/lm_loss", "train/grad_norm")
 
 
@@ -26,10 +29,11 @@ TAGS = ("train/lm_loss", "train/grad_norm")
 def runs(tmp_path_factory) -> dict[str, Any]:
     """ZeRO-3 at DP2: uninterrupted (saving every STOP steps, keeping the last), and stopped at STOP, then resumed."""
     root = tmp_path_factory.mktemp("fsdp")
-    run_pretrain(2, [*parity_overrides(None, root / "tb_full", STEPS), *ZERO3, f"checkpoint.save={root / 'full'}",
+    run_pretrain(2, [*parity_overrides(None, root / "tb_full", STEPS), *ZERO3, *DOCUMENTS,
+                     f"checkpoint.save={root / 'full'}",
                      f"checkpoint.save_interval={STOP}", "checkpoint.keep_last=1"])
-    interrupted = [*parity_overrides(None, root / "tb_resumed", STEPS), *ZERO3, f"checkpoint.save={root / 'ckpt'}",
-                   "checkpoint.save_interval=1"]
+    interrupted = [*parity_overrides(None, root / "tb_resumed", STEPS), *ZERO3, *DOCUMENTS,
+                   f"checkpoint.save={root / 'ckpt'}", "checkpoint.save_interval=1"]
     run_pretrain(2, [*interrupted, f"train.exit_interval={STOP}", "checkpoint.async_save=true"])
     shutil.copytree(root / "ckpt", root / "at_stop")
     # the newest checkpoint damaged (a shard cut short, as by a full disk): the resume falls back to the one before
@@ -44,6 +48,8 @@ def test_zero3_resume_reproduces_the_uninterrupted_run_exactly(runs):
     """Through the corrupt-checkpoint fallback: the newest checkpoint (a shard cut short) is set aside and the one
     before it resumed."""
     log = runs["resumed_log"]
+    assert "packed documents: attention within each document (SDPA's boolean mask (CPU)); positions and RoPE " \
+           "restart at each document; no loss where the input token is EOD" in log, log[-3000:]
     assert "CHECKPOINT NOT USABLE" in log and "truncated" in log and f"at iteration {STOP - 1}" in log, log[-3000:]
     for tag in TAGS:
         full, resumed = read_scalars(runs["full"], tag), read_scalars(runs["resumed"], tag)
@@ -67,7 +73,8 @@ def test_zero3_checkpoint_continues_under_zero2_at_dp4(runs, tmp_path):
     """(ZeRO-3 at TP2×DP2+SP — another TP size, which the SwiGLU halves serve — continued it within these bounds
     too, by hand.)"""
     tb = tmp_path / "tb"
-    run_pretrain(4, [*parity_overrides(None, tb, STEPS), *ZERO3, "parallel.data_parallel_sharding_strategy=optim_grads",
+    run_pretrain(4, [*parity_overrides(None, tb, STEPS), *ZERO3, *DOCUMENTS,
+                     "parallel.data_parallel_sharding_strategy=optim_grads",
                      f"checkpoint.load={runs['at_stop']}", f"checkpoint.save={tmp_path / 'ckpt'}"])
     for tag, tolerance in RESHARD_TOLERANCE.items():
         full = {k: v for k, v in read_scalars(runs["full"], tag).items() if k > STOP}

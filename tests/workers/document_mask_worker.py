@@ -1,0 +1,152 @@
+"""torchrun worker (4 processes): with document masking, a document B packed between A and C gives the logits and
+parameter gradients it gives alone, in the recipe's model under TP2 (+SP), PP2, CP2 and CP4 (ring attention).
+
+For each layout and precision (fp64, where only the masking can make a difference, and fp32) the ranks build one
+model (megatron-core GPTModel through megatron_ext.model.llama) and run it through megatron-core's pipeline schedule
+twice: on A|B|C (64 tokens; B spans tokens 20-43, so it crosses
+the CP chunks' boundaries) with the loss on B's tokens only, and on B alone (24 tokens). Gradients are summed over
+the CP group and, for sequence-parallel parameters, the TP group (as megatron-core's grad finalisation does), then
+compared on every rank; B's logits are gathered from the CP ranks' zigzag chunks. Rank 0 writes the worst relative
+differences per layout and precision to argv[1] as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+from megatron_ext.config.schema import load_config
+from megatron_ext.distributed import cpu_backend
+from megatron_ext.model.llama import build_model_chunks, transformer_config
+from tests.launch import ROOT, SMALL_MODEL
+
+LAYOUTS = {"tp2_sp": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2), "cp4": (1, 1, 4)}  # name: (TP, PP, CP)
+LENGTHS = (20, 24, 20)  # A, B, C: each ends with EOD
+VOCAB, EOD = 256, 0
+
+
+def documents() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(7)
+    docs = [torch.randint(1, VOCAB, (n,), generator=generator) for n in LENGTHS]
+    for doc in docs:
+        doc[-1] = EOD
+    labels = torch.randint(1, VOCAB, (sum(LENGTHS),), generator=generator)
+    return docs, labels
+
+
+def sample(tokens: torch.Tensor, labels: torch.Tensor, loss_on: slice) -> dict[str, torch.Tensor]:
+    """One sequence as the data loader gives it, with document masking's ids and restarted positions."""
+    ends = (tokens == EOD).to(torch.int32)
+    ids = torch.cumsum(ends, 0, dtype=torch.int32) - ends
+    starts = torch.cat([torch.tensor([0]), (ids[1:] != ids[:-1]).nonzero().flatten() + 1])
+    positions = torch.arange(len(tokens)) - starts[ids.long()]
+    loss_mask = torch.zeros(len(tokens))
+    loss_mask[loss_on] = 1.0
+    return {"tokens": tokens[None], "labels": labels[None], "loss_mask": loss_mask[None],
+            "position_ids": positions[None], "documents": ids[None]}
+
+
+def unzigzag(local: torch.Tensor, dim: int) -> torch.Tensor:
+    """The whole sequence from every CP rank's two zigzag chunks of it."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_context_parallel_group())
+    chunks = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def run(model, batch: dict[str, torch.Tensor], forward_only: bool):
+    """Through megatron-core's schedule: B's logits [b, s, vocab/TP] (forward_only) or the gradients."""
+    kept = []
+
+    def forward_step(iterator, chunk):
+        data = dict(next(iterator))
+        documents = data.pop("documents")
+        data = get_batch_on_this_cp_rank(data)
+        labels = None if forward_only else data["labels"]
+        output = chunk(data["tokens"], data["position_ids"], attention_mask=documents, labels=labels)
+
+        def loss(output_tensor):
+            if forward_only:
+                kept.append(output_tensor.detach())
+                return output_tensor.sum() * 0, {}
+            return (output_tensor * data["loss_mask"].to(output_tensor.dtype)).sum(), {}
+        return output, loss
+
+    for param in model.parameters():
+        param.grad = None
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
+                                num_microbatches=1, seq_length=batch["tokens"].size(1), micro_batch_size=1,
+                                forward_only=forward_only)
+    if forward_only:
+        return unzigzag(kept[0], 1) if kept else None
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        grads[name] = grad.clone()
+    return grads
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def compare(tp: int, pp: int, cp: int, dtype: torch.dtype) -> dict[str, float]:
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+        *SMALL_MODEL, f"model.vocab_size={VOCAB}", "model.seq_length=64", "train.precision=fp32",
+        f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
+        f"parallel.context_parallel_size={cp}", f"parallel.sequence_parallel={str(tp > 1).lower()}",
+        "data.reset_attention_mask=true", "data.reset_position_ids=true"])
+    config = transformer_config(cfg, on_gpu=False, use_te=False)
+    config.pipeline_dtype = dtype
+    model = build_model_chunks(cfg, VOCAB, config, use_te=False)[0].to(dtype)
+    (a, b, c), labels = documents()
+    first = LENGTHS[0]
+    packed = sample(torch.cat([a, b, c]), labels, slice(first, first + len(b)))
+    alone = sample(b, labels[first:first + len(b)], slice(None))
+    worst = {}
+    logits_packed, logits_alone = run(model, packed, True), run(model, alone, True)
+    if logits_packed is not None:  # the last pipeline stage
+        worst["logits"] = relative(logits_packed[:, first:first + len(b)], logits_alone)
+    grads_packed, grads_alone = run(model, packed, False), run(model, alone, False)
+    worst["gradients"] = max(relative(grads_packed[k], grads_alone[k]) for k in grads_alone
+                             if grads_alone[k].abs().max() > 0)
+    values = torch.tensor([worst.get("logits", 0.0), worst["gradients"]], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    counts = torch.tensor([float("logits" in worst), sum(g.abs().max() > 0 for g in grads_alone.values())])
+    dist.all_reduce(counts)
+    return {"logits": values[0].item(), "gradients": values[1].item(), "ranks_with_logits": counts[0].item(),
+            "nonzero_gradients": counts[1].item()}
+
+
+def main() -> None:
+    cpu_backend.install()
+    dist.init_process_group("gloo")
+    results = {f"{name}_{precision}": compare(*sizes, dtype) for name, sizes in LAYOUTS.items()
+               for precision, dtype in (("fp64", torch.float64), ("fp32", torch.float32))}
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
