@@ -33,8 +33,9 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                      f"checkpoint.save={root / 'full'}",
                      f"checkpoint.save_interval={STOP}", "checkpoint.keep_last=1"])
     interrupted = [*parity_overrides(None, root / "tb_resumed", STEPS), *ZERO3, *DOCUMENTS,
-                   f"checkpoint.save={root / 'ckpt'}", "checkpoint.save_interval=1"]
-    run_pretrain(2, [*interrupted, f"train.exit_interval={STOP}", "checkpoint.async_save=true"])
+                   f"checkpoint.save={root / 'ckpt'}"]
+    run_pretrain(2, [*interrupted, f"train.exit_interval={STOP}", "checkpoint.async_save=true",
+                     "checkpoint.save_interval=1"])
     shutil.copytree(root / "ckpt", root / "at_stop")
     # the newest checkpoint damaged (a shard cut short, as by a full disk): the resume falls back to the one before
     shard = next((root / "ckpt" / f"iter_{STOP:07d}").glob("*.distcp"))

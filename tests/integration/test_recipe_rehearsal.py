@@ -16,14 +16,14 @@ def test_405b_first_and_last_pipeline_stages_train_at_reduced_width(tmp_path):
     cfg = load_config(RECIPE)
     m, p = cfg.model, cfg.parallel
     stage_layers = m.num_layers // p.pipeline_model_parallel_size  # 21 of 126 on each of PP6's stages
-    # 1/64 of the width with the recipe's head/group ratio; the full vocabulary (its embedding and output layer are
+    # 1/128 of the width with the recipe's head/group ratio; the full vocabulary (its embedding and output layer are
     # what make the first and last stages the largest); TP2 stands in for TP8 (the same TP rules, 4 processes).
     heads, groups = m.num_attention_heads // 8, m.num_query_groups
     tb = tmp_path / "tb"
     run = run_pretrain(4, [
-        f"model.num_layers={2 * stage_layers}", f"model.hidden_size={m.hidden_size // 64}",
+        f"model.num_layers={2 * stage_layers}", f"model.hidden_size={m.hidden_size // 128}",
         f"model.num_attention_heads={heads}", f"model.num_query_groups={groups}",
-        f"model.ffn_hidden_size={m.ffn_hidden_size // 64}", "model.seq_length=256",
+        f"model.ffn_hidden_size={m.ffn_hidden_size // 128}", "model.seq_length=128",
         "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
         "train.global_batch_size=4", "train.train_iters=2", "train.eval_interval=1000", "train.eval_iters=1",
         "data.mock=true", "data.blend=null", "logging.log_interval=1", f"logging.tensorboard_dir={tb}",
