@@ -10,6 +10,7 @@ its save directory's tracker back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -93,33 +94,47 @@ def _check_config(ckpt_dir: Path, saved: dict[str, Any], cfg: RecipeConfig) -> N
           f"over {o.lr_decay_iters or cfg.train.train_iters} iterations from {o.lr} to {o.min_lr}")
 
 
-def weights_source(cfg: RecipeConfig) -> Optional[Path]:
-    """Collective: the checkpoint whose weights alone a run starts from — checkpoint.load's newest intact one when
-    it holds weights only (an import), else checkpoint.pretrained_checkpoint's newest intact one when there is
-    nothing to resume — or None: the run resumes a training state, or starts from its seed."""
+@dataclasses.dataclass(frozen=True)
+class StartPoint:
+    """The checkpoint a run starts from, verified: a training state to resume, or weights alone (an import, or
+    checkpoint.pretrained_checkpoint) — already in the model when `weights_loaded`."""
+
+    ckpt_dir: Path
+    weights_only: bool
+    weights_loaded: bool = False
+
+
+def start_point(cfg: RecipeConfig) -> Optional[StartPoint]:
+    """Collective: checkpoint.load's newest intact checkpoint, else checkpoint.pretrained_checkpoint's when there is
+    nothing to resume, else None (the run starts from its seed). Each is verified once here (a corrupt newest one is
+    set aside, see :func:`save_load.intact_iteration`)."""
     load = resume_dir(cfg)
     if load and layout.latest_iteration(load) is not None:
         ckpt_dir = layout.iteration_dir(load, save_load.intact_iteration(load))
-        return ckpt_dir if layout.read_common(ckpt_dir).get("content") == layout.WEIGHTS_ONLY else None
+        return StartPoint(ckpt_dir, layout.read_common(ckpt_dir).get("content") == layout.WEIGHTS_ONLY)
     pretrained = cfg.checkpoint.pretrained_checkpoint
-    return layout.iteration_dir(pretrained, save_load.intact_iteration(pretrained)) if pretrained else None
+    if pretrained:
+        return StartPoint(layout.iteration_dir(pretrained, save_load.intact_iteration(pretrained)), True)
+    return None
 
 
-def load_weights_before_sharding(cfg: RecipeConfig, models: list) -> bool:
-    """Collective: a Megatron-FSDP run that starts from weights loads them into its unwrapped model chunks, because
-    Megatron-FSDP shards the values the chunks hold when it wraps them (ZeRO-3's parameters are shards after).
-    Returns whether it loaded any; :func:`resume_training` is then told so."""
-    source = weights_source(cfg) if cfg.parallel.use_megatron_fsdp else None
-    if source is not None:
-        save_load.load_weights(source, models)
-    return source is not None
+def load_weights_before_sharding(cfg: RecipeConfig, models: list) -> Optional[StartPoint]:
+    """Collective, for Megatron-FSDP runs (None for the others): where the run starts, with weights it starts from
+    already loaded into its unwrapped model chunks, because Megatron-FSDP shards the values the chunks hold when it
+    wraps them (ZeRO-3's parameters are shards after). :func:`resume_training` takes the result."""
+    if not cfg.parallel.use_megatron_fsdp:
+        return None
+    start = start_point(cfg)
+    if start is None or not start.weights_only:
+        return start
+    save_load.load_weights(start.ckpt_dir, models)
+    return dataclasses.replace(start, weights_loaded=True)
 
 
-def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, weights_loaded: bool = False
+def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start: Optional[StartPoint] = None
                     ) -> tuple[int, int]:
     """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from.
-    `weights_loaded`: the weights the run starts from are in the model already
-    (:func:`load_weights_before_sharding`)."""
+    `start`: :func:`load_weights_before_sharding`'s result, where there was one (else found here)."""
     ck = cfg.checkpoint
     load = resume_dir(cfg)
     if load and layout.latest_iteration(load) is None:
@@ -128,34 +143,34 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, weigh
             raise CheckpointError(f"checkpoint.load={load} holds no checkpoint ({Path(load) / layout.TRACKER} "
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
         _info(f"no checkpoint in {load} yet: starting at iteration 0")
-    start = (0, 0)
-    weights = weights_source(cfg)
-    if weights is not None:
-        if not weights_loaded:
-            save_load.load_weights(weights, [chunk.module for chunk in model_chunks])
+    start = start or start_point(cfg)
+    position = (0, 0)
+    if start is not None and start.weights_only:
+        if not start.weights_loaded:
+            save_load.load_weights(start.ckpt_dir, [chunk.module for chunk in model_chunks])
             optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
-        _info(f"loaded weights of {weights}; training starts at iteration 0")
-    elif load and layout.latest_iteration(load) is not None:
-        ckpt_dir = layout.iteration_dir(load, save_load.intact_iteration(load))
-        common = layout.read_common(ckpt_dir)
-        problem = save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
+        _info(f"loaded weights of {start.ckpt_dir}; training starts at iteration 0")
+    elif start is not None:
+        common = layout.read_common(start.ckpt_dir)
+        problem = save_load.format_mismatch(start.ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
         if problem:
             raise CheckpointError(problem)
-        _check_config(ckpt_dir, common.get("config", {}), cfg)
-        start = save_load.load_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler, cfg.to_dict())
-        _info(f"resumed from {load} at iteration {start[0]} ({start[1]} samples consumed)")
+        _check_config(start.ckpt_dir, common.get("config", {}), cfg)
+        position = save_load.load_training_state(start.ckpt_dir, common, model_chunks, optimizer, scheduler,
+                                                 cfg.to_dict())
+        _info(f"resumed from {load} at iteration {position[0]} ({position[1]} samples consumed)")
     ahead = layout.latest_iteration(ck.save) if ck.save else None
-    if ahead is not None and ahead > start[0]:
+    if ahead is not None and ahead > position[0]:
         raise CheckpointError(
-            f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {start[0]}: "
+            f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {position[0]}: "
             f"saving there would move its tracker back and lose that progress. Leave checkpoint.load unset (auto) "
             f"to resume it, or choose another checkpoint.save (or delete that one) to start over")
-    return start
+    return position
 
 
 def format_refusal(cfg: RecipeConfig) -> Optional[str]:
     """Why the checkpoint to resume was written for the other data-parallel implementation (Megatron-FSDP or not),
-    or holds weights only for a Megatron-FSDP run, or None. From the newest checkpoint's common.pt alone, so the
+    or None. From the newest checkpoint's common.pt alone, so the
     launcher says it before any rank starts; one it cannot read is left to the ranks, which verify it and fall back."""
     load = resume_dir(cfg)
     latest = layout.latest_iteration(load) if load else None

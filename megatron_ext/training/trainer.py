@@ -181,7 +181,7 @@ class Trainer:
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         cfg, self.config, chunks = build_model(cfg, vocab, self.on_gpu)
         self.cfg = cfg  # with its `auto` kernel options decided
-        weights_loaded = load_weights_before_sharding(cfg, chunks)
+        start = load_weights_before_sharding(cfg, chunks)  # Megatron-FSDP only: it shards what the chunks hold
         self.model = wrap_with_ddp(chunks, self.config, cfg)
         self.optimizer = build_optimizer(cfg, self.model, self.on_gpu)
         if cfg.optimizer.optimizer_cpu_offload:
@@ -203,7 +203,7 @@ class Trainer:
                                               before_commit=raise_if_launcher_gone, helper_initializer=die_with_parent)
         try:
             with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
-                self.iteration, self.consumed_samples = self.checkpointer.load(weights_loaded)
+                self.iteration, self.consumed_samples = self.checkpointer.load(start)
         except BaseException:
             self.checkpointer.abort()  # gives back the run lock it may have taken
             raise
