@@ -19,8 +19,8 @@ class CausalCoreAttention(MegatronModule):
     """megatron-core's ``core_attention`` interface for causal self-attention.
 
     Takes megatron's [s, b, heads, dim] query/key/value (key/value may have fewer, grouped heads) and, as
-    ``attention_mask``, None or the sequence's document ids (:func:`document_mask.document_ids`), and returns
-    [s, b, heads·dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
+    ``attention_mask``, None or the sequence's document ids (:func:`megatron_ext.data.datasets.document_ids`),
+    and returns [s, b, heads·dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
     """
 
     def __init__(

@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_ext.config.schema import load_config
+from megatron_ext.data.datasets import document_ids
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.model.llama import build_model_chunks, transformer_config
 from tests.launch import ROOT, SMALL_MODEL
@@ -42,8 +43,7 @@ def documents() -> tuple[torch.Tensor, ...]:
 
 def sample(tokens: torch.Tensor, labels: torch.Tensor, loss_on: slice) -> dict[str, torch.Tensor]:
     """One sequence as the data loader gives it, with document masking's ids and restarted positions."""
-    ends = (tokens == EOD).to(torch.int32)
-    ids = torch.cumsum(ends, 0, dtype=torch.int32) - ends
+    ids = document_ids(tokens[None], EOD)[0]  # as the data loader makes them
     starts = torch.cat([torch.tensor([0]), (ids[1:] != ids[:-1]).nonzero().flatten() + 1])
     positions = torch.arange(len(tokens)) - starts[ids.long()]
     loss_mask = torch.zeros(len(tokens))
