@@ -7,7 +7,7 @@ import dataclasses
 import importlib
 
 from megatron_ext.config.schema import AUTO, RecipeConfig, TrainConfig
-from megatron_ext.config.validate import THD_NOT_WIRED, require
+from megatron_ext.config.validate import require, require_packed_sequence_layout
 from megatron_ext.errors import ConfigError
 
 
@@ -19,13 +19,15 @@ def uses_transformer_engine(cfg: RecipeConfig, on_gpu: bool, te_available: bool)
 
 
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
-    """`cfg` with train.compile / train.fused_cross_entropy `auto` decided for this machine and layer spec:
-    compile on for local layers on a GPU (off under CUDA graphs), fused cross-entropy on in bf16 (off where the
-    fused linear cross-entropy computes the loss) (docs/performance.md). Raises ConfigError for kernels this
-    machine or spec cannot run."""
+    """`cfg` with model.attention_backend, train.compile and train.fused_cross_entropy `auto` decided for this
+    machine and layer spec (`use_te`: :func:`uses_transformer_engine`): the backend te or local, compile on for
+    local layers on a GPU (off under CUDA graphs), fused cross-entropy on in bf16 (off where the fused linear
+    cross-entropy computes the loss) (docs/performance.md). Raises ConfigError for kernels this machine or spec
+    cannot run."""
     t = cfg.train
-    require(not (use_te and cfg.data.reset_attention_mask), "data.reset_attention_mask", True,
-            f"TransformerEngine imports here, so model.attention_backend=auto builds its layers, and {THD_NOT_WIRED}")
+    if use_te and cfg.data.reset_attention_mask:
+        require_packed_sequence_layout(cfg, "TransformerEngine imports here, so model.attention_backend=auto builds "
+                                            "its layers")
     if t.liger_kernels:
         require(not use_te, "train.liger_kernels", True, "replaces megatron-core's local layers "
                 "only; with TransformerEngine set model.attention_backend=local to use it")
@@ -40,7 +42,8 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
     compile_ = compiles_layers(t, on_gpu, use_te)
     fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
                 else t.fused_cross_entropy)
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="te" if use_te else "local"),
+                               train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))
 
 
 def _require_liger(key: str, on_gpu: bool, module: str) -> None:

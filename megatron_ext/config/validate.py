@@ -272,9 +272,17 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
         require(t.hysteresis >= 1, "train.hysteresis", t.hysteresis, "must be >= 1")
 
 
-# Document masking runs in megatron-core's local layers (FlexAttention on a GPU, the ring attention under CP).
-THD_NOT_WIRED = ("document masking is not wired into TransformerEngine's packed-sequence (THD) path: set "
-                 "model.attention_backend=local")
+def require_packed_sequence_layout(cfg: RecipeConfig, why_te: str) -> None:
+    """Document masking in TransformerEngine's layers (its packed-sequence, THD, attention): the layouts it runs in.
+    `why_te` says why TE's layers are built (model.attention_backend=te, or auto where TE imports)."""
+    local = "model.attention_backend=local (FlexAttention, and the ring attention under CP)"
+    cp = cfg.parallel.context_parallel_size
+    require(cp == 1, "parallel.context_parallel_size", cp, f"{why_te}, and with data.reset_attention_mask its "
+            "packed-sequence attention would need every document padded to a multiple of 2·CP tokens, which "
+            f"GPTDataset's packing does not do: set {local}")
+    require(cfg.data.reset_position_ids, "data.reset_position_ids", False,
+            f"{why_te}, whose packed-sequence attention restarts RoPE at every document: set data.reset_position_ids="
+            f"true with data.reset_attention_mask, or set {local}")
 
 
 def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
@@ -292,8 +300,8 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
         require(t.fused_cross_entropy is not True, "train.fused_cross_entropy", True,
                 "replaced by train.fused_linear_cross_entropy=true, which computes the loss itself: set one")
     if cfg.data.reset_attention_mask:
-        require(m.attention_backend != "te", "data.reset_attention_mask", True,
-                f"model.attention_backend=te builds TransformerEngine's layers, and {THD_NOT_WIRED}")
+        if m.attention_backend == "te":
+            require_packed_sequence_layout(cfg, "model.attention_backend=te builds TransformerEngine's layers")
         require(not t.cuda_graphs, "train.cuda_graphs", True, "captures one attention pattern, and "
                 "data.reset_attention_mask changes it with every micro batch: set one of them false")
     require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,

@@ -48,7 +48,7 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
     if on_gpu:
         chunks = [c.cuda() for c in chunks]
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids or cfg.data.eod_mask_loss:
-        notes.append(describe_document_masking(cfg.data, on_gpu, cfg.parallel.context_parallel_size))
+        notes.append(describe_document_masking(cfg.data, on_gpu, cfg.parallel.context_parallel_size, use_te))
     notes.append(describe_layout(chunks))
     notes.append(f"{describe_layers(chunks, config, use_te, cfg.train.fp8)}; "
                  f"backend: {'NCCL/GPU' if on_gpu else 'gloo/CPU rehearsal'}")

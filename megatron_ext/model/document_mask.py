@@ -11,6 +11,12 @@ core attentions (:mod:`attention`, :mod:`ring_attention`) read it; it is never m
 there FlexAttention skips the masked blocks, with a block mask built once per micro batch (memory per 128×128
 block). On CPU, where FlexAttention has no backward pass, SDPA takes a boolean mask.
 
+In TransformerEngine's layers the document ids become TE's packed-sequence (THD) description instead
+(:func:`pack_documents`): the micro batch is flattened into one row of tokens, and ``cu_seqlens`` marks where each
+document (or sequence) starts; TE's fused attention then attends within each segment, and megatron-core restarts
+RoPE at each one. TE's THD attention under context parallelism needs every segment padded to a multiple of 2·CP,
+which GPTDataset's packing does not do, so that combination runs in the local layers (the ring attention).
+
 RoPE: megatron-core's GPTModel rotates by a token's index in the sequence and ignores ``position_ids``; with
 ``data.reset_position_ids`` a forward hook on its rotary embedding (:func:`restart_rotary_at_documents`) gives each
 token the rotation of its own ``position_ids`` (GPTDataset restarts them at each document), so a document's queries
@@ -25,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_ext.config.schema import DataConfig
 
@@ -78,6 +85,22 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                                       enable_gqa=grouped_query)
 
 
+def pack_documents(batch: dict[str, torch.Tensor], documents: torch.Tensor
+                   ) -> tuple[dict[str, torch.Tensor], PackedSeqParams]:
+    """A micro batch for TransformerEngine's THD attention: every [b, s] tensor of `batch` flattened to [1, b·s], and
+    the segments — each document of each sequence, cut at sequence ends too — as TE's cumulative lengths."""
+    b, s = documents.shape
+    flat = documents.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::s] = True
+    cu_seqlens = torch.cat([starts.nonzero().flatten(), flat.new_tensor([b * s])]).to(torch.int32)
+    longest = int(cu_seqlens.diff().max())
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return {key: value.reshape(1, b * s) for key, value in batch.items()}, packed
+
+
 def block_mask_bytes(micro_batch_size: int, seq_length: int) -> int:
     """Device bytes of one micro batch's document ids and FlexAttention block mask (int32 block counts and indices,
     for the full and the partial blocks, by query and by key)."""
@@ -85,11 +108,12 @@ def block_mask_bytes(micro_batch_size: int, seq_length: int) -> int:
     return micro_batch_size * (4 * seq_length + 4 * 4 * (blocks * blocks + blocks))
 
 
-def describe_document_masking(data: DataConfig, on_gpu: bool, context_parallel_size: int) -> str:
+def describe_document_masking(data: DataConfig, on_gpu: bool, context_parallel_size: int, use_te: bool) -> str:
     """The start-up line for data.reset_attention_mask / reset_position_ids / eod_mask_loss."""
     parts = []
     if data.reset_attention_mask:
-        how = ("the ring attention's blocks" if context_parallel_size > 1
+        how = ("TransformerEngine's packed-sequence (THD) attention" if use_te
+               else "the ring attention's blocks" if context_parallel_size > 1
                else "FlexAttention's block mask" if on_gpu else "SDPA's boolean mask (CPU)")
         parts.append(f"attention within each document ({how})")
     if data.reset_position_ids:

@@ -238,7 +238,8 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             vp_stage=stage,
         ))
     _give_row_parallel_layers_their_group(chunks)
-    if cfg.data.reset_position_ids:
+    # (TransformerEngine's packed-sequence attention has megatron-core restart RoPE at each document itself)
+    if cfg.data.reset_position_ids and not (use_te and cfg.data.reset_attention_mask):
         for chunk in chunks:
             restart_rotary_at_documents(chunk)
     return chunks

@@ -42,6 +42,7 @@ from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
+from megatron_ext.model.document_mask import pack_documents
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
     NonFiniteSteps,
@@ -123,14 +124,21 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
+                  packed_documents: bool = False):
+    """One micro batch through `model`; `packed_documents`: document masking in TransformerEngine's layers, which
+    take the micro batch as one packed row of documents (:func:`pack_documents`)."""
     batch = {k: v.to(_device(), non_blocking=True) for k, v in next(data_iterator).items()}
     documents = batch.pop("documents", None)  # data.reset_attention_mask: the whole sequence's, on every CP rank
+    packed = None
+    if packed_documents:
+        batch, packed = pack_documents(batch, documents)
+        documents = None
     # Under CP, tokens, labels, loss mask and positions are cut into the same zigzag chunks
     # (RoPE slices its global positions the same way inside GPTModel).
     batch = get_batch_on_this_cp_rank(batch)
     output = model(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"])
+                   loss_mask=batch["loss_mask"], packed_seq_params=packed)
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -284,13 +292,17 @@ class Trainer:
         return its[0] if len(its) == 1 else its
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        seq_length, micro_batch_size = self.cfg.model.seq_length, self.cfg.train.micro_batch_size
+        packed = self.cfg.data.reset_attention_mask and self.cfg.model.attention_backend == "te"
+        if packed:  # one row of micro_batch_size × seq_length tokens between pipeline stages too
+            seq_length, micro_batch_size = seq_length * micro_batch_size, 1
         return get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=partial(_forward_step, packed_documents=packed),
             data_iterator=data_iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.num_microbatches,
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.train.micro_batch_size,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
 

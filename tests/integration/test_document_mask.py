@@ -1,7 +1,8 @@
 """Document masking (data.reset_attention_mask, data.reset_position_ids): a document packed between two others
 gives the logits and gradients it gives alone, under TP2 with sequence parallelism, PP2, and CP2/CP4 with the ring
-attention (the document crossing the CP chunks' boundaries) — exactly in fp64, and within fp32's rounding at CP4 in
-fp32 (`tests/workers/document_mask_worker.py`, one 4-process launch)."""
+attention (the document crossing the CP chunks' boundaries), and through TransformerEngine's packed-sequence (THD)
+input at TP2+SP × PP2 (TE-shaped stand-in attention) — exactly in fp64, and within fp32's rounding at CP4 in fp32
+(`tests/workers/document_mask_worker.py`, one 4-process launch)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_a_packed_document_trains_as_it_would_alone(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert sorted(results) == sorted([*(f"{layout}_fp64" for layout in ("tp2_sp", "pp2", "cp2", "cp4")), "cp4_fp32"])
+    layouts = ("tp2_sp", "pp2", "cp2", "cp4", "te_tp2_sp_pp2")
+    assert sorted(results) == sorted([*(f"{layout}_fp64" for layout in layouts), "cp4_fp32"])
     for name, worst in results.items():
         print(name, worst)
         assert worst["ranks_with_logits"] >= 2 and worst["nonzero_gradients"] >= 54, (name, worst)

@@ -1,5 +1,6 @@
 """Document masking on a GPU: compiled FlexAttention with the block mask (what SDPAttention runs there) gives the
-outputs and gradients of SDPA with the dense boolean mask, and a 1-GPU run with masking trains. Needs a GPU; on CPU
+outputs and gradients of SDPA with the dense boolean mask, and a 1-GPU run with masking trains in the local layers
+and, where TransformerEngine is installed, in TE's packed-sequence (THD) attention. Needs a GPU; on CPU
 the masking is proven in tests/integration/test_document_mask.py (dense mask, ring attention)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.model.document_mask import flex_document_attention, visible
+from megatron_ext.model.llama import transformer_engine_available
 from tests.launch import ONE_GPU_SMALL, read_scalars, run_pretrain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernels need a GPU")
@@ -35,10 +37,14 @@ def test_flex_attention_matches_the_dense_mask_forward_and_backward():
         assert (got - want).abs().max() / want.abs().max() < 1e-3
 
 
-def test_a_run_with_document_masking_trains(tmp_path):
+@pytest.mark.parametrize("backend, attention", [("local", "FlexAttention's block mask"),
+                                                ("te", "TransformerEngine's packed-sequence (THD) attention")])
+def test_a_run_with_document_masking_trains(backend, attention, tmp_path):
+    if backend == "te" and not transformer_engine_available():
+        pytest.skip("TransformerEngine is not installed: its packed-sequence attention is untested here")
     tb = tmp_path / "tb"
-    proc = run_pretrain(1, [*ONE_GPU_SMALL, "model.attention_backend=local", "data.reset_attention_mask=true",
+    proc = run_pretrain(1, [*ONE_GPU_SMALL, f"model.attention_backend={backend}", "data.reset_attention_mask=true",
                             "data.reset_position_ids=true", f"logging.tensorboard_dir={tb}"])
-    assert "attention within each document (FlexAttention's block mask)" in proc.stdout, proc.stdout[-3000:]
+    assert f"attention within each document ({attention})" in proc.stdout, proc.stdout[-3000:]
     losses = read_scalars(tb, "train/lm_loss")
     assert losses[max(losses)] < losses[1], losses

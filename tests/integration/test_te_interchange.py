@@ -76,7 +76,7 @@ def test_a_dp_reshardable_checkpoint_is_refused_by_the_other_spec(tmp_path):
     run_pretrain(1, [*run, "train.exit_interval=1", f"checkpoint.save={ckpt}"])
     proc = run_pretrain(1, [*run, *TE, f"checkpoint.load={ckpt}"], module="tests.workers.te_standin", check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "dp_reshardable format" in proc.stderr and "model.attention_backend: auto → te" in proc.stderr, \
+    assert "dp_reshardable format" in proc.stderr and "model.attention_backend: local → te" in proc.stderr, \
         proc.stderr[-3000:]
 
 
@@ -110,23 +110,32 @@ def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, layout,
 
 
 def test_hugging_face_import_trains_the_same_under_either_spec(tmp_path):
+    """With document masking on, over documents of 15-75 tokens in sequences of 64, so that the TE spec takes each
+    micro batch (2 sequences) as TransformerEngine's packed sequence (THD) and the local spec takes document ids: the
+    same losses either way."""
+    from data_prep.preprocess import preprocess
     from recipes import convert
+    from tests.corpora import code_docs, write_jsonl
     from tests.integration.test_convert import DATA, make_hf_model
 
     hf = make_hf_model(tmp_path / "hf", vocab=4100, kv_heads=2, tied=False, extra={}, save={}, seed=5)
     # A world of one on CPU patches torch for the process: import in a spawned one.
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         ckpt = pool.submit(convert.import_hf, hf, tmp_path / "imported").result()
+    short_documents = preprocess([str(write_jsonl(tmp_path / "docs.jsonl", code_docs(300)))], str(tmp_path / "docs"),
+                                 str(DATA / "tokenizer.model")).prefixes[0]
     common = [f"checkpoint.load={ckpt}",
-              f"data.blend=[{DATA / 'stdlib_text_document'}]", f"data.tokenizer_model={DATA / 'tokenizer.model'}",
+              f"data.blend=[{short_documents}]", f"data.tokenizer_model={DATA / 'tokenizer.model'}",
               f"data.path_to_cache={tmp_path / 'cache'}", "model.seq_length=64", "train.train_iters=3",
               "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
-              "train.eval_interval=1000", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "checkpoint.save=null"]
+              "train.eval_interval=1000", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "checkpoint.save=null",
+              "data.reset_attention_mask=true", "data.reset_position_ids=true"]
     for spec, module, extra in [("local", "recipes.pretrain", []), ("te", "tests.workers.te_standin", TE)]:
         log = run_pretrain(1, [*common, *extra, f"logging.tensorboard_dir={tmp_path / spec}"], module=module,
                            config=ckpt / "recipe.yaml")
         log = log.stdout + log.stderr
         assert f"loaded weights of {ckpt}" in log or f"resumed from {ckpt}" in log, log[-3000:]
+        assert ("TransformerEngine's packed-sequence (THD) attention" if spec == "te" else "SDPA's boolean mask") in log
     for tag, tolerance in TOLERANCE.items():
         diff = max_relative_difference(read_scalars(tmp_path / "te", tag), read_scalars(tmp_path / "local", tag))
         print(f"HF import, TE-shaped vs local {tag}: max rel diff {diff:.1e}")

@@ -1,6 +1,6 @@
 """Document masking's pieces: document ids from EOD, which keys a query sees, FlexAttention's block mask against the
-same rule, the pre-launch refusals and the planner's count of the mask (the model-level proof is
-tests/integration/test_document_mask.py)."""
+same rule, TransformerEngine's packed-sequence segments, the pre-launch refusals and the planner's count of the
+mask (the model-level proof is tests/integration/test_document_mask.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.data.datasets import _WithDocumentIds, document_ids
 from megatron_ext.errors import ConfigError
-from megatron_ext.model.document_mask import visible
+from megatron_ext.model.document_mask import pack_documents, visible
 from megatron_ext.planner import layouts as planner
 from tests.launch import ROOT
 
@@ -53,8 +53,22 @@ def test_flexattentions_block_mask_draws_the_same_boundaries():
     assert _block_mask(documents) is _block_mask(documents)  # built once per micro batch, shared by the layers
 
 
+def test_transformer_engines_segments_are_each_sequences_documents():
+    """A micro batch of two sequences becomes one row; segments start at each document and at each sequence, also
+    where the second sequence's first document has the id the first one's last document has (no EOD between)."""
+    tokens = torch.tensor([[5, 0, 7, 8, 9, 9], [4, 4, 4, 0, 3, 0]])
+    documents = document_ids(tokens, eod=0)  # [[0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]]
+    batch, packed = pack_documents({"tokens": tokens, "labels": tokens + 1}, documents)
+    assert batch["tokens"].tolist() == [tokens.flatten().tolist()] and batch["labels"].shape == (1, 12)
+    assert packed.qkv_format == "thd" and packed.cu_seqlens_q.dtype == torch.int32
+    assert packed.cu_seqlens_q.tolist() == packed.cu_seqlens_kv.tolist() == [0, 2, 6, 10, 12]
+    assert packed.max_seqlen_q == packed.max_seqlen_kv == 4
+
+
 @pytest.mark.parametrize("overrides, fragment", [
-    (["model.attention_backend=te"], "not wired into TransformerEngine's packed-sequence"),
+    (["model.attention_backend=te", "data.reset_position_ids=true", "parallel.tensor_model_parallel_size=1",
+      "parallel.sequence_parallel=false", "parallel.context_parallel_size=2"], "padded to a multiple of 2·CP"),
+    (["model.attention_backend=te"], "restarts RoPE at every document: set data.reset_position_ids=true"),
     (["train.cuda_graphs=true"], "changes it with every micro batch"),
 ])
 def test_combinations_not_wired_are_refused_before_launch(overrides, fragment):
@@ -63,12 +77,16 @@ def test_combinations_not_wired_are_refused_before_launch(overrides, fragment):
         validate_layout(cfg, 4, te_available=True, fp8_capable=True)
 
 
-def test_auto_layers_are_refused_where_transformer_engine_would_build_them():
+def test_auto_layers_take_transformer_engines_packed_sequences_where_it_imports():
     from megatron_ext.config.kernels import resolve_kernel_options
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["data.reset_attention_mask=true"])
     with pytest.raises(ConfigError, match="so model.attention_backend=auto builds its layers"):
         resolve_kernel_options(cfg, on_gpu=True, use_te=True)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", ["data.reset_attention_mask=true",
+                                                      "data.reset_position_ids=true"])
+    assert resolve_kernel_options(cfg, on_gpu=True, use_te=True).model.attention_backend == "te"
+    assert resolve_kernel_options(cfg, on_gpu=True, use_te=False).model.attention_backend == "local"
 
 
 def test_the_planner_counts_the_block_mask_not_an_s_squared_one():

@@ -1,5 +1,7 @@
 """torchrun worker (4 processes): with document masking, a document B packed between A and C gives the logits and
-parameter gradients it gives alone, in the recipe's model under TP2 (+SP), PP2, CP2 and CP4 (ring attention).
+parameter gradients it gives alone, in the recipe's model under TP2 (+SP), PP2, CP2 and CP4 (ring attention), and in
+megatron-core's TransformerEngine layer spec under TP2 (+SP) × PP2 — TE's packed-sequence (THD) input as the trainer
+makes it (``pack_documents``), with megatron-core's THD RoPE, into the TE-shaped core attention stand-in.
 
 For each layout in fp64 (where only the masking can make a difference), and for CP4 in fp32 too, the ranks build one
 model (megatron-core GPTModel through megatron_ext.model.llama) and run it through megatron-core's pipeline schedule
@@ -24,10 +26,14 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron_ext.config.schema import load_config
 from megatron_ext.data.datasets import document_ids
 from megatron_ext.distributed import cpu_backend
+from megatron_ext.model.document_mask import pack_documents
 from megatron_ext.model.llama import build_model_chunks, transformer_config
 from tests.launch import ROOT, SMALL_MODEL
+from tests.workers import te_standin
 
-LAYOUTS = {"tp2_sp": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2), "cp4": (1, 1, 4)}  # name: (TP, PP, CP)
+# name: (TP, PP, CP, TransformerEngine's layer spec)
+LAYOUTS = {"tp2_sp": (2, 1, 1, False), "pp2": (1, 2, 1, False), "cp2": (1, 1, 2, False), "cp4": (1, 1, 4, False),
+           "te_tp2_sp_pp2": (2, 2, 1, True)}
 LENGTHS = (20, 24, 20)  # A, B, C: each ends with EOD
 VOCAB, EOD = 256, 0
 
@@ -65,16 +71,20 @@ def unzigzag(local: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def run(model, batch: dict[str, torch.Tensor], forward_only: bool):
+def run(model, batch: dict[str, torch.Tensor], forward_only: bool, use_te: bool):
     """Through megatron-core's schedule: B's logits [b, s, vocab/TP] (forward_only) or the gradients."""
     kept = []
 
     def forward_step(iterator, chunk):
         data = dict(next(iterator))
-        documents = data.pop("documents")
+        documents, packed = data.pop("documents"), None
+        if use_te:
+            data, packed = pack_documents(data, documents)
+            documents = None
         data = get_batch_on_this_cp_rank(data)
         labels = None if forward_only else data["labels"]
-        output = chunk(data["tokens"], data["position_ids"], attention_mask=documents, labels=labels)
+        output = chunk(data["tokens"], data["position_ids"], attention_mask=documents, labels=labels,
+                       packed_seq_params=packed)
 
         def loss(output_tensor):
             if forward_only:
@@ -104,28 +114,29 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def compare(tp: int, pp: int, cp: int, dtype: torch.dtype) -> dict[str, float]:
+def compare(tp: int, pp: int, cp: int, use_te: bool, dtype: torch.dtype) -> dict[str, float]:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         *SMALL_MODEL, f"model.vocab_size={VOCAB}", "model.seq_length=64", "train.precision=fp32",
+        "train.fused_cross_entropy=false",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         f"parallel.context_parallel_size={cp}", f"parallel.sequence_parallel={str(tp > 1).lower()}",
         "data.reset_attention_mask=true", "data.reset_position_ids=true"])
-    config = transformer_config(cfg, on_gpu=False, use_te=False)
+    config = transformer_config(cfg, on_gpu=False, use_te=use_te)
     config.pipeline_dtype = dtype
-    model = build_model_chunks(cfg, VOCAB, config, use_te=False)[0].to(dtype)
+    model = build_model_chunks(cfg, VOCAB, config, use_te=use_te)[0].to(dtype)
     (a, b, c), labels = documents()
     first = LENGTHS[0]
     packed = sample(torch.cat([a, b, c]), labels, slice(first, first + len(b)))
     alone = sample(b, labels[first:first + len(b)], slice(None))
     worst = {}
-    logits_packed, logits_alone = run(model, packed, True), run(model, alone, True)
+    logits_packed, logits_alone = run(model, packed, True, use_te), run(model, alone, True, use_te)
     if logits_packed is not None:  # the last pipeline stage
         worst["logits"] = relative(logits_packed[:, first:first + len(b)], logits_alone)
-    grads_packed, grads_alone = run(model, packed, False), run(model, alone, False)
+    grads_packed, grads_alone = run(model, packed, False, use_te), run(model, alone, False, use_te)
     worst["gradients"] = max(relative(grads_packed[k], grads_alone[k]) for k in grads_alone
                              if grads_alone[k].abs().max() > 0)
     values = torch.tensor([worst.get("logits", 0.0), worst["gradients"]], dtype=torch.float64)
@@ -138,6 +149,7 @@ def compare(tp: int, pp: int, cp: int, dtype: torch.dtype) -> dict[str, float]:
 
 def main() -> None:
     cpu_backend.install()
+    te_standin.install()  # what megatron-core's TE spec builds here; the local spec is untouched
     dist.init_process_group("gloo")
     results = {f"{name}_fp64": compare(*sizes, torch.float64) for name, sizes in LAYOUTS.items()}
     results["cp4_fp32"] = compare(*LAYOUTS["cp4"], torch.float32)  # what fp32's rounding leaves, in the ring

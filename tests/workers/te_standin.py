@@ -5,7 +5,8 @@
   wrappers present to a checkpoint: the norms fused into ``linear_qkv``/``linear_fc1`` as
   ``layer_norm_weight``, an ``_extra_state`` on every TE module (TE ``module/base.py`` ``get_extra_state``:
   an empty uint8 tensor without FP8), the final norm a ``TENorm`` with its own ``_extra_state`` (TE
-  ``ops/op.py``), and no sharded state for core attention (megatron-core's ``TEDotProductAttention``).
+  ``ops/op.py``), and no sharded state for core attention (megatron-core's ``TEDotProductAttention``), which takes
+  TE's packed-sequence (THD) input as megatron-core hands it over: [tokens, heads, dim] and ``PackedSeqParams``.
   They compute what the local layers compute, so a run keeps its losses when it moves between the specs.
   ``tests/golden/te_spec_sharded_keys.txt`` holds the keys megatron-core's TE spec produces; the
   stand-ins are checked against it, and so is real TE where a GPU has it (``keys`` mode below).
@@ -63,6 +64,27 @@ class TENorm(_TEExtraState, RMSNorm):
     """The final norm: te.pytorch.RMSNorm, an FP8-aware op with its own ``_extra_state``."""
 
 
+class TEDotProductAttention(SDPAttention):
+    """Core attention with TE's packed-sequence contract (megatron-core ``TEDotProductAttention`` with ``qkv_format=
+    'thd'``): query/key/value [t, heads, dim] — the batch dimension squeezed out by megatron-core's Attention — and
+    int32 ``cu_seqlens`` over t; causal attention within each segment; out [t, heads·dim]."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        p, t = packed_seq_params, query.size(0)
+        cu_seqlens = p.cu_seqlens_q
+        assert p.qkv_format == "thd" and attention_mask is None and query.dim() == 3, (p.qkv_format, query.shape)
+        assert cu_seqlens.dtype == torch.int32 and torch.equal(cu_seqlens, p.cu_seqlens_kv), cu_seqlens
+        assert cu_seqlens[0] == 0 and cu_seqlens[-1] == t, (cu_seqlens, t)
+        assert p.max_seqlen_q == p.max_seqlen_kv == int(cu_seqlens.diff().max()), p
+        lengths = cu_seqlens.diff().to(torch.int64)
+        segments = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
+        q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))  # [1, heads, t, dim]
+        return self.attend(q, k, v, segments)[0].permute(1, 0, 2).reshape(t, -1)
+
+
 class TEShapedSpecProvider(TESpecProvider):
     """megatron-core's TE backend with the stand-in modules (dense Llama layers only)."""
 
@@ -76,7 +98,7 @@ class TEShapedSpecProvider(TESpecProvider):
         return TENorm
 
     def core_attention(self) -> type:
-        return SDPAttention
+        return TEDotProductAttention
 
 
 class FusedAdamStandIn(torch.optim.Optimizer):
