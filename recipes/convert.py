@@ -373,6 +373,10 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
     saved = read_checkpoint(checkpoint)
+    if saved.cfg.model.num_moe_experts is not None:
+        raise ConversionError(f"{saved.iteration_dir} holds an MoE model (model.num_moe_experts="
+                              f"{saved.cfg.model.num_moe_experts}): export-hf writes Llama-style dense models only so "
+                              "far (Mixtral and Qwen3-MoE are not wired yet, docs/moe.md)")
     cfg = layout_config(saved)
     shape = hf_llama.shape_from_recipe(cfg, saved.vocab_size)
     if saved.vocab_size > saved.padded_vocab:

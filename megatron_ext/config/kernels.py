@@ -19,11 +19,11 @@ def uses_transformer_engine(cfg: RecipeConfig, on_gpu: bool, te_available: bool)
 
 
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
-    """`cfg` with model.attention_backend, train.compile and train.fused_cross_entropy `auto` decided for this
-    machine and layer spec (`use_te`: :func:`uses_transformer_engine`): the backend te or local, compile on for
-    local layers on a GPU (off under CUDA graphs), fused cross-entropy on in bf16 (off where the fused linear
-    cross-entropy computes the loss) (docs/performance.md). Raises ConfigError for kernels this machine or spec
-    cannot run."""
+    """`cfg` with model.attention_backend, model.moe_grouped_gemm, train.compile and train.fused_cross_entropy
+    `auto` decided for this machine and layer spec (`use_te`: :func:`uses_transformer_engine`): the backend te or
+    local, the experts' grouped GEMM where TE's layers are built, compile on for local layers on a GPU (off under
+    CUDA graphs), fused cross-entropy on in bf16 (off where the fused linear cross-entropy computes the loss)
+    (docs/performance.md). Raises ConfigError for kernels this machine or spec cannot run."""
     t = cfg.train
     if use_te and cfg.data.reset_attention_mask:
         require_packed_sequence_layout(cfg, "TransformerEngine imports here, so model.attention_backend=auto builds "
@@ -39,10 +39,15 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
                 "eagerly — set train.cuda_graphs=false there")
         require(not use_te, "train.cuda_graphs", True, "captures megatron-core's local layers; TransformerEngine's "
                 "graphs (cuda_graph_impl=transformer_engine) are not wired here — set model.attention_backend=local")
+    m = cfg.model
+    require(m.moe_grouped_gemm is not True or use_te, "model.moe_grouped_gemm", True, "the grouped GEMM is "
+            "TransformerEngine's (TEGroupedMLP), and this machine builds megatron-core's local layers: set it auto")
+    grouped_gemm = use_te and m.num_moe_experts is not None if m.moe_grouped_gemm == AUTO else m.moe_grouped_gemm
     compile_ = compiles_layers(t, on_gpu, use_te)
     fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
                 else t.fused_cross_entropy)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="te" if use_te else "local"),
+    model = dataclasses.replace(m, attention_backend="te" if use_te else "local", moe_grouped_gemm=grouped_gemm)
+    return dataclasses.replace(cfg, model=model,
                                train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))
 
 

@@ -37,6 +37,11 @@ RecomputeGranularity = Literal["selective", "full"]
 # The dense layer's inputs megatron-core's fine-grained activation offload can move to host memory (attn_proj needs
 # core_attn: its input is core attention's output, which core attention's backward still reads)
 OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+# Mixture-of-Experts (megatron-core's TransformerConfig names and values)
+MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
+MoEScoreFunction = Literal["softmax", "sigmoid"]
+MoETokenDispatcher = Literal["alltoall", "allgather"]
+MoETokenDropPolicy = Literal["probs", "position"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 TokenizerType = Literal["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"]  # Megatron-LM's type names
 # How the distributed optimizer's state is written: megatron-core's formats (DistributedOptimizer.sharded_state_dict).
@@ -80,6 +85,32 @@ class ModelConfig:
     # auto: TransformerEngine when importable; te; local: megatron-core's local layers (SDPA; ring attention
     # under CP)
     attention_backend: AttentionBackend = "auto"
+    # Mixture-of-Experts (docs/moe.md): every decoder layer's MLP becomes this many experts and a router; null = dense
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's SwiGLU width; null = ffn_hidden_size
+    moe_router_topk: int = 2  # experts each token is routed to
+    moe_router_score_function: MoEScoreFunction = "softmax"  # router scores: softmax, or sigmoid (with expert bias)
+    # the top-k scores as the experts' weights: false = softmax over the chosen k (Mixtral, Qwen3-MoE); true =
+    # softmax over all experts first (needed for top-1 with softmax scores)
+    moe_router_pre_softmax: bool = False
+    # load balancing: aux_loss (over the micro batch), seq_aux_loss (per sequence), none (e.g. with expert bias)
+    moe_router_load_balancing_type: MoELoadBalancing = "aux_loss"
+    moe_aux_loss_coeff: float = 0.01  # weight of the load-balancing loss
+    # aux-loss-free balancing: a per-expert bias added to the scores for the choice, updated from the load (needs
+    # moe_router_score_function=sigmoid)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 0.001  # step of the expert-bias update
+    # each expert takes at most capacity_factor × its even share of tokens, the rest dropped; null = dropless
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_token_drop_policy: MoETokenDropPolicy = "probs"  # with a capacity: drop the lowest-score tokens, or the last
+    moe_pad_expert_input_to_capacity: bool = False  # with a capacity: pad every expert's input to it
+    # width of the shared experts every token also goes through (their count × each one's width); null = none
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    # how tokens reach their experts' ranks: alltoall (the usual choice with EP), or allgather
+    moe_token_dispatcher_type: MoETokenDispatcher = "alltoall"
+    # the experts' GEMMs as one grouped GEMM (TransformerEngine's TEGroupedMLP): auto = on in TE layers; true needs
+    # them; off = one GEMM per expert (megatron-core's SequentialMLP)
+    moe_grouped_gemm: AutoBool = AUTO
 
 
 @dataclass
@@ -88,6 +119,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1  # PP: the layers split into this many stages
     virtual_pipeline_model_parallel_size: Optional[int] = None  # chunks per stage (interleaved 1F1B); null = off
     context_parallel_size: int = 1  # CP: each sequence split over this many GPUs (long context)
+    expert_model_parallel_size: int = 1  # EP: an MoE layer's experts split over this many GPUs
+    # ETP: each expert's matrices split over this many GPUs; null = tensor_model_parallel_size
+    expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False  # norms and dropout split over the TP group along the sequence (TP > 1)
     use_distributed_optimizer: bool = True  # optimizer state and main weights sharded over DP (ZeRO-1)
     num_layers_in_first_pipeline_stage: Optional[int] = None  # uneven PP: layers of the first stage

@@ -35,36 +35,61 @@ class ModelShape:
     ffn_hidden_size: int
     seq_length: int
     tied_embeddings: bool
+    num_experts: int = 0  # experts per MoE layer (every layer); 0 = dense
+    expert_ffn_hidden_size: int = 0  # each expert's SwiGLU width
+    router_topk: int = 0  # experts per token
+    shared_expert_ffn_hidden_size: int = 0  # the shared experts' SwiGLU width, 0 = none
 
     @classmethod
     def of(cls, model: ModelConfig | Mapping[str, Any]) -> ModelShape:
         """From a model section, or its dict as a checkpoint saved it (missing optional keys mean their default)."""
         m = model if isinstance(model, Mapping) else vars(model)
         hidden, heads = m["hidden_size"], m["num_attention_heads"]
+        ffn = m.get("ffn_hidden_size") or default_ffn_hidden_size(hidden)
+        experts = m.get("num_moe_experts") or 0
         return cls(
             num_layers=m["num_layers"], hidden_size=hidden, num_attention_heads=heads,
             num_query_groups=m.get("num_query_groups") or heads,
             kv_channels=m.get("kv_channels") or hidden // heads,
-            ffn_hidden_size=m.get("ffn_hidden_size") or default_ffn_hidden_size(hidden),
+            ffn_hidden_size=ffn,
             seq_length=m.get("seq_length", ModelConfig.seq_length),
             tied_embeddings=not m.get("untie_embeddings_and_output_weights", True),
+            num_experts=experts,
+            expert_ffn_hidden_size=(m.get("moe_ffn_hidden_size") or ffn) if experts else 0,
+            router_topk=m.get("moe_router_topk", ModelConfig.moe_router_topk) if experts else 0,
+            shared_expert_ffn_hidden_size=(m.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         )
 
-    def num_parameters(self, vocab_size: int) -> int:
-        """Parameters with a `vocab_size`-row embedding (unpadded: as published model cards count them)."""
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def mlp_parameters(self, active: bool = False) -> int:
+        """One layer's MLP parameters: the SwiGLU's, or an MoE layer's router, experts and shared experts (`active`:
+        only the top-k experts a token goes through)."""
+        h = self.hidden_size
+        if not self.is_moe:
+            return 3 * h * self.ffn_hidden_size
+        experts = self.router_topk if active else self.num_experts
+        return h * self.num_experts + experts * 3 * h * self.expert_ffn_hidden_size + 3 * h * (
+            self.shared_expert_ffn_hidden_size)
+
+    def num_parameters(self, vocab_size: int, active: bool = False) -> int:
+        """Parameters with a `vocab_size`-row embedding (unpadded: as published model cards count them); `active`:
+        those one token goes through (an MoE model's top-k experts only)."""
         h, d = self.hidden_size, self.kv_channels
         attention = h * d * (self.num_attention_heads + 2 * self.num_query_groups) + self.num_attention_heads * d * h
-        per_layer = attention + 3 * h * self.ffn_hidden_size + 2 * h
+        per_layer = attention + self.mlp_parameters(active) + 2 * h
         embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
 
     def flops_per_token(self, vocab_size: int, causal: bool = True) -> float:
-        """Forward+backward model FLOPs for one token: 6 × the matmul parameters (the output layer's included,
-        tied or not; embedding lookups and norms excluded) + attention's 6·L·(heads·head_dim)·s causal (12 over
-        the full score matrix)."""
+        """Forward+backward model FLOPs for one token: 6 × the matmul parameters it goes through (the output layer's
+        included, tied or not; embedding lookups and norms excluded; an MoE layer's router and top-k experts) +
+        attention's 6·L·(heads·head_dim)·s causal (12 over the full score matrix)."""
         h = self.hidden_size
         norms = (2 * self.num_layers + 1) * h
-        matmuls = self.num_parameters(vocab_size) - vocab_size * h - norms
+        matmuls = self.num_parameters(vocab_size, active=True) - vocab_size * h - norms
         if self.tied_embeddings:  # the tied output layer is still a matmul
             matmuls += vocab_size * h
         query_width = self.kv_channels * self.num_attention_heads

@@ -241,6 +241,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     _validate_precision(cfg, te_available, fp8_capable)
     _validate_kernels(cfg, te_available)
     _validate_megatron_fsdp(cfg, dp * cp)
+    _validate_moe(cfg, world_size)
     _validate_optimizer_offload(cfg)
     _validate_activation_offload(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
@@ -401,6 +402,59 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
          "or fp32"),
     ]:
         require(ok, key, value, why)
+
+
+def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
+    """Mixture-of-Experts: the router's settings, and the expert layout (EP × ETP groups inside the world's
+    non-pipeline ranks, as megatron-core's expert process groups are drawn), before megatron-core refuses them."""
+    m, p = cfg.model, cfg.parallel
+    experts, ep, etp = m.num_moe_experts, p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if experts is None:
+        require(ep == 1, "parallel.expert_model_parallel_size", ep, "splits the experts of an MoE model: set "
+                "model.num_moe_experts, or leave it 1")
+        require(etp is None, "parallel.expert_tensor_parallel_size", etp, "splits the experts of an MoE model: set "
+                "model.num_moe_experts, or leave it null")
+        return
+    etp = tp if etp is None else etp
+    shape = ModelShape.of(m)
+    require(experts >= 2, "model.num_moe_experts", experts, "an MoE layer needs at least 2 experts (null = dense)")
+    require(1 <= m.moe_router_topk <= experts, "model.moe_router_topk", m.moe_router_topk,
+            f"must be in 1..model.num_moe_experts={experts}")
+    require(ep >= 1 and experts % ep == 0, "parallel.expert_model_parallel_size", ep,
+            f"must divide model.num_moe_experts={experts} (each EP rank holds the same number of experts); valid: "
+            f"{[d for d in range(1, experts + 1) if experts % d == 0]}")
+    require(etp >= 1 and shape.expert_ffn_hidden_size % etp == 0, "parallel.expert_tensor_parallel_size", etp,
+            f"must divide the experts' width {shape.expert_ffn_hidden_size} (model.moe_ffn_hidden_size)")
+    non_pipeline = world_size // pp
+    require(non_pipeline % (ep * etp) == 0, "parallel.expert_model_parallel_size", ep,
+            f"EP × expert_tensor_parallel_size = {ep}×{etp} = {ep * etp} must divide the {non_pipeline} ranks of each "
+            f"pipeline stage (world size {world_size} / PP {pp}): the expert layers regroup those ranks into "
+            f"EP×ETP×expert-DP")
+    require(tp == 1 or p.sequence_parallel, "parallel.sequence_parallel", False,
+            "megatron-core's MoE layer trains under tensor parallelism only with sequence parallelism: set it true")
+    require(not (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
+            "model.moe_router_pre_softmax", False, "top-1 routing with softmax scores needs the softmax over all "
+            "experts first (over the one chosen it is always 1, with zero gradient): set it true")
+    require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+            "model.moe_router_enable_expert_bias", True, "megatron-core's expert bias works with sigmoid scores: set "
+            "model.moe_router_score_function=sigmoid")
+    require(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
+    capacity = m.moe_expert_capacity_factor
+    require(capacity is None or capacity > 0, "model.moe_expert_capacity_factor", capacity, "must be > 0, or null "
+            "(dropless)")
+    require(capacity is not None or not m.moe_pad_expert_input_to_capacity, "model.moe_pad_expert_input_to_capacity",
+            True, "pads to the capacity: set model.moe_expert_capacity_factor")
+    shared = m.moe_shared_expert_intermediate_size
+    require(shared is None or (shared > 0 and shared % tp == 0), "model.moe_shared_expert_intermediate_size", shared,
+            f"must be a positive multiple of parallel.tensor_model_parallel_size={tp}, or null")
+    require(m.moe_grouped_gemm is not True or m.attention_backend != "local", "model.moe_grouped_gemm", True,
+            "the grouped GEMM is TransformerEngine's (TEGroupedMLP): set model.attention_backend=auto or te")
+    # combinations no MoE run here has verified yet
+    for ok, key, value in [(not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
+                           (not cfg.train.cuda_graphs, "train.cuda_graphs", True),
+                           (not cfg.optimizer.optimizer_cpu_offload, "optimizer.optimizer_cpu_offload", True)]:
+        require(ok, key, value, "is not verified with MoE models here: set it false (docs/moe.md)")
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

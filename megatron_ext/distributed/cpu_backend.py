@@ -11,6 +11,10 @@ land on the CPU:
   report the CUDA type name megatron-core asserts on;
 * ``torch.cuda`` RNG, ``current_device`` and ``synchronize`` are mapped onto the CPU
   generator / no-ops, and so are megatron-core's private CUDA RNG helpers;
+* split sizes given to ``all_to_all_single`` as tensors (megatron-core's MoE token dispatcher hands them over as
+  host tensors, as numpy arrays only when they came from a GPU) become the lists gloo takes, and an ``all_gather``
+  into tensors of different lengths (its gather of each expert-TP rank's tokens) is padded to the longest, which gloo
+  needs;
 * ``torch.cuda`` streams and events (Megatron-FSDP's side streams for its gathers and reduce-scatters, activation
   offload's copy streams) are stand-ins that run everything in order on the calling thread; ``record_stream`` and
   NVTX ranges are no-ops.
@@ -147,6 +151,41 @@ def host_offload_stand_ins(model_chunks: list[torch.nn.Module]) -> Iterator[None
         optimizer_config.is_te_min_version = te_check
 
 
+def _all_to_all_single_taking_tensor_splits(all_to_all_single):
+    """gloo's ``all_to_all_single`` with split sizes that may be tensors (see the module docstring)."""
+
+    def call(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        splits = [s.tolist() if torch.is_tensor(s) else s for s in (output_split_sizes, input_split_sizes)]
+        return all_to_all_single(output, input, *splits, *args, **kwargs)
+
+    return call
+
+
+class _DoneWork:
+    """The handle of a collective that has already completed."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+
+def _all_gather_of_uneven_lengths(all_gather):
+    """gloo's ``all_gather``, also into a list of tensors whose first dimensions differ (see the module docstring)."""
+
+    def call(tensor_list, tensor, group=None, async_op=False):
+        if len({t.shape for t in tensor_list}) <= 1:
+            return all_gather(tensor_list, tensor, group, async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(gathered, padded, group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[: out.shape[0]])
+        return _DoneWork() if async_op else None
+
+    return call
+
+
 def needed() -> bool:
     """True when there is no usable GPU, i.e. when training runs as a CPU rehearsal."""
     return not torch.cuda.is_available()
@@ -172,6 +211,8 @@ def install() -> bool:
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.nvtx.range_push = torch.cuda.nvtx.range_pop = lambda *a, **k: None  # profiler ranges, no NVTX here
     torch.Tensor.record_stream = lambda tensor, stream: None  # one stream: no memory is reused too early
+    torch.distributed.all_to_all_single = _all_to_all_single_taking_tensor_splits(torch.distributed.all_to_all_single)
+    torch.distributed.all_gather = _all_gather_of_uneven_lengths(torch.distributed.all_gather)
     torch.cuda.get_rng_state = _cpu_get_rng_state
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.random.get_rng_state = _cpu_get_rng_state

@@ -6,7 +6,7 @@ import datetime
 import logging
 import os
 import socket
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,8 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
         context_parallel_size=p.context_parallel_size,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
     )
     # Same seed on every rank: megatron's tracker derives the TP-rank-specific streams from it,
     # and CPU-initialised weights come out identical across TP layouts.
@@ -197,8 +199,18 @@ def _coordinates() -> dict[str, Any]:
     }
 
 
+def _local_experts(chunks: list[GPTModel]) -> Optional[list[int]]:
+    """The global indices of the experts this rank holds, read from its first MoE layer; None without one."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            if hasattr(layer.mlp, "local_expert_indices"):
+                return list(layer.mlp.local_expert_indices)
+    return None
+
+
 def describe_layout(chunks: list[GPTModel]) -> str:
-    """Which global ranks form each TP/CP/DP/PP group and which layers each pipeline stage holds.
+    """Which global ranks form each TP/CP/DP/PP group (and, for an MoE model, each expert group, with the experts
+    each rank holds) and which layers each pipeline stage holds.
 
     Collective: every rank must call it; the text is meant for rank 0 to print.
     """
@@ -206,17 +218,35 @@ def describe_layout(chunks: list[GPTModel]) -> str:
     me["layers"] = [
         [layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks
     ]
+    me["experts"] = _local_experts(chunks)
+    ps = parallel_state
+    if me["experts"] is not None or ps.get_expert_model_parallel_world_size() > 1:
+        me["groups"].update({
+            "EP": dist.get_process_group_ranks(ps.get_expert_model_parallel_group()),
+            "ETP": dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()),
+            "expert-DP": dist.get_process_group_ranks(ps.get_expert_data_parallel_group()),
+        })
     everyone: list[dict[str, Any]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, me)
     world = len(everyone)
-    ps = parallel_state
     tp, cp, pp = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
                   ps.get_pipeline_model_parallel_world_size())
     lines = [f"layout: world={world} = TP{tp} × CP{cp} × DP{world // (tp * cp * pp)} × PP{pp}"
              + (f" (VPP{len(chunks)})" if len(chunks) > 1 else "")]
-    for name in ("TP", "CP", "DP", "PP"):
+    if "EP" in me["groups"]:
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        lines.append(f"  expert layers: world={world} = ETP{etp} × EP{ep} × expert-DP{world // (ep * etp * pp)} "
+                     f"× PP{pp}")
+    for name in me["groups"]:
         groups = sorted({tuple(r["groups"][name]) for r in everyone})
         lines.append(f"  {name} groups: " + " ".join(str(list(g)) for g in groups))
+    held = {}
+    for r in everyone:
+        if r["experts"]:
+            held.setdefault(tuple(r["experts"]), []).append(r["rank"])
+    if held:
+        lines.append(f"  experts per rank: {len(next(iter(held)))} — " + "; ".join(
+            f"experts {list(experts)} on ranks {ranks}" for experts, ranks in sorted(held.items())))
     for stage in range(pp):
         rank = next(r for r in everyone if r["pp"] == stage)
         spans = []

@@ -172,12 +172,14 @@ class RunLogger:
 
     def step(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
              console: bool, rank_times: Optional[list[float]] = None,
-             breakdown: Optional[dict[str, float]] = None, loss_scale: Optional[float] = None) -> dict[str, float]:
+             breakdown: Optional[dict[str, float]] = None, loss_scale: Optional[float] = None,
+             extra: Optional[dict[str, float]] = None) -> dict[str, float]:
         """One step's scalars; `rank_times`, each rank's compute per step over the last log interval, adds their
         spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line; `breakdown`,
         the ranks' mean seconds per step in each part of the step over that interval (metrics.step_time), adds
         time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line; `loss_scale`
-        (fp16) adds train/loss_scale."""
+        (fp16) adds train/loss_scale; `extra` (an MoE model's moe/<loss> scalars) goes to TensorBoard and the
+        console line as it is."""
         self.time_left.add(step_time)
         scalars = {
             "train/lm_loss": loss,
@@ -190,6 +192,7 @@ class RunLogger:
         }
         if loss_scale is not None:
             scalars["train/loss_scale"] = loss_scale
+        scalars.update(extra or {})
         if torch.cuda.is_available():
             tflops = self.flops_per_step / step_time / self.world_size / 1e12
             scalars["train/tflops_per_gpu"] = tflops
@@ -208,7 +211,9 @@ class RunLogger:
         if console:
             line = (f"step {iteration:>6,}/{self.train_iters:,} | loss {loss:.4f} | lr {lr:.3e} | "
                     f"grad-norm {grad_norm:.3f} | "
-                    + (f"loss scale {loss_scale:,.0f} | " if loss_scale is not None else "") +
+                    + (f"loss scale {loss_scale:,.0f} | " if loss_scale is not None else "")
+                    + "".join(f"{tag.split('/', 1)[1].replace('_', ' ')} {value:.4f} | "
+                              for tag, value in (extra or {}).items()) +
                     f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
             if "train/tflops_per_gpu" in scalars:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"

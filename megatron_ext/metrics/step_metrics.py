@@ -70,17 +70,20 @@ class StepMetrics:
         self.timers.take()
 
     def record(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
-               loss_scale: Optional[float] = None) -> None:
-        """One training step (collective on log-interval steps); `loss_scale`: fp16's."""
+               loss_scale: Optional[float] = None, extra: Optional[dict[str, float]] = None) -> None:
+        """One training step (collective on log-interval steps); `loss_scale`: fp16's; `extra`: more of the step's
+        scalars (an MoE model's router metrics)."""
         parts = self._interval
         for part, seconds in [*self.timers.take().items(), ("step", step_time), ("steps", 1.0)]:
             parts[part] = parts.get(part, 0.0) + seconds
         if iteration % self.cfg.logging.log_interval:
-            self.logger.step(iteration, loss, lr, grad_norm, step_time, console=False, loss_scale=loss_scale)
+            self.logger.step(iteration, loss, lr, grad_norm, step_time, console=False, loss_scale=loss_scale,
+                             extra=extra)
             return
         steps, self._interval = parts["steps"], {}
         if not self.timed:
-            self.logger.step(iteration, loss, lr, grad_norm, step_time, console=True, loss_scale=loss_scale)
+            self.logger.step(iteration, loss, lr, grad_norm, step_time, console=True, loss_scale=loss_scale,
+                             extra=extra)
             return
         peak = float(torch.cuda.max_memory_allocated()) if self.on_gpu else 0.0
         rows = [dict(zip(_GATHERED, row)) for row in
@@ -88,7 +91,7 @@ class StepMetrics:
         breakdown = {part: sum(row[part] for row in rows) / len(rows) for part in (*PARTS, "step")}
         compute = [row["compute"] for row in rows]
         self.logger.step(iteration, loss, lr, grad_norm, step_time, console=True, rank_times=compute,
-                         breakdown=breakdown, loss_scale=loss_scale)
+                         breakdown=breakdown, loss_scale=loss_scale, extra=extra)
         self.logger.stragglers(iteration, self.stragglers.update(compute))
         stages = self._by_stage(rows)
         self._add_to_run(stages, rows, steps)

@@ -22,6 +22,7 @@ from megatron_ext.model.llama import (
     transformer_engine_available,
     use_liger_kernels,
 )
+from megatron_ext.model.moe import describe_moe, prepare_moe_layers
 
 log = logging.getLogger("megatron_ext")
 
@@ -36,6 +37,8 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
         # before the model is built: it rebinds megatron-core functions the layers call
         use_liger_kernels(cross_entropy=not cfg.train.fused_linear_cross_entropy)
     activation_offload.prepare(cfg, on_gpu)
+    if cfg.model.num_moe_experts is not None:
+        prepare_moe_layers()
     config = transformer_config(cfg, on_gpu, use_te)
     chunks = build_model_chunks(cfg, vocab_size, config, use_te)
     notes = []
@@ -52,6 +55,8 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
     notes.append(describe_layout(chunks))
     notes.append(f"{describe_layers(chunks, config, use_te, cfg.train.fp8)}; "
                  f"backend: {'NCCL/GPU' if on_gpu else 'gloo/CPU rehearsal'}")
+    if cfg.model.num_moe_experts is not None:
+        notes.append(describe_moe(chunks, config))
     if use_te and not config.gradient_accumulation_fusion:
         notes.append("TE gradient-accumulation fusion is off: megatron-core's output layer needs apex's "
                      "fused_weight_gradient_mlp_cuda for it, which is not installed here")

@@ -27,6 +27,7 @@ from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents
 from megatron_ext.model.fused_output import FusedOutputGPTModel
+from megatron_ext.model.moe import moe_transformer_config, reduce_experts_over_expert_data_parallel
 from megatron_ext.model.ring_attention import RingAttention
 
 
@@ -77,14 +78,14 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
                liger: bool = False) -> TransformerBlockSubmodules:
     """This chunk's decoder layers: TE fused layers, or megatron-core local layers with an SP-capable
     RMSNorm (liger-kernel's with `liger`) and SDPA core attention (ring attention when the sequence is split
-    across CP ranks)."""
+    across CP ranks); an MoE model's MLPs are megatron-core's MoE layers (one GEMM per expert in local layers)."""
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
     norm = RMSNorm
     if liger:
         from liger_kernel.megatron import LigerMegatronRMSNorm as norm
-    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm"))
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     layer.submodules.self_attention.submodules.core_attention = (
@@ -177,6 +178,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         fine_grained_activation_offloading=bool(cfg.train.offload_modules),
         offload_modules=list(cfg.train.offload_modules),
         min_offloaded_tensor_size=cfg.train.min_offloaded_tensor_size,
+        **moe_transformer_config(cfg),
     )
 
 
@@ -238,6 +240,7 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             vp_stage=stage,
         ))
     _give_row_parallel_layers_their_group(chunks)
+    reduce_experts_over_expert_data_parallel(chunks)
     # (TransformerEngine's packed-sequence attention has megatron-core restart RoPE at each document itself)
     if cfg.data.reset_position_ids and not (use_te and cfg.data.reset_attention_mask):
         for chunk in chunks:

@@ -799,6 +799,10 @@ def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUS
          mfu: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
     """Every valid layout: those that fit first, DDP/ZeRO-1 before ZeRO-2/3 before optimizer offload (tried only
     when nothing fits without it), fastest first (then smallest memory)."""
+    if cfg.model.num_moe_experts is not None:
+        raise ConfigError(f"model.num_moe_experts={cfg.model.num_moe_experts} is not planned yet: the planner models "
+                          "dense layers only (no expert parallelism, all-to-all or expert optimizer state); set the "
+                          "parallel.* layout by hand (docs/moe.md), and parallel.auto=false")
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     vocab = model_vocab_size(cfg)
 

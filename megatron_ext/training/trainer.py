@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from megatron_ext.distributed.parallel import (
     init_distributed,
     wrap_with_ddp,
 )
+from megatron_ext.metrics.moe_metrics import RouterMetrics
 from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
@@ -109,6 +110,14 @@ class _ExitSignal:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, clock_due = flags.tolist()
         return bool(signalled), bool(clock_due)
+
+
+class StepOutcome(NamedTuple):
+    """A training step that updated the weights: its global mean loss, grad norm and MoE router scalars."""
+
+    loss: float
+    grad_norm: float
+    router: dict[str, float]
 
 
 def _device() -> torch.device:
@@ -240,6 +249,7 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
         self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
+        self.router_metrics = RouterMetrics(self.cfg, _device())
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
@@ -306,7 +316,7 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def train_step(self, data_iterator) -> Optional[tuple[float, float]]:
+    def train_step(self, data_iterator) -> Optional[StepOutcome]:
         """One global batch: forward/backward through the pipeline schedule, then one optimizer step; None when
         the loss or gradients were non-finite and the step was skipped (train.skip_nonfinite_steps)."""
         with self.metrics.timers.region("optimizer"):
@@ -316,6 +326,7 @@ class Trainer:
             self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
         with self.metrics.timers.region("loss_sync"):
+            router = self.router_metrics.step(self.num_microbatches)
             # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
             flags = local_nonfinite(losses, self.model, _device(), check_grads=self.cfg.train.precision != "fp16")
             loss, nonfinite = _global_mean_loss(losses, flags)
@@ -330,7 +341,7 @@ class Trainer:
             self.run_logger.overflow(self.iteration + 1, scale, self.loss_scale())
             return None
         self.scheduler.step(increment=1)
-        return loss, float(grad_norm)
+        return StepOutcome(loss, float(grad_norm), router)
 
     @torch.no_grad()
     def evaluate(self, dataset) -> Optional[float]:
@@ -377,12 +388,13 @@ class Trainer:
         self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
 
-    def _record_step(self, result: RunResult, loss: float, grad_norm: float, lr: float, step_time: float) -> None:
+    def _record_step(self, result: RunResult, stepped: StepOutcome, lr: float, step_time: float) -> None:
         """Results, the step's metrics (console, TensorBoard, breakdown, stragglers, advice) and loss spikes."""
+        loss = stepped.loss
         result.train_losses[self.iteration] = loss
-        result.grad_norms[self.iteration] = grad_norm
+        result.grad_norms[self.iteration] = stepped.grad_norm
         result.step_times.append(step_time)
-        self.metrics.record(self.iteration, loss, lr, grad_norm, step_time, self.loss_scale())
+        self.metrics.record(self.iteration, loss, lr, stepped.grad_norm, step_time, self.loss_scale(), stepped.router)
         spike = self.spikes.check(loss)
         if spike:
             first = self.consumed_samples - self.cfg.train.global_batch_size
@@ -420,7 +432,7 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += t.global_batch_size
             if stepped is not None:
-                self._record_step(result, *stepped, lr, step_time)
+                self._record_step(result, stepped, lr, step_time)
                 bar.set_postfix(loss=f"{stepped[0]:.3f}")
             else:  # a skipped step's time is not a training step's
                 self.metrics.discard()

@@ -56,7 +56,6 @@ LAYOUTS = {
     "pp2_uneven_1_3": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1"],
                        ["PP stage 0 (ranks [0]): layers 1-1", "PP stage 1 (ranks [1]): layers 2-4"]),
     "dp2": (2, [*TP1, *PP1, "parallel.use_distributed_optimizer=false"], ["TP1 × CP1 × DP2 × PP1", REPLICATED]),
-    "cp2": (2, [*TP1, *PP1, "parallel.context_parallel_size=2"], ["TP1 × CP2 × DP1 × PP1", RING, DISTOPT2]),
     "cp4": (4, [*TP1, *PP1, "parallel.context_parallel_size=4"], ["TP1 × CP4 × DP1 × PP1", RING]),
     "dp2_tp2_sp_distopt": (4, PP1, ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
                                     f"{DISTOPT2}; grad sync: after the backward pass"]),
@@ -72,7 +71,6 @@ LAYOUTS = {
     "dp2_tp2_sp_zero2": (4, [*PP1, *FSDP, "parallel.data_parallel_sharding_strategy=optim_grads"],
                          ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
                           "Megatron-FSDP optim_grads (ZeRO-2) over DP×CP=2"]),
-    "dp2_zero3": (2, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads_params (ZeRO-3)"]),
     "dp4_zero3": (4, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP4 × PP1",
                                          "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4"]),
     # HSDP: ZeRO-3 inside 2 groups of 2 DP×CP ranks, replicated across them (at CP2: Megatron-FSDP shards over

@@ -1,0 +1,128 @@
+"""Mixture-of-Experts end to end on CPU/gloo (fp32, dropless routing, so no token's fate depends on how the experts
+are split): every expert layout trains the same MoE model as one process, a resume is exact, and a checkpoint
+continues under another expert layout.
+
+The model is configs/tiny_moe.yaml at the parity matrix's small size (8 experts, top-2, aux-loss balancing). Each
+layout loads the same initial weights (saved at EP1: every layout also proves EP1 → EPn weight loading), trains the
+same global batches, and must match the single-process run's loss, grad norm and load-balancing loss step by step;
+its start-up log must show the experts split as asked, read from the built model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PARITY_STEPS, parity_overrides
+from tests.integration.test_parallel_parity import TOLERANCE
+from tests.integration.test_training import RESHARD_TOLERANCE
+from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_scalars, run_pretrain
+
+TINY_MOE = ROOT / "configs" / "tiny_moe.yaml"
+STEPS, STOP = PARITY_STEPS, 3
+SINGLE = [*SINGLE_PROCESS, "parallel.expert_model_parallel_size=1"]
+AUX = "moe/load_balancing_loss"
+# the load-balancing loss sums per-expert products of token fractions and mean probabilities: its order of sums
+# changes with the split like the grad norm's (measured ≤ 3.1e-7)
+MOE_TOLERANCE = {**TOLERANCE, AUX: 2e-6}
+TP1 = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false"]
+PP1 = ["parallel.pipeline_model_parallel_size=1"]
+
+LAYOUTS = {
+    # name: (processes, overrides on top of configs/tiny_moe.yaml (EP2×PP2), what the start-up log must say)
+    # each expert's matrices split over TP2 too (expert TP = TP), the tokens sequence-parallel between the layers
+    "ep2_tp2_sp": (4, [*PP1, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+                   ["TP2 × CP1 × DP2 × PP1", "expert layers: world=4 = ETP2 × EP2 × expert-DP1 × PP1",
+                    "experts [0, 1, 2, 3] on ranks [0, 1]; experts [4, 5, 6, 7] on ranks [2, 3]",
+                    "kernels: sequence parallel"]),
+    # expert-DP 2: the experts' optimizer state sharded over it, the dense parameters' over DP4
+    "dp4_ep2_distopt": (4, [*TP1, *PP1], ["TP1 × CP1 × DP4 × PP1", "ETP1 × EP2 × expert-DP2 × PP1",
+                                         "experts [0, 1, 2, 3] on ranks [0, 2]",
+                                         "distributed optimizer (state sharded over DP×CP=4)"]),
+}
+FULL_LAYOUT = ["TP1 × CP1 × DP2 × PP2", "expert layers: world=4 = ETP1 × EP2 × expert-DP1 × PP2",
+               "experts [0, 1, 2, 3] on ranks [0, 2]; experts [4, 5, 6, 7] on ranks [1, 3]",
+               "MoE: 8 experts per layer, top-2 (softmax); 4 on this rank as SequentialMLP; alltoall dispatcher; "
+               "aux_loss × 0.01; dropless"]
+
+
+def _missing(log: str, expected: list[str]) -> list[str]:
+    return [fragment for fragment in expected if fragment not in log]
+
+
+def _assert_matches(tb: Path, reference: Path, tolerances: dict[str, float], steps: range, name: str) -> None:
+    for tag, tolerance in tolerances.items():
+        measured = read_scalars(tb, tag)
+        assert sorted(measured) == list(steps), (name, tag, measured)
+        want = {k: v for k, v in read_scalars(reference, tag).items() if k in steps}
+        diff = max_relative_difference(measured, want)
+        print(f"MoE {name} {tag}: max rel diff {diff:.2e}")
+        assert diff <= tolerance, (name, tag, measured, want)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Initial weights (EP1); the 1-process run; EP2×PP2 uninterrupted, and stopped at STOP (a checkpoint in the
+    format that reshards to any layout) then resumed."""
+    root = tmp_path_factory.mktemp("moe")
+    init = root / "init"
+    run_pretrain(1, [*parity_overrides(None, root / "unused", 0), *SINGLE, f"checkpoint.save={init}",
+                     "logging.tensorboard_dir=null"], config=TINY_MOE)
+
+    def overrides(tb: str) -> list[str]:
+        return [*parity_overrides(init, root / tb, STEPS), "checkpoint.save=null"]
+
+    run_pretrain(1, [*overrides("single"), *SINGLE], config=TINY_MOE)
+    full = run_pretrain(4, overrides("full"), config=TINY_MOE)
+    run_pretrain(4, [*overrides("resumed"), f"train.exit_interval={STOP}", f"checkpoint.save={root / 'ckpt'}",
+                     "checkpoint.optimizer_format=fully_reshardable"], config=TINY_MOE)
+    run_pretrain(4, [*overrides("resumed"), f"checkpoint.load={root / 'ckpt'}"], config=TINY_MOE)
+    return {"init": init, "single": root / "single", "full": root / "full", "resumed": root / "resumed",
+            "ckpt": root / "ckpt", "full_log": full.stdout + full.stderr}
+
+
+def test_ep2_pp2_matches_single_process_and_its_loss_falls(runs):
+    assert not _missing(runs["full_log"], FULL_LAYOUT), runs["full_log"][:4000]
+    _assert_matches(runs["full"], runs["single"], MOE_TOLERANCE, range(1, STEPS + 1), "ep2_pp2")
+    losses = read_scalars(runs["full"], "train/lm_loss")
+    assert losses[STEPS] < losses[1] - 0.5, losses
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_layout_matches_single_process(name, runs, tmp_path):
+    nproc, layout, expected = LAYOUTS[name]
+    proc = run_pretrain(nproc, [*parity_overrides(runs["init"], tmp_path / "tb", STEPS), *layout,
+                                "checkpoint.save=null"], config=TINY_MOE)
+    log = proc.stdout + proc.stderr
+    assert not _missing(log, expected), f"{name}: the start-up log does not show {_missing(log, expected)}:\n{log}"
+    _assert_matches(tmp_path / "tb", runs["single"], MOE_TOLERANCE, range(1, STEPS + 1), name)
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
+    for tag in ("train/lm_loss", "train/grad_norm", AUX):
+        full, resumed = read_scalars(runs["full"], tag), read_scalars(runs["resumed"], tag)
+        assert sorted(resumed) == list(range(1, STEPS + 1)), tag
+        assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}
+
+
+@pytest.mark.parametrize("name, nproc, layout, expected", [
+    # EP2 → EP1 (every expert on every rank), PP2 → PP1, TP1 → TP2
+    ("ep1_tp2_sp", 2, [*PP1, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                       "parallel.expert_model_parallel_size=1"],
+     ["expert layers: world=2 = ETP2 × EP1 × expert-DP1 × PP1", "experts [0, 1, 2, 3, 4, 5, 6, 7] on ranks [0, 1]"]),
+    # EP2 → EP4 at DP4, with the other token dispatcher
+    ("dp4_ep4_allgather", 4, [*TP1, *PP1, "parallel.expert_model_parallel_size=4",
+                              "model.moe_token_dispatcher_type=allgather"],
+     ["ETP1 × EP4 × expert-DP1 × PP1", "experts [6, 7] on ranks [3]", "2 on this rank as SequentialMLP; allgather "
+      "dispatcher"]),
+])
+def test_checkpoint_continues_under_another_expert_layout(runs, name, nproc, layout, expected, tmp_path):
+    """The EP2×PP2 checkpoint at STOP, resumed resharded: the same run's steps after it."""
+    proc = run_pretrain(nproc, [*parity_overrides(None, tmp_path / "tb", STEPS), *layout, "checkpoint.save=null",
+                                f"checkpoint.load={runs['ckpt']}"], config=TINY_MOE)
+    log = proc.stdout + proc.stderr
+    assert not _missing(log, expected), f"{name}: the start-up log does not show {_missing(log, expected)}:\n{log}"
+    assert f"resumed from {runs['ckpt']} at iteration {STOP}" in log, log[-3000:]
+    _assert_matches(tmp_path / "tb", runs["full"], {**RESHARD_TOLERANCE, AUX: MOE_TOLERANCE[AUX]},
+                    range(STOP + 1, STEPS + 1), f"reshard {name}")

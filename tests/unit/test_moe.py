@@ -1,0 +1,82 @@
+"""Mixture-of-Experts pieces that need no processes: the layout and router rules refused before launch (one line
+each), the parameter counts of published MoE shapes, and the grouped GEMM's `auto` (the model-level proofs are in
+tests/integration/test_moe.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.config.kernels import resolve_kernel_options
+from megatron_ext.config.schema import load_config
+from megatron_ext.config.shape import ModelShape
+from megatron_ext.config.validate import validate_layout
+from megatron_ext.errors import ConfigError
+from tests.launch import ROOT
+
+TINY_MOE = ROOT / "configs" / "tiny_moe.yaml"  # 8 experts, EP2 × PP2 on 4 ranks
+ANY_DP = ["train.micro_batch_size=1", "train.global_batch_size=48"]  # a global batch DP 3 and 6 divide
+
+
+@pytest.mark.parametrize("overrides, world, fragment", [
+    (["parallel.expert_model_parallel_size=3", *ANY_DP], 6, "must divide model.num_moe_experts=8 (each EP rank holds"),
+    (["parallel.expert_model_parallel_size=4"], 4, "EP × expert_tensor_parallel_size = 4×1 = 4 must divide the 2 "
+     "ranks of each pipeline stage"),
+    (["parallel.expert_tensor_parallel_size=3", *ANY_DP], 12, "must divide the experts' width 256"),
+    (["model.moe_router_topk=9"], 4, "must be in 1..model.num_moe_experts=8"),
+    (["model.num_moe_experts=1", "parallel.expert_model_parallel_size=1"], 4, "at least 2 experts"),
+    (["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=1"], 4,
+     "parallel.sequence_parallel=False is invalid: megatron-core's MoE layer trains under tensor parallelism"),
+    (["model.moe_router_topk=1"], 4, "top-1 routing with softmax scores needs the softmax over all experts first"),
+    (["model.moe_router_enable_expert_bias=true"], 4, "set model.moe_router_score_function=sigmoid"),
+    (["model.moe_pad_expert_input_to_capacity=true"], 4, "set model.moe_expert_capacity_factor"),
+    (["model.moe_expert_capacity_factor=0"], 4, "must be > 0, or null (dropless)"),
+    (["model.moe_grouped_gemm=true", "model.attention_backend=local"], 4, "TransformerEngine's (TEGroupedMLP)"),
+    (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1"], 4,
+     "parallel.use_megatron_fsdp=True is invalid: is not verified with MoE models here"),
+    (["model.num_moe_experts=null"], 4, "parallel.expert_model_parallel_size=2 is invalid: splits the experts of an "
+     "MoE model"),
+])
+def test_moe_layouts_and_routers_megatron_core_would_refuse_are_one_line_before_launch(overrides, world, fragment):
+    cfg = load_config(TINY_MOE, overrides)
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("×", "×")):
+        validate_layout(cfg, world)
+
+
+def test_the_tiny_moe_recipe_and_its_variants_are_valid():
+    validate_layout(load_config(TINY_MOE), 4)
+    # EP × ETP regroup each stage's ranks: TP2+SP with ETP1 × EP2 (expert-DP 1) on 2 ranks per stage
+    validate_layout(load_config(TINY_MOE, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                                           "parallel.expert_tensor_parallel_size=1"]), 8)
+    validate_layout(load_config(TINY_MOE, ["model.moe_router_topk=1", "model.moe_router_pre_softmax=true",
+                                           "model.moe_router_score_function=sigmoid",
+                                           "model.moe_router_enable_expert_bias=true",
+                                           "model.moe_router_load_balancing_type=none"]), 4)
+
+
+@pytest.mark.parametrize("shape, total, active", [
+    # Mixtral-8x7B: 46.7B parameters, 12.9B active (Mistral AI's model card)
+    (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+          num_moe_experts=8, moe_router_topk=2), 46_702_792_704, 12_879_925_248),
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card; its per-head q/k norms, 2·128 per layer, are
+    # not counted here)
+    (dict(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+          ffn_hidden_size=6144, moe_ffn_hidden_size=768, num_moe_experts=128, moe_router_topk=8),
+     30_532_110_336, 3_353_020_416),
+])
+def test_moe_parameter_counts_match_the_published_shapes(shape, total, active):
+    vocab = 32000 if shape["num_moe_experts"] == 8 else 151936
+    model = ModelShape.of(shape)
+    assert model.num_parameters(vocab) == total
+    assert model.num_parameters(vocab, active=True) == active
+    # training FLOPs follow the active parameters: 6 per parameter a token goes through (plus attention)
+    assert model.flops_per_token(vocab) < 6.5 * active
+
+
+def test_grouped_gemm_auto_is_on_in_transformer_engines_layers_only():
+    cfg = load_config(TINY_MOE)
+    assert resolve_kernel_options(cfg, on_gpu=True, use_te=True).model.moe_grouped_gemm is True
+    assert resolve_kernel_options(cfg, on_gpu=False, use_te=False).model.moe_grouped_gemm is False
+    dense = load_config(ROOT / "configs" / "tiny.yaml")
+    assert resolve_kernel_options(dense, on_gpu=True, use_te=True).model.moe_grouped_gemm is False
+    with pytest.raises(ConfigError, match="this machine builds megatron-core's local layers: set it auto"):
+        resolve_kernel_options(load_config(TINY_MOE, ["model.moe_grouped_gemm=true"]), on_gpu=False, use_te=False)
