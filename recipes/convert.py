@@ -148,7 +148,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
 
 
 def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                  sequence_parallel: bool = False) -> RecipeConfig:
+                  sequence_parallel: bool = False, expert_parallel: int = 1) -> RecipeConfig:
     """The saved run config under another layout, padding the vocabulary to the checkpoint's rows."""
     if saved.padded_vocab % tensor_parallel:
         raise ConversionError(f"{saved.iteration_dir}: {saved.padded_vocab} embedding rows cannot be split "
@@ -159,6 +159,7 @@ def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_par
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
     p.sequence_parallel = sequence_parallel
+    p.expert_model_parallel_size, p.expert_tensor_parallel_size = expert_parallel, None
     p.use_megatron_fsdp = False
     p.virtual_pipeline_model_parallel_size = None
     p.context_parallel_size = 1
@@ -220,8 +221,10 @@ def _sentencepiece_vocab(path: Path) -> int:
 # import-hf
 
 
-def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Path:
-    """Hugging Face Llama directory → weights-only dist checkpoint + recipe.yaml at `output`."""
+def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+              expert_parallel: int = 1) -> Path:
+    """Hugging Face Llama or Mixtral directory → weights-only dist checkpoint + recipe.yaml at `output` (its layout:
+    TP × PP, and for Mixtral EP, over TP·PP·EP GPUs)."""
     hf_dir, output = Path(hf_dir), Path(output).absolute()
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir} is not a directory")
@@ -234,13 +237,15 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
 
     cfg = RecipeConfig()
     cfg.recipe.name = f"{hf_dir.name}-continued"
-    cfg.recipe.description = f"continued pretraining of the Llama imported from {hf_dir.absolute()}"
+    cfg.recipe.description = (f"continued pretraining of the {hf_llama.ARCHITECTURES[shape.model_type]} imported from "
+                              f"{hf_dir.absolute()}")
     for key, value in hf_llama.recipe_model_fields(shape, tensor_parallel).items():
         setattr(cfg.model, key, value)
     cfg.parallel.tensor_model_parallel_size = tensor_parallel
     cfg.parallel.pipeline_model_parallel_size = pipeline_parallel
     cfg.parallel.sequence_parallel = tensor_parallel > 1
-    cfg.recipe.gpus = tensor_parallel * pipeline_parallel
+    cfg.parallel.expert_model_parallel_size = expert_parallel
+    cfg.recipe.gpus = tensor_parallel * pipeline_parallel * expert_parallel
     cfg.train.precision = _PRECISIONS[dtype]
     for key, value in CONTINUED_PRETRAINING.items():
         section, name = key.split(".")
@@ -273,9 +278,9 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
                                   f"{hf_dir / 'config.json'} vocab_size={shape.vocab_size}")
         cfg.data.tokenizer_model, cfg.data.tokenizer_type = str(output / "tokenizer"), HUGGING_FACE
     try:  # the layout the recipe.yaml names must be a valid one for this model
-        validate_layout(cfg, world_size=tensor_parallel * pipeline_parallel)
+        validate_layout(cfg, world_size=cfg.recipe.gpus)
     except ConfigError as e:
-        raise ConversionError(f"--tensor/pipeline-model-parallel-size for this model: {e}") from None
+        raise ConversionError(f"--tensor/pipeline/expert-model-parallel-size for this model: {e}") from None
 
     from megatron.core import dist_checkpointing  # after the checks: bad inputs fail in a second
     from omegaconf import OmegaConf
@@ -368,17 +373,17 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
 
 
 def export_hf(checkpoint: Path, output: Path) -> Path:
-    """Latest checkpoint under `checkpoint` (any layout) → Hugging Face Llama directory at `output`."""
+    """Latest checkpoint under `checkpoint` (any layout) → Hugging Face Llama (or, MoE, Mixtral) directory at
+    `output`."""
     from safetensors.torch import save_file
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
     saved = read_checkpoint(checkpoint)
-    if saved.cfg.model.num_moe_experts is not None:
-        raise ConversionError(f"{saved.iteration_dir} holds an MoE model (model.num_moe_experts="
-                              f"{saved.cfg.model.num_moe_experts}): export-hf writes Llama-style dense models only so "
-                              "far (Mixtral and Qwen3-MoE are not wired yet, docs/moe.md)")
     cfg = layout_config(saved)
-    shape = hf_llama.shape_from_recipe(cfg, saved.vocab_size)
+    try:
+        shape = hf_llama.shape_from_recipe(cfg, saved.vocab_size)
+    except ConversionError as e:
+        raise ConversionError(f"{saved.iteration_dir}: {e}") from None
     if saved.vocab_size > saved.padded_vocab:
         raise ConversionError(f"{saved.iteration_dir}: vocabulary {saved.vocab_size} exceeds the "
                               f"{saved.padded_vocab} embedding rows")
@@ -413,12 +418,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m recipes.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import-hf", help="Hugging Face Llama directory → dist checkpoint + recipe.yaml")
+    imp = sub.add_parser("import-hf", help="Hugging Face Llama or Mixtral directory → dist checkpoint + recipe.yaml")
     imp.add_argument("--hf-dir", type=Path, required=True, help="has config.json and *.safetensors")
     imp.add_argument("--output", type=Path, required=True, help="new checkpoint directory")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP of recipe.yaml")
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP of recipe.yaml")
-    exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama directory")
+    imp.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP of recipe.yaml (Mixtral)")
+    exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama or Mixtral directory")
     exp.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
     exp.add_argument("--output", type=Path, required=True, help="new Hugging Face model directory")
     return parser
@@ -432,11 +438,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write its own copy
             raise ConversionError("run `python -m recipes.convert` as one process, not under torchrun")
         if args.command == "import-hf":
-            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
                 if getattr(args, flag) < 1:
                     raise ConversionError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
             out = import_hf(args.hf_dir, args.output, args.tensor_model_parallel_size,
-                            args.pipeline_model_parallel_size)
+                            args.pipeline_model_parallel_size, args.expert_model_parallel_size)
             print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
                   f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:

@@ -267,6 +267,10 @@ class LoggingConfig:
     # warn about a rank (TP group) computing this × slower than its pipeline stage's others, or than it did; null = off
     straggler_factor: Optional[float] = 1.2
     straggler_intervals: int = 3  # a rank is named a straggler after this many slow log intervals in a row
+    # MoE: warn when one expert gets more than this share of its layer's tokens (an even split gives top-k/experts) for
+    # moe_collapse_intervals log intervals in a row (routing collapse); null = off
+    moe_collapse_share: Optional[float] = 0.5
+    moe_collapse_intervals: int = 3  # log intervals in a row before routing collapse is warned about
     # time each step's parts (megatron-core's regions; CUDA events on a GPU): the time/ breakdown, advice, the
     # summary's check against the planner, and the straggler check need it; false = no timers at all
     step_breakdown: bool = True

@@ -106,6 +106,9 @@ def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
         require(value is None or value > 1, f"logging.{key}", value, "must be above 1, or null (off)")
     require(g.loss_spike_window >= 5, "logging.loss_spike_window", g.loss_spike_window, "must be >= 5")
     require(g.straggler_intervals >= 1, "logging.straggler_intervals", g.straggler_intervals, "must be >= 1")
+    require(g.moe_collapse_share is None or 0 < g.moe_collapse_share <= 1, "logging.moe_collapse_share",
+            g.moe_collapse_share, "is a share of a layer's tokens: in (0, 1], or null")
+    require(g.moe_collapse_intervals >= 1, "logging.moe_collapse_intervals", g.moe_collapse_intervals, "must be >= 1")
     steps = g.profile_steps
     require(steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.train_iters),
             "logging.profile_steps", steps, f"must be [first, last] iterations with 1 <= first <= last <= "

@@ -1,4 +1,9 @@
-"""Hugging Face Llama ↔ our megatron-core GPTModel: config mapping, input checks and weight layouts.
+"""Hugging Face Llama and Mixtral ↔ our megatron-core GPTModel: config mapping, input checks and weight layouts.
+
+Mixtral is a Llama whose MLPs are MoE layers: a router (``block_sparse_moe.gate``) and experts ``w1``/``w3``/``w2``
+(gate, up, down), which become megatron-core's ``mlp.router`` and ``mlp.experts.local_experts.{e}`` (the EP1 names;
+dist_checkpointing splits the experts over any EP). Its routing — softmax over all experts, top-k, the k weights
+renormalised — is megatron-core's softmax over the top-k scores (``moe_router_pre_softmax=false``).
 
 The weight mapping works on the *unsharded* (TP1/PP1) local state dict of the model that
 :mod:`megatron_ext.model.llama` builds with the local layer spec; dist_checkpointing reshards it to any
@@ -28,7 +33,7 @@ from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConversionError
 
-ARCHITECTURE = "LlamaForCausalLM"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # model_type: architecture
 # megatron-core 0.16.1 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
@@ -58,10 +63,17 @@ class LlamaShape:
     tied: bool
     max_position_embeddings: int
     init_std: float = 0.02
+    num_experts: int = 0  # Mixtral: experts per layer (0: a dense Llama)
+    router_topk: int = 0  # Mixtral: experts per token
+    router_aux_loss_coef: float = 0.0  # Mixtral: its load-balancing loss coefficient (the recipe trains with it)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def model_type(self) -> str:
+        return "mixtral" if self.num_experts else "llama"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,13 +138,17 @@ def read_config(hf_dir: Path) -> LlamaShape:
         raise ConversionError(f"{path}: expected a JSON object")
     source = str(path)
     architectures = config.get("architectures")
+    model_type = config.get("model_type")
     if architectures is not None:
-        if architectures != [ARCHITECTURE]:
+        by_architecture = {name: kind for kind, name in ARCHITECTURES.items()}
+        if len(architectures) != 1 or architectures[0] not in by_architecture:
             raise ConversionError(f"{source}: architectures={architectures!r} is not supported; "
-                                  f"only [{ARCHITECTURE!r}] converts")
-    elif config.get("model_type") != "llama":
-        raise ConversionError(f"{source}: neither architectures nor model_type says this is a Llama model "
-                              f"(model_type={config.get('model_type')!r})")
+                                  f"one of {sorted(by_architecture)} converts")
+        model_type = by_architecture[architectures[0]]
+    elif model_type not in ARCHITECTURES:
+        raise ConversionError(f"{source}: neither architectures nor model_type says this is a Llama or Mixtral "
+                              f"model (model_type={model_type!r})")
+    moe = _mixtral_fields(config, source) if model_type == "mixtral" else {}
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag, False):
             raise ConversionError(f"{source}: {flag}=true is not supported (the recipe's Llama has no "
@@ -169,19 +185,40 @@ def read_config(hf_dir: Path) -> LlamaShape:
         tied=_field(config, "tie_word_embeddings", source, default=False, kind=bool),
         max_position_embeddings=_field(config, "max_position_embeddings", source, default=2048),
         init_std=_field(config, "initializer_range", source, default=0.02, kind=float),
+        **moe,
     )
+
+
+def _mixtral_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Mixtral's MoE fields, refusing what the recipe's MoE layers would compute differently."""
+    for name, plain in [("sliding_window", None), ("router_jitter_noise", 0.0)]:
+        if config.get(name, plain) not in (plain, 0):
+            raise ConversionError(f"{source}: {name}={config[name]!r} is not supported (the recipe's attention "
+                                  "is full causal and its router adds no jitter)")
+    experts = _field(config, "num_local_experts", source)
+    topk = _field(config, "num_experts_per_tok", source)
+    if topk > experts:
+        raise ConversionError(f"{source}: num_experts_per_tok={topk} exceeds num_local_experts={experts}")
+    coef = config.get("router_aux_loss_coef", 0.02)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise ConversionError(f"{source}: router_aux_loss_coef={coef!r} must be a number >= 0")
+    return {"num_experts": experts, "router_topk": topk, "router_aux_loss_coef": float(coef)}
 
 
 def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
               eos_id: Optional[int]) -> dict[str, Any]:
-    """config.json for ``transformers.LlamaForCausalLM`` (legacy rope keys: read by transformers 4 and 5)."""
+    """config.json for ``transformers.LlamaForCausalLM`` or ``MixtralForCausalLM`` (legacy rope keys: read by
+    transformers 4 and 5)."""
     dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
     rope_scaling = None
     if shape.rope_scaling_factor is not None:
         rope_scaling = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+    moe = {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.router_topk,
+           "router_aux_loss_coef": shape.router_aux_loss_coef, "router_jitter_noise": 0.0, "sliding_window": None,
+           "output_router_logits": False} if shape.num_experts else {"mlp_bias": False}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[shape.model_type]],
+        "model_type": shape.model_type,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.ffn_hidden_size,
         "num_hidden_layers": shape.num_layers,
@@ -196,7 +233,7 @@ def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
         "vocab_size": shape.vocab_size,
         "tie_word_embeddings": shape.tied,
         "attention_bias": False,
-        "mlp_bias": False,
+        **moe,
         "initializer_range": shape.init_std,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
@@ -243,19 +280,31 @@ def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[st
         "layernorm_epsilon": shape.rms_norm_eps,
         "init_method_std": shape.init_std,
         "untie_embeddings_and_output_weights": not shape.tied,
+        **({"num_moe_experts": shape.num_experts, "moe_ffn_hidden_size": shape.ffn_hidden_size,
+            "moe_router_topk": shape.router_topk, "moe_router_pre_softmax": False,
+            "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": shape.router_aux_loss_coef}
+           if shape.num_experts else {}),
     }
 
 
 def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
-    """The Llama shape a recipe config builds."""
+    """The Llama (or, for an MoE recipe, Mixtral) shape a recipe config builds; ConversionError for MoE settings
+    Mixtral has no counterpart for."""
     m, model = cfg.model, ModelShape.of(cfg.model)
+    if model.is_moe:
+        for key, mixtral in [("moe_shared_expert_intermediate_size", None), ("moe_router_score_function", "softmax"),
+                             ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False)]:
+            value = getattr(m, key)
+            if value != mixtral:
+                raise ConversionError(f"model.{key}={value!r}: an MoE model is exported as Mixtral, whose router "
+                                      f"and experts have no such setting (only {key}={mixtral!r} converts)")
     return LlamaShape(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_heads=model.num_attention_heads,
         num_kv_heads=model.num_query_groups,
         head_dim=model.kv_channels,
-        ffn_hidden_size=model.ffn_hidden_size,
+        ffn_hidden_size=model.expert_ffn_hidden_size if model.is_moe else model.ffn_hidden_size,
         vocab_size=vocab_size,
         rope_theta=float(int(m.rotary_base)),
         rope_scaling_factor=m.rope_scaling_factor,
@@ -263,6 +312,9 @@ def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
         tied=not m.untie_embeddings_and_output_weights,
         max_position_embeddings=m.seq_length,
         init_std=m.init_method_std,
+        num_experts=model.num_experts,
+        router_topk=model.router_topk,
+        router_aux_loss_coef=m.moe_aux_loss_coeff if model.is_moe else 0.0,
     )
 
 
@@ -366,7 +418,7 @@ class WeightMapping:
 
 
 _GLOBAL_BEFORE = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab_rows")]
-_PER_LAYER = [
+_ATTENTION = [
     WeightMapping("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "direct"),
     WeightMapping("decoder.layers.{i}.self_attention.linear_qkv.weight",
                   ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
@@ -375,9 +427,20 @@ _PER_LAYER = [
                   "direct"),
     WeightMapping("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
                   "direct"),
+]
+_DENSE_MLP = [
     WeightMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
                   ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up"),
     WeightMapping("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "direct"),
+]
+_ROUTER = [WeightMapping("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.block_sparse_moe.gate.weight",),
+                         "direct")]
+_EXPERT = [  # "{e}": the expert
+    WeightMapping("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+                   "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
+    WeightMapping("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "direct"),
 ]
 _GLOBAL_AFTER = [WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "direct")]
 _UNTIED_OUTPUT = WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab_rows")
@@ -387,21 +450,27 @@ def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
     """Every tensor pair of a model of this shape, layer by layer (the output layer only when untied)."""
     yield from _GLOBAL_BEFORE
     for i in range(shape.num_layers):
-        for m in _PER_LAYER:
-            yield WeightMapping(m.megatron.format(i=i), tuple(n.format(i=i) for n in m.hf), m.kind)
+        per_layer = [(m, 0) for m in _ATTENTION]
+        if shape.num_experts:
+            per_layer += [(m, 0) for m in _ROUTER] + [(m, e) for e in range(shape.num_experts) for m in _EXPERT]
+        else:
+            per_layer += [(m, 0) for m in _DENSE_MLP]
+        for m, e in per_layer:
+            yield WeightMapping(m.megatron.format(i=i, e=e), tuple(n.format(i=i, e=e) for n in m.hf), m.kind)
     yield from _GLOBAL_AFTER
     if not shape.tied:
         yield _UNTIED_OUTPUT
 
 
 def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Hugging Face LlamaForCausalLM of this shape, with its shape."""
+    """Every tensor of a Hugging Face LlamaForCausalLM (or MixtralForCausalLM) of this shape, with its shape."""
     h, ffn = shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     by_suffix = {"embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
                  "layernorm.weight": (h,), "norm.weight": (h,), "q_proj.weight": (q, h), "k_proj.weight": (kv, h),
                  "v_proj.weight": (kv, h), "o_proj.weight": (h, q), "gate_proj.weight": (ffn, h),
-                 "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn)}
+                 "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn), "gate.weight": (shape.num_experts, h),
+                 "w1.weight": (ffn, h), "w3.weight": (ffn, h), "w2.weight": (h, ffn)}
     return {name: next(dims for suffix, dims in by_suffix.items() if name.endswith(suffix))
             for m in weight_mappings(shape) for name in m.hf}
 

@@ -1,34 +1,110 @@
-"""What an MoE model's routers did in a training step, for TensorBoard (``moe/…``) and the console: the
-load-balancing loss, as megatron-core's routers record it (their layer-wise tracker, summed over the micro batches).
+"""What an MoE model's routers did, for TensorBoard (``moe/…``), the console and a routing-collapse warning.
 
-The loss reported is the model's mean over its MoE layers and over the step's micro batches, without the
-coefficient: the quantity ``model.moe_aux_loss_coeff`` weighs, the same at every layout.
+* Every step: the load-balancing loss as megatron-core's routers record it (their layer-wise tracker), without its
+  coefficient, averaged over the MoE layers and the step's micro batches — the quantity ``model.moe_aux_loss_coeff``
+  weighs, the same at every layout.
+* Every log interval, per MoE layer, over the interval's training micro batches: the share of the layer's tokens
+  its busiest and its idlest expert took (``max_load``/``min_load``: an even split gives top-k / experts to each),
+  the coefficient of variation of the experts' token counts (``load_cv``: 0 when even), and with a capacity factor
+  the share of routed token slots dropped. The counts are taken from each router's routing map (a forward hook) and
+  summed over all ranks, whose tokens are distinct (sequence parallelism, CP and DP split them); shares do not change
+  when activation recompute runs a router twice.
+* A warning when, in some layer, one expert took more than ``logging.moe_collapse_share`` of the tokens for
+  ``logging.moe_collapse_intervals`` log intervals in a row.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.config.schema import RecipeConfig
+
+log = logging.getLogger("megatron_ext")
 
 # the tracker name of each load-balancing loss, as megatron-core's router records it
 TRACKED_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
 
+def load_statistics(counts: torch.Tensor, tokens: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
+    """Per layer ([layers, experts] token counts of each expert, [layers] tokens routed): the busiest and idlest
+    expert's share of the tokens, the counts' coefficient of variation, and the share of token slots dropped."""
+    counts, tokens = counts.double(), tokens.double().clamp_min(1)
+    mean = counts.mean(dim=1).clamp_min(1e-12)
+    return {
+        "max_load": counts.max(dim=1).values / tokens,
+        "min_load": counts.min(dim=1).values / tokens,
+        "load_cv": counts.std(dim=1, unbiased=False) / mean,
+        "dropped": 1 - counts.sum(dim=1) / (tokens * topk),
+    }
+
+
+class CollapseDetector:
+    """Names a layer whose busiest expert took more than `share` of the tokens for `intervals` log intervals in a
+    row, once until it recovers."""
+
+    def __init__(self, share: Optional[float], intervals: int):
+        self.share, self.intervals = share, intervals
+        self.streak: dict[int, int] = {}
+
+    def update(self, max_load: dict[int, float], busiest: dict[int, int], even: float) -> list[str]:
+        """`max_load` and `busiest` expert by layer number for one interval; the warnings due now."""
+        if self.share is None:
+            return []
+        warnings = []
+        for layer, load in max_load.items():
+            self.streak[layer] = self.streak.get(layer, 0) + 1 if load > self.share else 0
+            if self.streak[layer] == self.intervals:
+                warnings.append(
+                    f"routing collapse in MoE layer {layer}: expert {busiest[layer]} took {100 * load:.0f}% of the "
+                    f"layer's tokens, above logging.moe_collapse_share={self.share:g}, for {self.intervals} log "
+                    f"intervals in a row (an even split gives each expert {100 * even:.1f}%): raise "
+                    "model.moe_aux_loss_coeff (or use seq_aux_loss / the expert bias), or lower the learning rate")
+        return warnings
+
+
 class RouterMetrics:
-    """Reads and resets megatron-core's MoE loss tracker once per training step (collective: every rank calls
-    :meth:`step`, since the values are reduced over the pipeline, tensor/context and data-parallel groups)."""
+    """Reads megatron-core's MoE loss tracker every step and the routers' token counts every log interval.
+    Collective: every rank calls :meth:`step`, since the values are reduced over the whole world."""
 
-    def __init__(self, cfg: RecipeConfig, device: torch.device):
-        m = cfg.model
-        self.num_layers = m.num_layers
-        self.device = device
+    def __init__(self, cfg: RecipeConfig, device: torch.device, model_chunks: list[torch.nn.Module]):
+        m, g = cfg.model, cfg.logging
+        self.num_layers, self.device, self.log_interval = m.num_layers, device, g.log_interval
+        self.moe = m.num_moe_experts is not None
         tracked = TRACKED_LOSSES.get(m.moe_router_load_balancing_type)
-        self.tracked = [tracked] if m.num_moe_experts is not None and tracked and m.moe_aux_loss_coeff > 0 else []
+        self.tracked = [tracked] if self.moe and tracked and m.moe_aux_loss_coeff > 0 else []
+        self.topk, self.experts = m.moe_router_topk, m.num_moe_experts or 0
+        self.capacity = m.moe_expert_capacity_factor is not None
+        self.counts = torch.zeros(self.num_layers, self.experts, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
+        self.collapse = CollapseDetector(g.moe_collapse_share, g.moe_collapse_intervals)
+        for chunk in model_chunks if self.moe else []:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    module.register_forward_hook(self._count)
 
-    def step(self, num_microbatches: int) -> dict[str, float]:
-        """This step's ``moe/<loss>`` scalars ({} for a dense model); clears the tracker for the next step."""
+    def _count(self, router: TopKRouter, _args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if not (router.training and torch.is_grad_enabled()):  # training micro batches only, as the aux loss
+            return
+        routing_map = output[1]
+        layer = router.layer_number - 1
+        self.counts[layer] += routing_map.sum(dim=0)
+        self.tokens[layer] += routing_map.shape[0]
+
+    def step(self, iteration: int, num_microbatches: int) -> dict[str, float]:
+        """This step's ``moe/…`` scalars ({} for a dense model): the load-balancing loss, and on log-interval steps
+        the load statistics of the interval (which is then started anew)."""
+        scalars = self._losses(num_microbatches)
+        if self.moe and iteration % self.log_interval == 0:
+            scalars.update(self._loads())
+        return scalars
+
+    def _losses(self, num_microbatches: int) -> dict[str, float]:
         if not self.tracked:
             return {}
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
@@ -42,3 +118,23 @@ class RouterMetrics:
         moe_utils.clear_aux_losses_tracker()
         return scalars
 
+    def _loads(self) -> dict[str, float]:
+        dist.all_reduce(self.counts)
+        dist.all_reduce(self.tokens)
+        stats = {name: values.tolist() for name, values in load_statistics(self.counts, self.tokens, self.topk).items()}
+        busiest = self.counts.argmax(dim=1).tolist()
+        self.counts.zero_()
+        self.tokens.zero_()
+        layers = range(1, self.num_layers + 1)
+        scalars = {f"moe/layer{layer}/{name}": values[layer - 1] for name, values in stats.items()
+                   if name != "dropped" or self.capacity for layer in layers}
+        scalars["moe/max_load"] = max(stats["max_load"])
+        scalars["moe/load_cv"] = sum(stats["load_cv"]) / self.num_layers
+        if self.capacity:
+            scalars["moe/dropped"] = sum(stats["dropped"]) / self.num_layers
+        warnings = self.collapse.update({layer: stats["max_load"][layer - 1] for layer in layers},
+                                        {layer: busiest[layer - 1] for layer in layers}, self.topk / self.experts)
+        if dist.get_rank() == 0:
+            for warning in warnings:
+                log.warning(warning)
+        return scalars

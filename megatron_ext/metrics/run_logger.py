@@ -178,8 +178,8 @@ class RunLogger:
         spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line; `breakdown`,
         the ranks' mean seconds per step in each part of the step over that interval (metrics.step_time), adds
         time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line; `loss_scale`
-        (fp16) adds train/loss_scale; `extra` (an MoE model's moe/<loss> scalars) goes to TensorBoard and the
-        console line as it is."""
+        (fp16) adds train/loss_scale; `extra` (an MoE model's moe/… scalars) goes to TensorBoard, and its model-wide
+        ones (moe/<name>, not moe/layer<i>/<name>) to the console line."""
         self.time_left.add(step_time)
         scalars = {
             "train/lm_loss": loss,
@@ -213,7 +213,7 @@ class RunLogger:
                     f"grad-norm {grad_norm:.3f} | "
                     + (f"loss scale {loss_scale:,.0f} | " if loss_scale is not None else "")
                     + "".join(f"{tag.split('/', 1)[1].replace('_', ' ')} {value:.4f} | "
-                              for tag, value in (extra or {}).items()) +
+                              for tag, value in (extra or {}).items() if tag.count("/") == 1) +
                     f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
             if "train/tflops_per_gpu" in scalars:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"

@@ -22,7 +22,7 @@ from megatron_ext.model.llama import (
     transformer_engine_available,
     use_liger_kernels,
 )
-from megatron_ext.model.moe import describe_moe, prepare_moe_layers
+from megatron_ext.model.moe import describe_moe
 
 log = logging.getLogger("megatron_ext")
 
@@ -37,8 +37,6 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
         # before the model is built: it rebinds megatron-core functions the layers call
         use_liger_kernels(cross_entropy=not cfg.train.fused_linear_cross_entropy)
     activation_offload.prepare(cfg, on_gpu)
-    if cfg.model.num_moe_experts is not None:
-        prepare_moe_layers()
     config = transformer_config(cfg, on_gpu, use_te)
     chunks = build_model_chunks(cfg, vocab_size, config, use_te)
     notes = []

@@ -27,7 +27,11 @@ from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents
 from megatron_ext.model.fused_output import FusedOutputGPTModel
-from megatron_ext.model.moe import moe_transformer_config, reduce_experts_over_expert_data_parallel
+from megatron_ext.model.moe import (
+    moe_transformer_config,
+    prepare_moe_layers,
+    reduce_experts_over_expert_data_parallel,
+)
 from megatron_ext.model.ring_attention import RingAttention
 
 
@@ -222,6 +226,8 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallel.tensor_model_parallel_size)
     model_class = FusedOutputGPTModel if cfg.train.fused_linear_cross_entropy else GPTModel
+    if config.num_moe_experts is not None:
+        prepare_moe_layers()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None

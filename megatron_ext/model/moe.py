@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
 from megatron_ext.config.schema import RecipeConfig
@@ -100,6 +101,6 @@ def reduce_experts_over_expert_data_parallel(chunks: list[torch.nn.Module]) -> N
     """
     for chunk in chunks:
         for module in chunk.modules():
-            if getattr(module, "is_expert", False):
-                for param in module.parameters(recurse=False):
+            if isinstance(module, MoELayer):  # its routed experts (local or TE layers); shared experts stay dense
+                for param in module.experts.parameters():
                     param.allreduce = False

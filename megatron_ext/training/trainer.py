@@ -249,7 +249,7 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
         self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
-        self.router_metrics = RouterMetrics(self.cfg, _device())
+        self.router_metrics = RouterMetrics(self.cfg, _device(), self.model)
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
@@ -307,7 +307,7 @@ class Trainer:
         if packed:  # one row of micro_batch_size × seq_length tokens between pipeline stages too
             seq_length, micro_batch_size = seq_length * micro_batch_size, 1
         return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, packed_documents=packed),
+            forward_step_func=partial(_forward_step, packed_documents=True) if packed else _forward_step,
             data_iterator=data_iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.num_microbatches,
@@ -326,7 +326,7 @@ class Trainer:
             self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
         with self.metrics.timers.region("loss_sync"):
-            router = self.router_metrics.step(self.num_microbatches)
+            router = self.router_metrics.step(self.iteration + 1, self.num_microbatches)
             # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
             flags = local_nonfinite(losses, self.model, _device(), check_grads=self.cfg.train.precision != "fp16")
             loss, nonfinite = _global_mean_loss(losses, flags)

@@ -50,21 +50,28 @@ def make_hf_model(path: Path, vocab: int, kv_heads: int, tied: bool, extra: dict
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
                          tie_word_embeddings=tied, rms_norm_eps=1e-5, **extra)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # HF's init (std 0.02, unit norms) would hide mapping errors in tiny logits
+    model = scale_weights(LlamaForCausalLM(config))
+    model.to(dtype).save_pretrained(path, **save)
+    return path
+
+
+def scale_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Random weights scaled so that logits are O(1-10): HF's init (std 0.02, unit norms) would hide mapping errors
+    in tiny logits."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0, 1.0 if "embed" in name else param.shape[-1] ** -0.5)
-    model.to(dtype).save_pretrained(path, **save)
-    return path
+    return model
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+    """transformers' logits for the model in `hf_dir` (its config.json's architecture), fp32, eager attention."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         return model(tokens).logits
 

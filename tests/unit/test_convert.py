@@ -18,3 +18,47 @@ def test_the_layout_a_checkpoint_is_loaded_under_is_a_valid_recipe():
         validate_layout(convert.layout_config(saved, tp, pp), world_size=tp * pp)
 
 
+
+
+def _mixtral_config(tmp_path: Path, **changes) -> Path:
+    import json
+
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1003, "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6,
+              "router_aux_loss_coef": 0.02, "sliding_window": None, "router_jitter_noise": 0.0, **changes}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_mixtral_configs_read_as_moe_and_what_the_recipe_cannot_compute_is_one_error(tmp_path):
+    import pytest
+
+    from megatron_ext.convert import hf_llama
+    from megatron_ext.errors import ConversionError
+
+    shape = hf_llama.read_config(_mixtral_config(tmp_path))
+    assert (shape.num_experts, shape.router_topk, shape.ffn_hidden_size, shape.model_type) == (4, 2, 96, "mixtral")
+    names = set(hf_llama.hf_shapes(shape))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names and not any("mlp" in n for n in names)
+    fields = hf_llama.recipe_model_fields(shape, 1)
+    assert (fields["num_moe_experts"], fields["moe_router_topk"], fields["moe_aux_loss_coeff"]) == (4, 2, 0.02)
+    for changes, fragment in [({"sliding_window": 4096}, "sliding_window=4096 is not supported"),
+                              ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+                              ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
+                              ({"architectures": ["Qwen3MoeForCausalLM"]}, "is not supported; one of")]:
+        with pytest.raises(ConversionError, match=fragment):
+            hf_llama.read_config(_mixtral_config(tmp_path, **changes))
+
+
+def test_moe_settings_mixtral_has_no_counterpart_for_refuse_export():
+    import pytest
+
+    from megatron_ext.convert import hf_llama
+    from megatron_ext.errors import ConversionError
+
+    moe = load_config(TINY.parent / "tiny_moe.yaml", ["model.vocab_size=1000"])
+    assert hf_llama.shape_from_recipe(moe, 1000).num_experts == 8
+    shared = load_config(TINY.parent / "tiny_moe.yaml", ["model.moe_shared_expert_intermediate_size=256"])
+    with pytest.raises(ConversionError, match="exported as Mixtral, whose router and experts have no such setting"):
+        hf_llama.shape_from_recipe(shared, 1000)

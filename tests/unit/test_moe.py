@@ -1,16 +1,18 @@
 """Mixture-of-Experts pieces that need no processes: the layout and router rules refused before launch (one line
-each), the parameter counts of published MoE shapes, and the grouped GEMM's `auto` (the model-level proofs are in
-tests/integration/test_moe.py)."""
+each), the parameter counts of published MoE shapes, the grouped GEMM's `auto`, and the routers' load statistics and
+collapse warning (the model-level proofs are in tests/integration/test_moe.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_ext.config.kernels import resolve_kernel_options
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
+from megatron_ext.metrics.moe_metrics import CollapseDetector, load_statistics
 from tests.launch import ROOT
 
 TINY_MOE = ROOT / "configs" / "tiny_moe.yaml"  # 8 experts, EP2 × PP2 on 4 ranks
@@ -80,3 +82,24 @@ def test_grouped_gemm_auto_is_on_in_transformer_engines_layers_only():
     assert resolve_kernel_options(dense, on_gpu=True, use_te=True).model.moe_grouped_gemm is False
     with pytest.raises(ConfigError, match="this machine builds megatron-core's local layers: set it auto"):
         resolve_kernel_options(load_config(TINY_MOE, ["model.moe_grouped_gemm=true"]), on_gpu=False, use_te=False)
+
+
+def test_load_statistics_per_layer():
+    # layer 1: 8 tokens, top-2 over 4 experts, evenly (4 each); layer 2: expert 0 on every token, 2 slots dropped
+    counts = torch.tensor([[4, 4, 4, 4], [8, 3, 3, 0]])
+    stats = load_statistics(counts, torch.tensor([8, 8]), topk=2)
+    assert stats["max_load"].tolist() == [0.5, 1.0] and stats["min_load"].tolist() == [0.5, 0.0]
+    spread = counts[1].double().std(unbiased=False) / 3.5
+    assert stats["load_cv"][0] == 0 and stats["load_cv"][1] == pytest.approx(spread)
+    assert stats["dropped"].tolist() == [0.0, 0.125]
+
+
+def test_routing_collapse_is_warned_once_after_the_set_number_of_intervals_and_again_after_a_recovery():
+    detector = CollapseDetector(share=0.5, intervals=3)
+    loads = [0.9, 0.9, 0.9, 0.9, 0.3, 0.9, 0.9, 0.9]
+    warned = [detector.update({3: load, 1: 0.25}, {3: 5, 1: 0}, even=0.25) for load in loads]
+    assert [len(w) for w in warned] == [0, 0, 1, 0, 0, 0, 0, 1]
+    assert warned[2][0].startswith("routing collapse in MoE layer 3: expert 5 took 90% of the layer's tokens, above "
+                                   "logging.moe_collapse_share=0.5, for 3 log intervals in a row (an even split gives "
+                                   "each expert 25.0%)")
+    assert CollapseDetector(share=None, intervals=3).update({1: 1.0}, {1: 0}, even=0.25) == []

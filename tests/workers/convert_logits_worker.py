@@ -3,10 +3,10 @@
     torchrun --nproc-per-node N -m tests.workers.convert_logits_worker JOBS.json
 
 JOBS.json: ``{"tokens": "t.pt", "jobs": [{"checkpoint": DIR, "tp": 2, "pp": 2, "sp": true,
-"output": "out.pt"}, ...]}``. Each job rebuilds megatron-core's groups for its layout inside the
-one torchrun world, loads the checkpoint through dist_checkpointing resharding, runs megatron-core's
-forward-only pipeline schedule and saves the unpadded full-vocabulary logits [b, s, V] from the rank
-that holds them (last pipeline stage, TP rank 0, DP rank 0).
+"output": "out.pt"}, ...]}`` (and ``"ep": 2`` for an MoE checkpoint's experts split over EP). Each job rebuilds
+megatron-core's groups for its layout inside the one torchrun world, loads the checkpoint through dist_checkpointing
+resharding, runs megatron-core's forward-only pipeline schedule and saves the unpadded full-vocabulary logits
+[b, s, V] from the rank that holds them (last pipeline stage, TP rank 0, DP rank 0).
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def megatron_logits(model, cfg, tokens: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def checkpoint_logits(checkpoint: Path, tokens: torch.Tensor, tp: int = 1, pp: int = 1,
-                      sp: bool = False) -> Optional[torch.Tensor]:
+                      sp: bool = False, ep: int = 1) -> Optional[torch.Tensor]:
     """Unpadded logits [b, s, V] of `checkpoint`'s latest checkpoint at this layout; None off the holder."""
     from megatron.core import parallel_state
 
     from recipes.convert import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
 
     saved = read_checkpoint(Path(checkpoint))
-    cfg = layout_config(saved, tp, pp, sp)
+    cfg = layout_config(saved, tp, pp, sp, ep)
     with model_parallel_world(cfg):
         model = build_model(cfg, saved.vocab_size, initialize=False)
         load_weights(model, saved)
@@ -68,7 +68,7 @@ def main(jobs_file: str) -> int:
     spec = json.loads(Path(jobs_file).read_text())
     tokens = torch.load(spec["tokens"])
     for job in spec["jobs"]:
-        logits = checkpoint_logits(Path(job["checkpoint"]), tokens, job["tp"], job["pp"], job["sp"])
+        logits = checkpoint_logits(Path(job["checkpoint"]), tokens, job["tp"], job["pp"], job["sp"], job.get("ep", 1))
         if logits is not None:
             torch.save(logits, job["output"])
         dist.barrier()
