@@ -85,6 +85,11 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                                       enable_gqa=grouped_query)
 
 
+def uses_packed_sequences(data: DataConfig, use_te: bool) -> bool:
+    """Whether document masking runs through TransformerEngine's packed-sequence (THD) attention: in TE's layers."""
+    return use_te and data.reset_attention_mask
+
+
 def pack_documents(batch: dict[str, torch.Tensor], documents: torch.Tensor
                    ) -> tuple[dict[str, torch.Tensor], PackedSeqParams]:
     """A micro batch for TransformerEngine's THD attention: every [b, s] tensor of `batch` flattened to [1, b·s], and

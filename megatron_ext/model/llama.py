@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
-from megatron_ext.model.document_mask import restart_rotary_at_documents
+from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
 from megatron_ext.model.fused_output import FusedOutputGPTModel
 from megatron_ext.model.moe import (
     moe_transformer_config,
@@ -248,7 +248,7 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     _give_row_parallel_layers_their_group(chunks)
     reduce_experts_over_expert_data_parallel(chunks)
     # (TransformerEngine's packed-sequence attention has megatron-core restart RoPE at each document itself)
-    if cfg.data.reset_position_ids and not (use_te and cfg.data.reset_attention_mask):
+    if cfg.data.reset_position_ids and not uses_packed_sequences(cfg.data, use_te):
         for chunk in chunks:
             restart_rotary_at_documents(chunk)
     return chunks

@@ -43,7 +43,7 @@ from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
-from megatron_ext.model.document_mask import pack_documents
+from megatron_ext.model.document_mask import pack_documents, uses_packed_sequences
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
     NonFiniteSteps,
@@ -303,7 +303,7 @@ class Trainer:
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         seq_length, micro_batch_size = self.cfg.model.seq_length, self.cfg.train.micro_batch_size
-        packed = self.cfg.data.reset_attention_mask and self.cfg.model.attention_backend == "te"
+        packed = uses_packed_sequences(self.cfg.data, use_te=self.cfg.model.attention_backend == "te")
         if packed:  # one row of micro_batch_size × seq_length tokens between pipeline stages too
             seq_length, micro_batch_size = seq_length * micro_batch_size, 1
         return get_forward_backward_func()(

@@ -85,6 +85,15 @@ def safetensors_state(hf_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def assert_same_model(original: Path, exported: Path, tokens: torch.Tensor) -> None:
+    """`exported` holds every tensor of `original` bit for bit (names, dtypes, values), and gives its logits."""
+    before, after = safetensors_state(original), safetensors_state(exported)
+    assert sorted(after) == sorted(before)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert torch.equal(hf_logits(exported, tokens), hf_logits(original, tokens))
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
@@ -171,11 +180,7 @@ def test_recipe_yaml_describes_the_imported_model(imported, case):
 def test_export_gives_back_every_tensor_bit_exactly(megatron, imported, tokens, case):
     paths = imported[case]
     exported = megatron(convert.export_hf, paths["ckpt"], paths["root"] / "exported")
-    original, roundtrip = safetensors_state(paths["hf"]), safetensors_state(exported)
-    assert sorted(roundtrip) == sorted(original)
-    for name, tensor in original.items():
-        assert roundtrip[name].dtype == tensor.dtype and torch.equal(roundtrip[name], tensor), name
-    assert torch.equal(hf_logits(exported, tokens), hf_logits(paths["hf"], tokens))
+    assert_same_model(paths["hf"], exported, tokens)
     before, after = (json.loads((d / "config.json").read_text()) for d in (paths["hf"], exported))
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",

@@ -13,7 +13,7 @@ import torch
 
 from megatron_ext.config.schema import load_config
 from recipes import convert
-from tests.integration.test_convert import TOLERANCE, hf_logits, max_diff, safetensors_state, scale_weights, torchrun
+from tests.integration.test_convert import TOLERANCE, assert_same_model, hf_logits, max_diff, scale_weights, torchrun
 from tests.workers.convert_logits_worker import checkpoint_logits
 
 EXPERTS, TOPK, VOCAB = 4, 2, 1003
@@ -80,11 +80,7 @@ def test_ep2_and_ep2_tp2_reproduce_transformers_logits(mixtral, tokens):
 
 def test_export_gives_back_every_tensor_bit_exactly(megatron, mixtral, tokens):
     exported = megatron(convert.export_hf, mixtral["ckpt"], mixtral["root"] / "exported")
-    original, roundtrip = safetensors_state(mixtral["hf"]), safetensors_state(exported)
-    assert sorted(roundtrip) == sorted(original)
-    for name, tensor in original.items():
-        assert roundtrip[name].dtype == tensor.dtype and torch.equal(roundtrip[name], tensor), name
-    assert torch.equal(hf_logits(exported, tokens), hf_logits(mixtral["hf"], tokens))
+    assert_same_model(mixtral["hf"], exported, tokens)
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (EXPERTS, TOPK)

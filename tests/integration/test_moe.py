@@ -10,10 +10,12 @@ its start-up log must show the experts split as asked, read from the built model
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
+from megatron_ext.checkpoint.layout import iteration_dir, write_tracker
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.integration.test_training import RESHARD_TOLERANCE
@@ -65,8 +67,8 @@ def _assert_matches(tb: Path, reference: Path, tolerances: dict[str, float], ste
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Initial weights (EP1); the 1-process run; EP2×PP2 uninterrupted, and stopped at STOP (a checkpoint in the
-    format that reshards to any layout) then resumed."""
+    """Initial weights (EP1); the 1-process run; EP2×PP2 uninterrupted, saving at STOP (in the format that reshards
+    to any layout); and that checkpoint alone, as a run stopped there leaves it, resumed."""
     root = tmp_path_factory.mktemp("moe")
     init = root / "init"
     run_pretrain(1, [*parity_overrides(None, root / "unused", 0), *SINGLE, f"checkpoint.save={init}",
@@ -76,12 +78,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         return [*parity_overrides(init, root / tb, STEPS), "checkpoint.save=null"]
 
     run_pretrain(1, [*overrides("single"), *SINGLE], config=TINY_MOE)
-    full = run_pretrain(4, overrides("full"), config=TINY_MOE)
-    run_pretrain(4, [*overrides("resumed"), f"train.exit_interval={STOP}", f"checkpoint.save={root / 'ckpt'}",
-                     "checkpoint.optimizer_format=fully_reshardable"], config=TINY_MOE)
-    run_pretrain(4, [*overrides("resumed"), f"checkpoint.load={root / 'ckpt'}"], config=TINY_MOE)
+    full = run_pretrain(4, [*overrides("full"), f"checkpoint.save={root / 'saved'}", f"checkpoint.save_interval={STOP}",
+                            "checkpoint.optimizer_format=fully_reshardable"], config=TINY_MOE)
+    ckpt = root / "ckpt"
+    shutil.copytree(iteration_dir(root / "saved", STOP), iteration_dir(ckpt, STOP))
+    write_tracker(ckpt, STOP)
+    run_pretrain(4, [*overrides("resumed"), f"checkpoint.load={ckpt}"], config=TINY_MOE)
     return {"init": init, "single": root / "single", "full": root / "full", "resumed": root / "resumed",
-            "ckpt": root / "ckpt", "full_log": full.stdout + full.stderr}
+            "ckpt": ckpt, "full_log": full.stdout + full.stderr}
 
 
 def test_ep2_pp2_matches_single_process_and_its_loss_falls(runs):
@@ -104,7 +108,7 @@ def test_expert_layout_matches_single_process(name, runs, tmp_path):
 def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
     for tag in ("train/lm_loss", "train/grad_norm", AUX, "moe/load_cv"):
         full, resumed = read_scalars(runs["full"], tag), read_scalars(runs["resumed"], tag)
-        assert sorted(resumed) == list(range(1, STEPS + 1)), tag
+        assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)), tag
         assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}
 
 
