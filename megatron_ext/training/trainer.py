@@ -35,6 +35,7 @@ from megatron_ext.distributed.parallel import (
     describe_sharding,
     destroy_distributed,
     init_distributed,
+    stop_data_parallel_communication,
     wrap_with_ddp,
 )
 from megatron_ext.metrics.moe_metrics import RouterMetrics
@@ -456,6 +457,7 @@ class Trainer:
         if t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self._checkpoint(stopping=False)
         self.checkpointer.close()  # the last checkpoint is complete before the run reports it
+        stop_data_parallel_communication(self.model)
         result.iteration = self.iteration
         result.plan_check = self.metrics.plan_check()
         self.run_logger.close()
