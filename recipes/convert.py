@@ -1,13 +1,13 @@
-"""Hugging Face Llama checkpoints in and out of the recipe's dist_checkpointing format.
+"""Hugging Face Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints in and out of the recipe's dist_checkpointing format.
 
     python -m recipes.convert import-hf --hf-dir DIR --output CKPT_DIR \\
-        [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
+        [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M] [--expert-model-parallel-size E]
     python -m recipes.convert export-hf --checkpoint CKPT_DIR --output DIR
 
 import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``, a continued-pretraining
 recipe that starts from those weights (``checkpoint.pretrained_checkpoint``) and resumes from its own
 ``checkpoint.save`` when relaunched; train it with ``--config CKPT_DIR/recipe.yaml data.blend=[PREFIX]`` under any
-TP/PP layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
+TP/PP/EP layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
 config.json + model.safetensors (+ the tokenizer: tokenizer.model, or a Hugging Face tokenizer.json +
 tokenizer_config.json) for ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
 Both build the model in this one process (a gloo world of one) and let dist_checkpointing reshard.
@@ -223,8 +223,8 @@ def _sentencepiece_vocab(path: Path) -> int:
 
 def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_parallel: int = 1,
               expert_parallel: int = 1) -> Path:
-    """Hugging Face Llama or Mixtral directory → weights-only dist checkpoint + recipe.yaml at `output` (its layout:
-    TP × PP, and for Mixtral EP, over TP·PP·EP GPUs)."""
+    """Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE directory → weights-only dist checkpoint + recipe.yaml at
+    `output` (its layout: TP × PP, and for MoE models EP, over TP·PP·EP GPUs)."""
     hf_dir, output = Path(hf_dir), Path(output).absolute()
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir} is not a directory")
@@ -373,8 +373,8 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
 
 
 def export_hf(checkpoint: Path, output: Path) -> Path:
-    """Latest checkpoint under `checkpoint` (any layout) → Hugging Face Llama (or, MoE, Mixtral) directory at
-    `output`."""
+    """Latest checkpoint under `checkpoint` (any layout) → Hugging Face directory at `output`: Llama, or with
+    qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE."""
     from safetensors.torch import save_file
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
@@ -418,13 +418,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m recipes.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import-hf", help="Hugging Face Llama or Mixtral directory → dist checkpoint + recipe.yaml")
+    imp = sub.add_parser("import-hf", help="Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE directory → dist "
+                                                   "checkpoint + recipe.yaml")
     imp.add_argument("--hf-dir", type=Path, required=True, help="has config.json and *.safetensors")
     imp.add_argument("--output", type=Path, required=True, help="new checkpoint directory")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP of recipe.yaml")
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP of recipe.yaml")
-    imp.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP of recipe.yaml (Mixtral)")
-    exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama or Mixtral directory")
+    imp.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP of recipe.yaml (MoE models)")
+    exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama, Qwen3, Mixtral or "
+                                                   "Qwen3-MoE directory")
     exp.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
     exp.add_argument("--output", type=Path, required=True, help="new Hugging Face model directory")
     return parser

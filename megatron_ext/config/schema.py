@@ -71,6 +71,7 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # key/value heads (GQA); null = one per query head (MHA)
     ffn_hidden_size: Optional[int] = None  # SwiGLU width; null = Llama's 8/3·h rounded up to a multiple of 256
     kv_channels: Optional[int] = None  # head dimension; null = hidden_size / num_attention_heads
+    qk_layernorm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     seq_length: int = 256  # tokens per sample
     vocab_size: Optional[int] = None  # unpadded vocabulary; null = the tokenizer's vocabulary size
     make_vocab_size_divisible_by: int = 128  # padded vocab is a multiple of this × TP

@@ -35,6 +35,7 @@ class ModelShape:
     ffn_hidden_size: int
     seq_length: int
     tied_embeddings: bool
+    qk_layernorm: bool = False  # a norm over each query and key head
     num_experts: int = 0  # experts per MoE layer (every layer); 0 = dense
     expert_ffn_hidden_size: int = 0  # each expert's SwiGLU width
     router_topk: int = 0  # experts per token
@@ -54,6 +55,7 @@ class ModelShape:
             ffn_hidden_size=ffn,
             seq_length=m.get("seq_length", ModelConfig.seq_length),
             tied_embeddings=not m.get("untie_embeddings_and_output_weights", True),
+            qk_layernorm=m.get("qk_layernorm", False),
             num_experts=experts,
             expert_ffn_hidden_size=(m.get("moe_ffn_hidden_size") or ffn) if experts else 0,
             router_topk=m.get("moe_router_topk", ModelConfig.moe_router_topk) if experts else 0,
@@ -79,16 +81,19 @@ class ModelShape:
         those one token goes through (an MoE model's top-k experts only)."""
         h, d = self.hidden_size, self.kv_channels
         attention = h * d * (self.num_attention_heads + 2 * self.num_query_groups) + self.num_attention_heads * d * h
-        per_layer = attention + self.mlp_parameters(active) + 2 * h
+        per_layer = attention + self.mlp_parameters(active) + self._norm_parameters_per_layer()
         embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
+
+    def _norm_parameters_per_layer(self) -> int:
+        return 2 * self.hidden_size + (2 * self.kv_channels if self.qk_layernorm else 0)
 
     def flops_per_token(self, vocab_size: int, causal: bool = True) -> float:
         """Forward+backward model FLOPs for one token: 6 × the matmul parameters it goes through (the output layer's
         included, tied or not; embedding lookups and norms excluded; an MoE layer's router and top-k experts) +
         attention's 6·L·(heads·head_dim)·s causal (12 over the full score matrix)."""
         h = self.hidden_size
-        norms = (2 * self.num_layers + 1) * h
+        norms = self.num_layers * self._norm_parameters_per_layer() + h
         matmuls = self.num_parameters(vocab_size, active=True) - vocab_size * h - norms
         if self.tied_embeddings:  # the tied output layer is still a matmul
             matmuls += vocab_size * h

@@ -1,9 +1,15 @@
-"""Hugging Face Llama and Mixtral ↔ our megatron-core GPTModel: config mapping, input checks and weight layouts.
+"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE ↔ our megatron-core GPTModel: config mapping, input checks and
+weight layouts.
 
 Mixtral is a Llama whose MLPs are MoE layers: a router (``block_sparse_moe.gate``) and experts ``w1``/``w3``/``w2``
 (gate, up, down), which become megatron-core's ``mlp.router`` and ``mlp.experts.local_experts.{e}`` (the EP1 names;
 dist_checkpointing splits the experts over any EP). Its routing — softmax over all experts, top-k, the k weights
 renormalised — is megatron-core's softmax over the top-k scores (``moe_router_pre_softmax=false``).
+
+Qwen3 is a Llama with an RMSNorm over each query and key head (``q_norm``/``k_norm``, megatron-core's
+``qk_layernorm``); Qwen3-MoE is a Qwen3 whose MLPs are MoE layers (``mlp.gate``, ``mlp.experts.{e}.gate_proj``/
+``up_proj``/``down_proj``), its top-k weights renormalised (``norm_topk_prob=true``, as Mixtral's) or not (softmax over
+all experts first: megatron-core's ``moe_router_pre_softmax=true``).
 
 The weight mapping works on the *unsharded* (TP1/PP1) local state dict of the model that
 :mod:`megatron_ext.model.llama` builds with the local layer spec; dist_checkpointing reshards it to any
@@ -33,7 +39,8 @@ from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConversionError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}  # model_type: architecture
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",  # model_type: architecture
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # megatron-core 0.16.1 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
@@ -48,7 +55,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports contai
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """What both sides must agree on: the architecture hyper-parameters of one Llama model."""
+    """What both sides must agree on: the architecture hyper-parameters of one Llama-family model."""
 
     num_layers: int
     hidden_size: int
@@ -63,9 +70,11 @@ class LlamaShape:
     tied: bool
     max_position_embeddings: int
     init_std: float = 0.02
-    num_experts: int = 0  # Mixtral: experts per layer (0: a dense Llama)
-    router_topk: int = 0  # Mixtral: experts per token
-    router_aux_loss_coef: float = 0.0  # Mixtral: its load-balancing loss coefficient (the recipe trains with it)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head
+    num_experts: int = 0  # experts per layer (0: dense)
+    router_topk: int = 0  # experts per token
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss coefficient (the recipe trains with it)
+    norm_topk_prob: bool = True  # the top-k weights renormalised to sum to 1 (always in Mixtral)
 
     @property
     def heads_per_group(self) -> int:
@@ -73,6 +82,8 @@ class LlamaShape:
 
     @property
     def model_type(self) -> str:
+        if self.qk_norm:
+            return "qwen3_moe" if self.num_experts else "qwen3"
         return "mixtral" if self.num_experts else "llama"
 
 
@@ -146,9 +157,10 @@ def read_config(hf_dir: Path) -> LlamaShape:
                                   f"one of {sorted(by_architecture)} converts")
         model_type = by_architecture[architectures[0]]
     elif model_type not in ARCHITECTURES:
-        raise ConversionError(f"{source}: neither architectures nor model_type says this is a Llama or Mixtral "
-                              f"model (model_type={model_type!r})")
-    moe = _mixtral_fields(config, source) if model_type == "mixtral" else {}
+        raise ConversionError(f"{source}: neither architectures nor model_type says this is one of "
+                              f"{sorted(ARCHITECTURES)} (model_type={model_type!r})")
+    family = {"mixtral": _mixtral_fields, "qwen3": _qwen3_fields, "qwen3_moe": _qwen3_moe_fields}.get(
+        model_type, lambda *_: {})(config, source)
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag, False):
             raise ConversionError(f"{source}: {flag}=true is not supported (the recipe's Llama has no "
@@ -171,13 +183,13 @@ def read_config(hf_dir: Path) -> LlamaShape:
         head_dim = hidden // heads
     head_dim = _field({"head_dim": head_dim}, "head_dim", source)
     theta, scaling = _rope(config, source)
-    return LlamaShape(
+    return LlamaShape(**{
+        "ffn_hidden_size": _field(config, "intermediate_size", source), **family}, **dict(
         num_layers=_field(config, "num_hidden_layers", source),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        ffn_hidden_size=_field(config, "intermediate_size", source),
         vocab_size=_field(config, "vocab_size", source),
         rope_theta=theta,
         rope_scaling_factor=scaling,
@@ -185,8 +197,19 @@ def read_config(hf_dir: Path) -> LlamaShape:
         tied=_field(config, "tie_word_embeddings", source, default=False, kind=bool),
         max_position_embeddings=_field(config, "max_position_embeddings", source, default=2048),
         init_std=_field(config, "initializer_range", source, default=0.02, kind=float),
-        **moe,
-    )
+    ))
+
+
+def _router_fields(config: dict[str, Any], source: str, experts_key: str, aux_loss_default: float
+                   ) -> dict[str, Any]:
+    experts = _field(config, experts_key, source)
+    topk = _field(config, "num_experts_per_tok", source)
+    if topk > experts:
+        raise ConversionError(f"{source}: num_experts_per_tok={topk} exceeds {experts_key}={experts}")
+    coef = config.get("router_aux_loss_coef", aux_loss_default)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise ConversionError(f"{source}: router_aux_loss_coef={coef!r} must be a number >= 0")
+    return {"num_experts": experts, "router_topk": topk, "router_aux_loss_coef": float(coef)}
 
 
 def _mixtral_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -195,27 +218,50 @@ def _mixtral_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         if config.get(name, plain) not in (plain, 0):
             raise ConversionError(f"{source}: {name}={config[name]!r} is not supported (the recipe's attention "
                                   "is full causal and its router adds no jitter)")
-    experts = _field(config, "num_local_experts", source)
-    topk = _field(config, "num_experts_per_tok", source)
-    if topk > experts:
-        raise ConversionError(f"{source}: num_experts_per_tok={topk} exceeds num_local_experts={experts}")
-    coef = config.get("router_aux_loss_coef", 0.02)
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
-        raise ConversionError(f"{source}: router_aux_loss_coef={coef!r} must be a number >= 0")
-    return {"num_experts": experts, "router_topk": topk, "router_aux_loss_coef": float(coef)}
+    return _router_fields(config, source, "num_local_experts", 0.02)
+
+
+def _qwen3_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Qwen3's per-head q/k norms, refusing sliding-window attention (the recipe's is full causal)."""
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    if config.get("use_sliding_window", False) or layer_types != {"full_attention"}:
+        raise ConversionError(f"{source}: use_sliding_window/layer_types ask for sliding-window attention, which is "
+                              "not supported (the recipe's attention is full causal)")
+    return {"qk_norm": True}
+
+
+def _qwen3_moe_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Qwen3-MoE's fields: every layer an MoE layer (the recipe has no dense layers between them)."""
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise ConversionError(f"{source}: decoder_sparse_step={config.get('decoder_sparse_step')!r}, "
+                              f"mlp_only_layers={config.get('mlp_only_layers')!r}: only models whose every layer "
+                              "is an MoE layer are supported (decoder_sparse_step=1, mlp_only_layers=[])")
+    # the published configs say num_experts; transformers 5 writes its attribute num_local_experts
+    experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
+    return {**_qwen3_fields(config, source), **_router_fields(config, source, experts_key, 0.001),
+            "ffn_hidden_size": _field(config, "moe_intermediate_size", source),
+            "norm_topk_prob": _field(config, "norm_topk_prob", source, default=False, kind=bool)}
 
 
 def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
               eos_id: Optional[int]) -> dict[str, Any]:
-    """config.json for ``transformers.LlamaForCausalLM`` or ``MixtralForCausalLM`` (legacy rope keys: read by
-    transformers 4 and 5)."""
+    """config.json for the transformers class of `shape`'s family (legacy rope keys: read by transformers 4 and
+    5)."""
     dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
     rope_scaling = None
     if shape.rope_scaling_factor is not None:
         rope_scaling = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
-    moe = {"num_local_experts": shape.num_experts, "num_experts_per_tok": shape.router_topk,
-           "router_aux_loss_coef": shape.router_aux_loss_coef, "router_jitter_noise": 0.0, "sliding_window": None,
-           "output_router_logits": False} if shape.num_experts else {"mlp_bias": False}
+    router = {"num_experts_per_tok": shape.router_topk, "router_aux_loss_coef": shape.router_aux_loss_coef,
+              "output_router_logits": False}
+    family = {
+        "llama": {"mlp_bias": False},
+        "mixtral": {"num_local_experts": shape.num_experts, **router, "router_jitter_noise": 0.0,
+                    "sliding_window": None},
+        "qwen3": {"use_sliding_window": False, "sliding_window": None},
+        "qwen3_moe": {"use_sliding_window": False, "sliding_window": None, "num_experts": shape.num_experts,
+                      **router, "moe_intermediate_size": shape.ffn_hidden_size, "norm_topk_prob": shape.norm_topk_prob,
+                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+    }[shape.model_type]
     return {
         "architectures": [ARCHITECTURES[shape.model_type]],
         "model_type": shape.model_type,
@@ -233,7 +279,7 @@ def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
         "vocab_size": shape.vocab_size,
         "tie_word_embeddings": shape.tied,
         "attention_bias": False,
-        **moe,
+        **family,
         "initializer_range": shape.init_std,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
@@ -280,24 +326,28 @@ def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[st
         "layernorm_epsilon": shape.rms_norm_eps,
         "init_method_std": shape.init_std,
         "untie_embeddings_and_output_weights": not shape.tied,
+        **({"qk_layernorm": True} if shape.qk_norm else {}),
         **({"num_moe_experts": shape.num_experts, "moe_ffn_hidden_size": shape.ffn_hidden_size,
-            "moe_router_topk": shape.router_topk, "moe_router_pre_softmax": False,
+            "moe_router_topk": shape.router_topk, "moe_router_pre_softmax": not shape.norm_topk_prob,
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": shape.router_aux_loss_coef}
            if shape.num_experts else {}),
     }
 
 
 def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
-    """The Llama (or, for an MoE recipe, Mixtral) shape a recipe config builds; ConversionError for MoE settings
-    Mixtral has no counterpart for."""
+    """The shape a recipe config builds: a Llama, or with ``qk_layernorm`` a Qwen3; an MoE recipe as Mixtral, or
+    with ``qk_layernorm`` Qwen3-MoE. ConversionError for MoE settings the family has no counterpart for."""
     m, model = cfg.model, ModelShape.of(cfg.model)
     if model.is_moe:
-        for key, mixtral in [("moe_shared_expert_intermediate_size", None), ("moe_router_score_function", "softmax"),
-                             ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False)]:
-            value = getattr(m, key)
-            if value != mixtral:
-                raise ConversionError(f"model.{key}={value!r}: an MoE model is exported as Mixtral, whose router "
-                                      f"and experts have no such setting (only {key}={mixtral!r} converts)")
+        family = "Qwen3-MoE" if m.qk_layernorm else "Mixtral"
+        plain = [("moe_shared_expert_intermediate_size", None), ("moe_router_score_function", "softmax"),
+                 ("moe_router_enable_expert_bias", False)]
+        if not m.qk_layernorm:  # Qwen3-MoE's norm_topk_prob=false is the pre-softmax router
+            plain.append(("moe_router_pre_softmax", False))
+        for key, value in plain:
+            if getattr(m, key) != value:
+                raise ConversionError(f"model.{key}={getattr(m, key)!r}: this MoE model is exported as {family}, "
+                                      f"whose router and experts have no such setting (only {key}={value!r} converts)")
     return LlamaShape(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -312,9 +362,11 @@ def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
         tied=not m.untie_embeddings_and_output_weights,
         max_position_embeddings=m.seq_length,
         init_std=m.init_method_std,
+        qk_norm=m.qk_layernorm,
         num_experts=model.num_experts,
         router_topk=model.router_topk,
         router_aux_loss_coef=m.moe_aux_loss_coeff if model.is_moe else 0.0,
+        norm_topk_prob=not m.moe_router_pre_softmax,
     )
 
 
@@ -393,7 +445,8 @@ def check_tensors(reader: SafetensorsReader, shape: LlamaShape, config_path: Pat
                                       "tie_word_embeddings=true")
             continue
         raise ConversionError(f"{reader.files[name]}: unexpected tensor {name!r} for a "
-                              f"{shape.num_layers}-layer Llama as described by {config_path}")
+                              f"{shape.num_layers}-layer {ARCHITECTURES[shape.model_type]} as described by "
+                              f"{config_path}")
     dtype = reader.dtype("model.embed_tokens.weight")
     if dtype is None:
         raise ConversionError(f"{reader.files['model.embed_tokens.weight']}: weights must be float32, "
@@ -428,20 +481,34 @@ _ATTENTION = [
     WeightMapping("decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
                   "direct"),
 ]
+_QK_NORMS = [
+    WeightMapping("decoder.layers.{i}.self_attention.q_layernorm.weight", ("model.layers.{i}.self_attn.q_norm.weight",),
+                  "direct"),
+    WeightMapping("decoder.layers.{i}.self_attention.k_layernorm.weight", ("model.layers.{i}.self_attn.k_norm.weight",),
+                  "direct"),
+]
 _DENSE_MLP = [
     WeightMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
                   ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up"),
     WeightMapping("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "direct"),
 ]
-_ROUTER = [WeightMapping("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.block_sparse_moe.gate.weight",),
-                         "direct")]
-_EXPERT = [  # "{e}": the expert
-    WeightMapping("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
-                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
-                   "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
-    WeightMapping("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "direct"),
-]
+_ROUTER = "decoder.layers.{i}.mlp.router.weight"
+_EXPERT_FC1 = "decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"  # "{e}": the expert
+_EXPERT_FC2 = "decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"
+_MOE_MLP = {  # by model_type: the router, then one expert's tensors
+    "mixtral": [
+        WeightMapping(_ROUTER, ("model.layers.{i}.block_sparse_moe.gate.weight",), "direct"),
+        WeightMapping(_EXPERT_FC1, ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+                                    "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
+        WeightMapping(_EXPERT_FC2, ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "direct"),
+    ],
+    "qwen3_moe": [
+        WeightMapping(_ROUTER, ("model.layers.{i}.mlp.gate.weight",), "direct"),
+        WeightMapping(_EXPERT_FC1, ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                                    "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), "gate_up"),
+        WeightMapping(_EXPERT_FC2, ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "direct"),
+    ],
+}
 _GLOBAL_AFTER = [WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "direct")]
 _UNTIED_OUTPUT = WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab_rows")
 
@@ -450,9 +517,10 @@ def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
     """Every tensor pair of a model of this shape, layer by layer (the output layer only when untied)."""
     yield from _GLOBAL_BEFORE
     for i in range(shape.num_layers):
-        per_layer = [(m, 0) for m in _ATTENTION]
+        per_layer = [(m, 0) for m in _ATTENTION + (_QK_NORMS if shape.qk_norm else [])]
         if shape.num_experts:
-            per_layer += [(m, 0) for m in _ROUTER] + [(m, e) for e in range(shape.num_experts) for m in _EXPERT]
+            router, *expert = _MOE_MLP[shape.model_type]
+            per_layer += [(router, 0)] + [(m, e) for e in range(shape.num_experts) for m in expert]
         else:
             per_layer += [(m, 0) for m in _DENSE_MLP]
         for m, e in per_layer:
@@ -463,10 +531,11 @@ def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
 
 
 def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Hugging Face LlamaForCausalLM (or MixtralForCausalLM) of this shape, with its shape."""
+    """Every tensor of the Hugging Face model of this shape, with its shape."""
     h, ffn = shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    by_suffix = {"embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
+    by_suffix = {"q_norm.weight": (shape.head_dim,), "k_norm.weight": (shape.head_dim,),  # before "norm.weight"
+                 "embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
                  "layernorm.weight": (h,), "norm.weight": (h,), "q_proj.weight": (q, h), "k_proj.weight": (kv, h),
                  "v_proj.weight": (kv, h), "o_proj.weight": (h, q), "gate_proj.weight": (ffn, h),
                  "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn), "gate.weight": (shape.num_experts, h),

@@ -89,12 +89,14 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
     norm = RMSNorm
     if liger:
         from liger_kernel.megatron import LigerMegatronRMSNorm as norm
-    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm"))
+    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm",
+                                                   qk_layernorm=config.qk_layernorm))
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
-    layer.submodules.self_attention.submodules.core_attention = (
-        RingAttention if config.context_parallel_size > 1 else SDPAttention
-    )
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
+    if config.qk_layernorm:  # over each head's channels; megatron-core sums their gradients over TP itself
+        attention.q_layernorm = attention.k_layernorm = norm
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm
     )
@@ -137,6 +139,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=ModelShape.of(m).ffn_hidden_size,
         kv_channels=m.kv_channels,
+        qk_layernorm=m.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=m.layernorm_epsilon,
         gated_linear_unit=True,

@@ -1,6 +1,6 @@
-"""Hugging Face Llama import/export, proven against transformers: logits, bit-exact round trips, training.
+"""Hugging Face Llama and Qwen3 import/export, proven against transformers: logits, bit-exact round trips, training.
 
-Small random LlamaForCausalLM models (hidden 64, 2 layers) are saved with transformers, imported,
+Small random LlamaForCausalLM and Qwen3ForCausalLM models (hidden 64, 2 layers) are saved with transformers, imported,
 and run through our megatron-core model: logits must match transformers' to 1e-4 (fp32) at TP1
 in-process and at TP2 / TP2×PP2 under torchrun; export must give back every tensor bit-exactly; an
 imported model trains with the recipe and its export reproduces the trained model's logits.
@@ -30,7 +30,7 @@ TOLERANCE = 1e-4  # fp32; measured differences are 2e-6..2e-5 (summation order, 
 DATA = ROOT / "data" / "tiny"
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-# name: vocab, query groups, tied embeddings, extra LlamaConfig fields, save_pretrained arguments
+# name: vocab, query groups, tied embeddings, extra config fields, save_pretrained arguments (, architecture)
 CASES = {
     # GQA, untied, a vocabulary that needs padding, llama3 RoPE scaling, sharded safetensors + index
     "gqa_untied_v1003": dict(vocab=1003, kv_heads=2, tied=False,
@@ -38,19 +38,25 @@ CASES = {
                              save={"max_shard_size": "100KB"}),
     # MHA, tied embeddings, one model.safetensors
     "mha_tied_v1000": dict(vocab=1000, kv_heads=4, tied=True, extra={}, save={}),
+    # Qwen3: per-head q/k norms, a head dimension other than hidden / heads (as Qwen3-30B-A3B's 128 vs 2048 / 32)
+    "qwen3_gqa_v1003": dict(vocab=1003, kv_heads=2, tied=False, extra={"rope_theta": 1e6, "head_dim": 32}, save={},
+                            arch="qwen3"),
 }
+ARCHITECTURES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def make_hf_model(path: Path, vocab: int, kv_heads: int, tied: bool, extra: dict, save: dict,
-                  seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """A random fp32 LlamaForCausalLM saved with save_pretrained; weights scaled so logits are O(1-10)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                  seed: int = 0, dtype: torch.dtype = torch.float32, arch: str = "llama") -> Path:
+    """A random fp32 LlamaForCausalLM (or Qwen3ForCausalLM) saved with save_pretrained; weights scaled so logits
+    are O(1-10)."""
+    import transformers
 
+    config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURES[arch])
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
-                         tie_word_embeddings=tied, rms_norm_eps=1e-5, **extra)
-    model = scale_weights(LlamaForCausalLM(config))
+    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                          tie_word_embeddings=tied, rms_norm_eps=1e-5, **extra)
+    model = scale_weights(model_class(config))
     model.to(dtype).save_pretrained(path, **save)
     return path
 
@@ -160,7 +166,9 @@ def test_recipe_yaml_describes_the_imported_model(imported, case):
     hf_config = json.loads((paths["hf"] / "config.json").read_text())
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
-            m.kv_channels, m.vocab_size) == (2, 64, 4, spec["kv_heads"], 160, 16, spec["vocab"])
+            m.kv_channels, m.vocab_size) == (2, 64, 4, spec["kv_heads"], 160, spec["extra"].get("head_dim", 16),
+                                             spec["vocab"])
+    assert m.qk_layernorm is (spec.get("arch") == "qwen3")
     assert m.untie_embeddings_and_output_weights is not spec["tied"]
     assert m.seq_length == hf_config["max_position_embeddings"] and m.layernorm_epsilon == 1e-5
     assert m.rotary_base == spec["extra"].get("rope_theta", 10000.0)
@@ -315,11 +323,12 @@ def trained(megatron, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def parallel_logits(imported, trained, tokens) -> dict[str, torch.Tensor]:
-    """One torchrun of 4 processes: each checkpoint's logits under TP2 (DP2) and TP2×PP2 with SP."""
+    """One torchrun of 4 processes: each checkpoint's logits under TP2 (DP2) and TP2×PP2 with SP (Qwen3's q/k norms
+    over the heads of each TP rank)."""
     root = trained["root"]
     torch.save(tokens, root / "tokens.pt")
     layouts = [("gqa_untied_v1003", 2, 1, False), ("gqa_untied_v1003", 2, 2, True),
-               ("mha_tied_v1000", 2, 2, True), ("trained", 2, 2, True)]
+               ("mha_tied_v1000", 2, 2, True), ("qwen3_gqa_v1003", 2, 2, True), ("trained", 2, 2, True)]
     jobs = []
     for name, tp, pp, sp in layouts:
         ckpt = trained["trained"] if name == "trained" else imported[name]["ckpt"]

@@ -46,7 +46,7 @@ def test_mixtral_configs_read_as_moe_and_what_the_recipe_cannot_compute_is_one_e
     for changes, fragment in [({"sliding_window": 4096}, "sliding_window=4096 is not supported"),
                               ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
                               ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
-                              ({"architectures": ["Qwen3MoeForCausalLM"]}, "is not supported; one of")]:
+                              ({"architectures": ["Qwen2MoeForCausalLM"]}, "is not supported; one of")]:
         with pytest.raises(ConversionError, match=fragment):
             hf_llama.read_config(_mixtral_config(tmp_path, **changes))
 
@@ -62,3 +62,42 @@ def test_moe_settings_mixtral_has_no_counterpart_for_refuse_export():
     shared = load_config(TINY.parent / "tiny_moe.yaml", ["model.moe_shared_expert_intermediate_size=256"])
     with pytest.raises(ConversionError, match="exported as Mixtral, whose router and experts have no such setting"):
         hf_llama.shape_from_recipe(shared, 1000)
+
+
+def test_qwen3_moe_configs_read_with_their_router_and_what_differs_is_one_error(tmp_path):
+    import pytest
+
+    from megatron_ext.convert import hf_llama
+    from megatron_ext.errors import ConversionError
+
+    qwen3_moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                 "moe_intermediate_size": 48, "intermediate_size": 256, "norm_topk_prob": True, "head_dim": 32,
+                 "num_local_experts": None, "router_aux_loss_coef": 0.001}
+    shape = hf_llama.read_config(_mixtral_config(tmp_path, **qwen3_moe))
+    assert (shape.num_experts, shape.ffn_hidden_size, shape.head_dim, shape.qk_norm, shape.norm_topk_prob,
+            shape.model_type) == (4, 48, 32, True, True, "qwen3_moe")
+    names = set(hf_llama.hf_shapes(shape))
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+            "model.layers.0.self_attn.k_norm.weight"} <= names and not any("block_sparse" in n for n in names)
+    fields = hf_llama.recipe_model_fields(shape, 1)
+    assert (fields["qk_layernorm"], fields["moe_router_pre_softmax"], fields["kv_channels"]) == (True, False, 32)
+    for changes, fragment in [({"decoder_sparse_step": 2}, "only models whose every layer is an MoE layer"),
+                              ({"mlp_only_layers": [0]}, "only models whose every layer is an MoE layer"),
+                              ({"use_sliding_window": True}, "sliding-window attention, which is not supported")]:
+        with pytest.raises(ConversionError, match=fragment):
+            hf_llama.read_config(_mixtral_config(tmp_path, **{**qwen3_moe, **changes}))
+
+
+def test_a_recipe_with_qk_layernorm_exports_as_qwen3_whose_router_may_skip_renormalising():
+    import torch
+
+    from megatron_ext.convert import hf_llama
+
+    moe = load_config(TINY.parent / "tiny_moe.yaml", ["model.qk_layernorm=true", "model.moe_router_pre_softmax=true"])
+    shape = hf_llama.shape_from_recipe(moe, 1000)
+    assert (shape.model_type, shape.norm_topk_prob) == ("qwen3_moe", False)
+    config = hf_llama.hf_config(shape, torch.float32, None, None)
+    assert (config["architectures"], config["num_experts"], config["norm_topk_prob"]) == (
+        ["Qwen3MoeForCausalLM"], 8, False)
+    dense = load_config(TINY, ["model.qk_layernorm=true"])
+    assert hf_llama.shape_from_recipe(dense, 1000).model_type == "qwen3"
