@@ -32,6 +32,7 @@ from megatron_ext.planner.layouts import (
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "ZeRO", "recomp", "mbs", "m", "params", "grads", "optim",
            "activ", "buffers", "total GiB", "step s", "bubble", "MFU", "tok/s/GPU"]
+EXPERT_COLUMN = COLUMNS.index("SP")  # an MoE model's tables show EP (and ETP where it is not TP) before SP
 
 
 def _zero(L: Layout) -> str:
@@ -41,28 +42,34 @@ def _zero(L: Layout) -> str:
     return f"{level}" + (f" H{L.replicas}" if L.replicas > 1 else "") + (f" off{L.offload:.0%}" if L.offload else "")
 
 
-def _row(i: int, e: Estimate) -> list[str]:
+def _row(i: int, e: Estimate, moe: bool) -> list[str]:
     L, mem, t = e.layout, e.memory, e.time
     gib = [f"{mem[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations")]
-    return [str(i), str(L.tp), str(L.pp), str(L.vpp or "-"), str(L.cp), str(L.dp), "y" if L.sp else "n",
-            _zero(L), L.recompute or "none", str(L.mbs), str(e.num_microbatches), *gib,
-            f"{(mem['buffers'] + mem['reserved']) / GIB:.1f}", f"{mem['total'] / GIB:.1f}",
-            f"{t['step']:.2f}", f"{100 * t['pp_bubble'] / t['step']:.0f}%", f"{100 * e.mfu:.0f}%",
-            f"{e.tokens_per_s_per_gpu:,.0f}"]
+    row = [str(i), str(L.tp), str(L.pp), str(L.vpp or "-"), str(L.cp), str(L.dp), "y" if L.sp else "n",
+           _zero(L), L.recompute or "none", str(L.mbs), str(e.num_microbatches), *gib,
+           f"{(mem['buffers'] + mem['reserved']) / GIB:.1f}", f"{mem['total'] / GIB:.1f}",
+           f"{t['step']:.2f}", f"{100 * t['pp_bubble'] / t['step']:.0f}%", f"{100 * e.mfu:.0f}%",
+           f"{e.tokens_per_s_per_gpu:,.0f}"]
+    if moe:
+        row.insert(EXPERT_COLUMN, f"{L.ep}" + (f" T{L.etp}" if L.etp is not None else ""))
+    return row
 
 
 def _table(rows: list[list[str]], title: str) -> str:
-    """Rows under COLUMNS: through `rich` when it is installed, else aligned plain text."""
+    """Rows under COLUMNS (and EP for an MoE model's): through `rich` when it is installed, else aligned plain
+    text."""
+    columns = COLUMNS if not rows or len(rows[0]) == len(COLUMNS) else [
+        *COLUMNS[:EXPERT_COLUMN], "EP", *COLUMNS[EXPERT_COLUMN:]]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
-        lines = [title, "  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths))]
+        widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+        lines = [title, "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         return "\n".join(lines)
     table = Table(title=title, title_justify="left")
-    for c in COLUMNS:
+    for c in columns:
         table.add_column(c, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(*r)
@@ -148,7 +155,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"nothing fits; the smallest needs {smallest.memory['total'] / GIB:.1f} GiB: "
                   f"{smallest.layout.label()}")
         return 1
-    print(_table([_row(i + 1, e) for i, e in enumerate(fitting[:args.top])], "fastest layouts that fit"))
+    moe = cfg.model.num_moe_experts is not None
+    print(_table([_row(i + 1, e, moe) for i, e in enumerate(fitting[:args.top])], "fastest layouts that fit"))
     print()
     for i, e in enumerate(fitting[:3]):
         print(f"{i + 1}. {explain(e, args.gpus_per_node, gpu)}\n")

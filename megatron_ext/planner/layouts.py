@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -116,6 +117,8 @@ class Layout:
     replicas: int = 1
     # optimizer.optimizer_offload_fraction under optimizer.optimizer_cpu_offload; 0 = no offload
     offload: float = 0.0
+    ep: int = 1  # MoE: experts split over this many ranks
+    etp: Optional[int] = None  # MoE: each expert's matrices split over this many ranks; None = TP
 
     def overrides(self) -> dict[str, Any]:
         """The config values of this layout, as ``section.key`` → value."""
@@ -128,7 +131,9 @@ class Layout:
                        "optimizer.optimizer_cpu_offload": self.offload > 0})
         if self.offload:
             memory["optimizer.optimizer_offload_fraction"] = self.offload
+        experts = {"parallel.expert_model_parallel_size": self.ep, "parallel.expert_tensor_parallel_size": self.etp}
         return {"parallel.use_megatron_fsdp": self.sharding is not None, **memory,
+            **(experts if self.ep > 1 or self.etp is not None else {}),
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,
@@ -152,6 +157,7 @@ class Layout:
             num_distributed_optimizer_instances=self.replicas,
             outer_dp_sharding_strategy=cfg.parallel.outer_dp_sharding_strategy if self.replicas > 1 else "no_shard",
             num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
         )
         t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
         o = dataclasses.replace(cfg.optimizer, optimizer_cpu_offload=self.offload > 0,
@@ -167,7 +173,8 @@ class Layout:
                    p.virtual_pipeline_model_parallel_size, p.context_parallel_size, dp, p.sequence_parallel,
                    p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
                    p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None,
-                   p.num_distributed_optimizer_instances, offload_fraction(cfg))
+                   p.num_distributed_optimizer_instances, offload_fraction(cfg), p.expert_model_parallel_size,
+                   p.expert_tensor_parallel_size)
 
     def label(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
@@ -176,6 +183,7 @@ class Layout:
                 f"{f' ZeRO-{ZERO_LEVEL[self.sharding]}' if self.sharding else ''}"
                 f"{f' HSDP{self.replicas}' if self.replicas > 1 else ''}"
                 f"{f' offload{self.offload:.0%}' if self.offload else ''}"
+                f"{f' EP{self.ep}' if self.ep > 1 else ''}{f' ETP{self.etp}' if self.etp is not None else ''}"
                 f" mbs{self.mbs} recompute={self.recompute or 'none'}")
 
 
@@ -202,6 +210,13 @@ class _Shape:
     sp: bool
     tied: bool
     bytes_per_value: int  # params_dtype / activation dtype
+    qk_norm: bool = False
+    experts: int = 0  # MoE: experts per layer (0: dense)
+    expert_ffn: int = 0
+    topk: int = 0
+    shared_ffn: int = 0  # the shared experts' width (0: none)
+    ep: int = 1
+    etp: int = 1  # expert TP
 
     @classmethod
     def of(cls, cfg: RecipeConfig, vocab_size: int) -> "_Shape":
@@ -213,14 +228,32 @@ class _Shape:
             vocab=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size),
             seq=m.seq_length, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
             sp=p.sequence_parallel, tied=not m.untie_embeddings_and_output_weights,
-            bytes_per_value=4 if cfg.train.precision == "fp32" else 2,
+            bytes_per_value=4 if cfg.train.precision == "fp32" else 2, qk_norm=model.qk_layernorm,
+            experts=model.num_experts, expert_ffn=model.expert_ffn_hidden_size, topk=model.router_topk,
+            shared_ffn=model.shared_expert_ffn_hidden_size, ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
         )
 
     def layer_params(self) -> list[int]:
-        """One decoder layer's parameter sizes on a TP rank, in ``named_parameters`` order."""
+        """One decoder layer's parameter sizes on a TP rank, in ``named_parameters`` order, its experts left out
+        (:meth:`expert_params`): an MoE layer's MLP is its router (whole on every rank) and shared experts."""
         h, d, t = self.hidden, self.head_dim, self.tp
-        return [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t,
-                h, 2 * self.ffn * h // t, self.ffn * h // t]
+        attention = [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t]
+        attention += [d, d] if self.qk_norm else []
+        if not self.experts:
+            return [*attention, h, 2 * self.ffn * h // t, self.ffn * h // t]
+        shared = [2 * self.shared_ffn * h // t, self.shared_ffn * h // t] if self.shared_ffn else []
+        return [*attention, h, self.experts * h, *shared]
+
+    def expert_params(self) -> list[int]:
+        """One MoE layer's expert parameters on an EP×ETP rank (its experts' fc1 and fc2), in ``named_parameters``
+        order; megatron-core keeps them in buffers of their own, reduced and sharded over expert-DP."""
+        f, h = self.expert_ffn, self.hidden
+        return [n for _ in range(self.experts // self.ep) for n in (2 * f * h // self.etp, f * h // self.etp)]
+
+    def expert_dp(self, world_size: int, pp: int) -> int:
+        """The expert-data-parallel size: the ranks of a pipeline stage regrouped as ETP × EP × expert-DP."""
+        return world_size // (pp * self.ep * self.etp)
 
 
 def model_vocab_size(cfg: RecipeConfig) -> int:
@@ -314,13 +347,17 @@ def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp
 
 @functools.lru_cache(maxsize=4096)
 def _stage_static(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
-                  overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
-    """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage."""
-    dp_cp = dp * shape.cp
+                  overlap_grad_reduce: bool, experts: bool = False) -> tuple[int, int, tuple[int, ...]]:
+    """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage; with
+    `experts`, of its expert buffers instead, over expert-DP ranks (`dp` is then the expert-DP size)."""
+    dp_cp = dp if experts else dp * shape.cp
     param_elems = grad_elems = 0
     owned = [0] * dp_cp
     for c, (layers, pre, post) in enumerate(_stage_chunks(shape, pp, vpp, pp_rank)):
-        params = _chunk_params(shape, pp, layers, pre, post)
+        if experts:
+            params = [(n, False) for _ in range(layers) for n in shape.expert_params()]
+        else:
+            params = _chunk_params(shape, pp, layers, pre, post)
         bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
         buckets = _ddp_buckets(params, dp_cp, distopt, max(40_000_000, 1_000_000 * dp) if bucketed else None)
         numel = buckets[-1][1] if buckets else 0
@@ -356,22 +393,29 @@ def sharded_static(shape: _Shape, dp_cp: int, sharding: ShardingStrategy, replic
 
 
 def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,
-                      vocab_size: int) -> dict[str, int]:
+                      vocab_size: int, expert_dp_rank: int = 0) -> dict[str, int]:
     """Bytes of parameters, grad buffers and optimizer state on one rank (fp32 grad buffers, as ``wrap_with_ddp``
-    configures them): exact under DDP, without Megatron-FSDP's bucket padding under it."""
+    configures them): exact under DDP (an MoE model's expert buffers included), without Megatron-FSDP's bucket
+    padding under it."""
     p = cfg.parallel
     shape = _Shape.of(cfg, vocab_size)
     dp = data_parallel_size(cfg, world_size)
     if p.use_megatron_fsdp:
         params, grads, shard, _ = sharded_static(shape, dp * shape.cp, p.data_parallel_sharding_strategy,
                                                  p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy)
-        owned: tuple[int, ...] = (shard,) * (dp * shape.cp)
+        owned = shard
     else:
-        params, grads, owned = _stage_static(shape, p.pipeline_model_parallel_size,
-                                             p.virtual_pipeline_model_parallel_size, pp_rank, dp,
-                                             p.use_distributed_optimizer, p.overlap_grad_reduce)
+        pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+        params, grads, dense_owned = _stage_static(shape, pp, vpp, pp_rank, dp, p.use_distributed_optimizer,
+                                                   p.overlap_grad_reduce)
+        owned = dense_owned[dp_cp_rank]
+        if shape.experts:
+            expert_params, expert_grads, expert_owned = _stage_static(
+                shape, pp, vpp, pp_rank, shape.expert_dp(world_size, pp), p.use_distributed_optimizer,
+                p.overlap_grad_reduce, experts=True)
+            params, grads, owned = params + expert_params, grads + expert_grads, owned + expert_owned[expert_dp_rank]
     return {"params": params * shape.bytes_per_value, "grads": grads * 4,
-            "optimizer": owned[dp_cp_rank] * _optimizer_bytes_per_element(shape)}
+            "optimizer": owned * _optimizer_bytes_per_element(shape)}
 
 
 def _optimizer_bytes_per_element(shape: _Shape) -> int:
@@ -418,11 +462,35 @@ def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
     norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
     seq_part = tokens // seq_shard * (2 * norm + 2 * h * d_bytes)
     hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
-    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + 5 * shape.ffn) // t
+    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + (0 if shape.experts else 5 * shape.ffn)) // t
+    if shape.qk_norm:  # each head's query and key normed as the layer norms are, with an fp32 rstd per head
+        per_channel = d_bytes if fused_norm else 2 * 4
+        tp_part += tokens * ((hq + hkv) * per_channel + (shape.heads + shape.groups) * 4) // t
+    if shape.experts:
+        tp_part += _moe_activation_bytes(shape, tokens // seq_shard)
     # selective: the checkpoint keeps q, k, v (and megatron's int32 mask-type tensor) instead of the lse
     lse = 4 if cfg.train.recompute_granularity == "selective" else tokens * 4 * shape.heads // t
     rope = 4 * (m.seq_length // shape.cp) * shape.head_dim * d_bytes
     return seq_part + tp_part + lse + rope
+
+
+def _expert_tokens(shape: _Shape, sequence_tokens: int) -> int:
+    """Token-expert assignments one rank's experts compute per micro batch under balanced routing: the
+    `sequence_tokens` of each of the EP×ETP ranks, top-k each, spread over the EP ranks (ETP ranks see them all)."""
+    return sequence_tokens * shape.etp * shape.topk
+
+
+def _moe_activation_bytes(shape: _Shape, sequence_tokens: int) -> int:
+    """What an MoE layer's MLP saves per micro batch on one rank, for `sequence_tokens` tokens (÷TP with SP): the
+    router's fp32 logits and scores and its routing map (per expert), its top-k scores and indices (per choice);
+    then per token-expert assignment its permuted input, its sort index and fp32 weight, and the expert's SwiGLU
+    tensors (fc1 output 2f, silu, the gated product, fc2 input: 5f/ETP); and the shared experts' SwiGLU tensors of
+    the whole TP group's tokens."""
+    d_bytes, f = shape.bytes_per_value, shape.expert_ffn
+    router = sequence_tokens * (shape.experts * (4 + 4 + 1) + shape.topk * (8 + 8 + 4))
+    experts = _expert_tokens(shape, sequence_tokens) * (d_bytes * (shape.hidden + 5 * f // shape.etp) + 8 + 4)
+    shared = sequence_tokens * (shape.tp if shape.sp else 1) * d_bytes * 5 * shape.shared_ffn // shape.tp
+    return router + experts + shared
 
 
 def offloaded_layer_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
@@ -525,7 +593,10 @@ def _flops_per_token(shape: _Shape, layers: int, output_layer: bool, recompute: 
     """Forward+backward FLOPs per token plus recompute, attention over the full score matrix
     (ModelShape.flops_per_token(causal=False)): KERNEL_EFFICIENCY was fitted against that count."""
     h, d = shape.hidden, shape.head_dim
-    layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + 3 * shape.ffn * h  # whole layer, no norms
+    mlp = 3 * shape.ffn * h
+    if shape.experts:  # the router, the top-k experts and the shared experts a token goes through
+        mlp = shape.experts * h + 3 * (shape.topk * shape.expert_ffn + shape.shared_ffn) * h
+    layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + mlp  # whole layer, no norms
     attention = 12.0 * shape.hidden * shape.seq
     per_layer = 6.0 * layer_matmul + attention
     if recompute == "full":
@@ -575,6 +646,11 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     d_bytes = shape.bytes_per_value
     params, grads, owned = _stage_static(shape, layout.pp, layout.vpp, pp_rank, layout.dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
+    if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
+        expert_params, expert_grads, expert_owned = _stage_static(
+            shape, layout.pp, layout.vpp, pp_rank, shape.expert_dp(world_size, layout.pp), layout.distopt,
+            cfg.parallel.overlap_grad_reduce, experts=True)
+        params, grads, owned = params + expert_params, grads + expert_grads, (max(owned) + max(expert_owned),)
     gathered = 0
     if layout.sharding:
         params, grads, shard, gathered = sharded_static(shape, layout.dp * layout.cp, layout.sharding,
@@ -658,6 +734,16 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
         rescale = tokens * shape.heads * shape.head_dim // tp * 4 * 3 / (gpu.hbm_tb_s * 1e12)
         cp_comm = layers * (max(0.0, ring - attention) + 2 * cp * (CP_STEP_LAUNCH_S + rescale))
 
+    moe_comm = 0.0
+    if shape.experts:  # per MoE layer: dispatch and combine all-to-alls, forward and backward, over EP
+        sequence_tokens = tokens // (tp if layout.sp else 1)
+        bw, lat = link(shape.etp * shape.ep)  # expert ranks: ETP fastest, then EP
+        routed = sequence_tokens * shape.topk * shape.hidden * d_bytes
+        moe_comm = layers * 4 * ((shape.ep - 1) / shape.ep * routed / (bw * 1e9) + lat) if shape.ep > 1 else 0.0
+        if shape.etp > 1:  # the routed tokens gathered over expert TP and their outputs reduce-scattered back
+            bw, lat = link(shape.etp)
+            moe_comm += layers * 4 * _ring(routed * shape.etp, shape.etp, bw, lat)
+
     p2p = 0.0
     if pp > 1:
         bw, lat = link(tp * cp * dp + 1)  # the next stage is tp·cp·dp ranks away
@@ -667,10 +753,13 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
     # Grads are reduced over DP×CP: distopt = reduce-scatter + param all-gather, else all-reduce.
     params, grads, owned = _stage_static(shape, pp, layout.vpp, 0, dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
+    expert_dp = shape.expert_dp(world_size, pp)
+    expert_params, expert_grads, expert_owned = _stage_static(shape, pp, layout.vpp, 0, expert_dp, layout.distopt,
+                                                              cfg.parallel.overlap_grad_reduce, experts=True)
     # What a micro batch costs besides its FLOPs: why small micro batches are slow (measured mbs 1 → 4: 1.45×)
-    overhead = params * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
+    overhead = (params + expert_params) * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
 
-    per_microbatch = compute + overhead + tp_comm + cp_comm + p2p
+    per_microbatch = compute + overhead + tp_comm + cp_comm + moe_comm + p2p
     bubble = per_microbatch * (pp - 1) / v
 
     bw, lat = link(tp * cp * dp)
@@ -695,10 +784,20 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
             reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
         if cfg.parallel.overlap_param_gather and layout.distopt:
             gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
-    optimizer = (1 - layout.offload) * max(owned) * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
-    hosted = layout.offload * max(owned)  # the host's Adam step overlapped with the copies to and from it
+    owned_max = max(owned)
+    if shape.experts:  # the experts' gradients are reduced over expert-DP, their state sharded over it
+        bw, lat = link(world_size // pp)
+        if layout.distopt:
+            reduce += _ring(expert_grads * grad_bytes, expert_dp, bw, lat)
+            gather += _ring(expert_grads * d_bytes, expert_dp, bw, lat)
+        else:
+            reduce += _ring(expert_grads * grad_bytes, expert_dp, bw, lat, 2.0)
+        owned_max += max(expert_owned)
+    optimizer = (1 - layout.offload) * owned_max * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    hosted = layout.offload * owned_max  # the host's Adam step overlapped with the copies to and from it
     offload = max(hosted / HOST_ADAM_ELEMENTS_PER_S, hosted * OFFLOAD_COPY_BYTES / (gpu.pcie_gb_s * 1e9))
-    time = {"compute": compute * m, "overhead": overhead * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m, "pp_p2p": p2p * m,
+    time = {"compute": compute * m, "overhead": overhead * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m,
+            "moe_comm": moe_comm * m, "pp_p2p": p2p * m,
             "pp_bubble": bubble, "dp_comm": reduce + gather, "optimizer": optimizer, "offload": offload}
     time["step"] = sum(time.values())
     return time
@@ -751,11 +850,22 @@ def _hsdp_replicas(sharding: Optional[ShardingStrategy], tp: int, cp: int, dp: i
     return [1, nodes] if sharding and not spare and nodes > 1 and (dp * cp) % nodes == 0 else [1]
 
 
+def _expert_layouts(cfg: RecipeConfig, stage_ranks: int, tp: int) -> list[tuple[int, Optional[int]]]:
+    """(EP, ETP) pairs worth trying for an MoE model on `stage_ranks` ranks per pipeline stage: every EP dividing
+    the experts and the stage, each expert split over TP (ETP None) or whole (ETP1); (1, None) for a dense model."""
+    experts = cfg.model.num_moe_experts
+    if experts is None:
+        return [(1, None)]
+    etps: list[Optional[int]] = [None, 1] if tp > 1 else [None]
+    return [(ep, etp) for ep in _divisors(math.gcd(experts, stage_ranks)) for etp in etps]
+
+
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                       micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
     """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split; with the
-    distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1). Without optimizer offload, whatever
-    `cfg` sets: like recompute, it is the search's to choose (:func:`plan`)."""
+    distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1); for an MoE model, every EP and
+    expert TP too. Without optimizer offload, whatever `cfg` sets: like recompute, it is the search's to choose
+    (:func:`plan`)."""
     gpn = min(gpus_per_node, world_size)
     layers = cfg.model.num_layers
     for tp in _divisors(gpn):
@@ -765,20 +875,18 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                 vpps += [v for v in _divisors(layers // pp) if v > 1] if layers % pp == 0 else []
             for cp in _divisors(world_size // (tp * pp)):
                 dp = world_size // (tp * pp * cp)
-                for vpp in vpps:
-                    for sp in ([False, True] if tp > 1 else [False]):
-                        for distopt, sharding in _DATA_PARALLEL_SHARDINGS:
-                            for recompute in (None, "selective", "full"):
-                                for mbs in micro_batch_sizes:
-                                    for replicas in _hsdp_replicas(sharding, tp, cp, dp, gpn):
-                                        layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding,
-                                                        replicas)
-                                        try:
-                                            validate_layout(layout.apply(cfg), world_size, te_available=True,
-                                                            fp8_capable=True)
-                                        except ConfigError:
-                                            continue
-                                        yield layout
+                choices = itertools.product(vpps, [False, True] if tp > 1 else [False], _DATA_PARALLEL_SHARDINGS,
+                                            (None, "selective", "full"), micro_batch_sizes,
+                                            _expert_layouts(cfg, world_size // pp, tp))
+                for vpp, sp, (distopt, sharding), recompute, mbs, (ep, etp) in choices:
+                    for replicas in _hsdp_replicas(sharding, tp, cp, dp, gpn):
+                        layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding, replicas,
+                                        ep=ep, etp=etp)
+                        try:
+                            validate_layout(layout.apply(cfg), world_size, te_available=True, fp8_capable=True)
+                        except ConfigError:
+                            continue
+                        yield layout
 
 
 def _with_offload(cfg: RecipeConfig, world_size: int, layouts: list[Layout]) -> Iterator[Layout]:
@@ -799,10 +907,6 @@ def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUS
          mfu: Optional[float] = None, grad_reduce_in_fp32: bool = True) -> list[Estimate]:
     """Every valid layout: those that fit first, DDP/ZeRO-1 before ZeRO-2/3 before optimizer offload (tried only
     when nothing fits without it), fastest first (then smallest memory)."""
-    if cfg.model.num_moe_experts is not None:
-        raise ConfigError(f"model.num_moe_experts={cfg.model.num_moe_experts} is not planned yet: the planner models "
-                          "dense layers only (no expert parallelism, all-to-all or expert optimizer state); set the "
-                          "parallel.* layout by hand (docs/moe.md), and parallel.auto=false")
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     vocab = model_vocab_size(cfg)
 
@@ -870,6 +974,13 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
     if L.cp > 1:
         parts.append(f"CP{L.cp} splits each sequence in {L.cp}; the K/V ring costs {t['cp_comm']:.2f} s "
                      "beyond what attention hides.")
+    if L.ep > 1 or L.etp is not None:
+        etp = L.tp if L.etp is None else L.etp
+        expert_dp = L.tp * L.cp * L.dp // (L.ep * etp)
+        parts.append(f"EP{L.ep} puts 1/{L.ep} of each layer's experts on a GPU"
+                     + (f", each expert's matrices split over ETP{etp}" if etp > 1 else ", each expert whole")
+                     + f"; the tokens' all-to-all dispatch and combine cost {t['moe_comm']:.2f} s, and the experts' "
+                     f"gradients and optimizer state are reduced and sharded over expert-DP={expert_dp}.")
     over = f"DP×CP={L.dp * L.cp}" if L.replicas == 1 else f"HSDP groups of {L.dp * L.cp // L.replicas} DP×CP ranks"
     shard = f"sharded over {over}" if L.distopt and L.dp * L.cp > 1 else "replicated"
     if L.offload:

@@ -86,7 +86,6 @@ LAYOUTS = {
                                      "rank's: [0, 1]), the optimizer state also sharded across them"]),
     "dp2_tp2_sp_zero3": (4, [*PP1, *FSDP], ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
                                           "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=2"]),
-    "dp2_tp2_pp2": (8, [], ["TP2 × CP1 × DP2 × PP2", "sequence parallel", DISTOPT2]),
     "dp2_tp2_pp2_cp2": (16, ["parallel.context_parallel_size=2"],
                         ["TP2 × CP2 × DP2 × PP2", RING, "distributed optimizer (state sharded over DP×CP=4)"]),
 }

@@ -31,6 +31,10 @@ WORKER_LAYOUTS = {
                                                "parallel.overlap_grad_reduce=true"], False),
     "tp2_pp2_sp_distopt_bf16_tied": (4, [BF16, TIED], False),
     "cp2_dp2_distopt_bf16": (4, [*TP1, *PP1, BF16, "parallel.context_parallel_size=2"], False),
+    # MoE (Qwen3-style q/k norms, shared experts): the experts' buffers sharded over expert-DP2, the rest over DP4
+    "dp4_ep2_moe_shared_qk_norm_bf16": (4, [*TP1, *PP1, BF16, "model.num_moe_experts=4", "model.moe_ffn_hidden_size=96",
+                                            "model.moe_shared_expert_intermediate_size=64", "model.qk_layernorm=true",
+                                            "parallel.expert_model_parallel_size=2"], True),
 }
 
 
@@ -54,7 +58,7 @@ def test_planner_matches_megatron_core_memory(name, tmp_path):
     cfg = worker_config(overrides)
     ranks = _run_worker(nproc, overrides, tmp_path, activations)
     for r in ranks:
-        expected = planner.rank_static_bytes(cfg, nproc, r["pp_rank"], r["dp_cp_rank"], VOCAB)
+        expected = planner.rank_static_bytes(cfg, nproc, r["pp_rank"], r["dp_cp_rank"], VOCAB, r["expert_dp_rank"])
         measured = {k: r[k] for k in expected}
         print(f"{name} rank {r['rank']} (pp {r['pp_rank']}, dp×cp {r['dp_cp_rank']}): measured {measured}, "
               f"planner {expected}")

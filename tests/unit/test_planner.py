@@ -3,6 +3,7 @@ published layouts of Llama 3 8B/70B, and the 1B recipe's measured H100 speed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.planner import layouts as planner
-from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, plan
+from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, explain, plan
 from tests.launch import ROOT
 
 LLAMA3_8B = ROOT / "configs" / "llama3_8b_8gpu_bf16.yaml"
@@ -334,3 +335,20 @@ def test_offloaded_optimizer_state_must_fit_in_the_nodes_host_memory():
     assert 1000 * GIB < 8 * best.memory["host"] < 0.75 * 2048 * GIB
     small_nodes = dataclasses.replace(GPUS["h100-80gb"], node_host_memory_gib=1024.0)
     assert not any(e.fits for e in plan(cfg, 48, 8, small_nodes))
+
+
+def test_moe_layouts_search_ep_and_expert_tp_and_split_the_experts_memory():
+    """tiny_moe on 8 GPUs: EP and ETP are searched with the other dimensions, more EP holds fewer experts per GPU
+    (parameters, gradients and their optimizer state), and the explanation says what EP costs."""
+    cfg = load_config(ROOT / "configs" / "tiny_moe.yaml", ["model.vocab_size=4096", "train.global_batch_size=64"])
+    ranked = plan(cfg, 8, 8, "h100-80gb")
+    layouts = {e.layout: e for e in ranked}
+    assert {e.layout.ep for e in ranked} == {1, 2, 4, 8} and {e.layout.etp for e in ranked} == {None, 1}
+    base = next(L for L in layouts if (L.tp, L.pp, L.cp, L.ep, L.etp, L.distopt, L.vpp, L.recompute, L.mbs,
+                                       L.sharding) == (1, 1, 1, 1, None, True, None, None, 1, None))
+    by_ep = [layouts[dataclasses.replace(base, ep=ep)] for ep in (1, 2, 4, 8)]
+    for fewer, more in zip(by_ep, by_ep[1:]):
+        assert more.memory["params"] < fewer.memory["params"] and more.time["moe_comm"] > 0
+    assert by_ep[0].time["moe_comm"] == 0
+    text = explain(by_ep[-1], 8, GPUS["h100-80gb"])
+    assert "EP8 puts 1/8 of each layer's experts on a GPU" in text and "expert-DP=1" in text

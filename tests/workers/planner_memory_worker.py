@@ -7,7 +7,7 @@ schedule + optimizer step) on random tokens, and writes ``<out>/rank<R>.json``:
 
 * ``params``: bytes of the unique storages behind the model parameters (the padded DDP param
   buffer under the distributed optimizer);
-* ``grads``: bytes of the DDP gradient buffers;
+* ``grads``: bytes of the DDP gradient buffers (an MoE model's expert buffers included);
 * ``optimizer``: bytes of the optimizer's own tensors (fp32 main params, Adam moments), that is
   every storage reachable from the torch optimizer that is not a model parameter or grad buffer,
   except torch Adam's 0-d ``step`` counters (4 bytes per tensor, not modelled by the planner);
@@ -118,6 +118,11 @@ def optimizer_bytes(optimizer, exclude: set[int]) -> int:
     return _unique_bytes(tensors, exclude)
 
 
+def _grad_buffers(model) -> list:
+    """megatron-core DDP's parameter-and-gradient buffers: the dense ones and an MoE model's expert ones."""
+    return [buf for chunk in model for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -142,8 +147,9 @@ def main() -> None:
         "pp_rank": ps.get_pipeline_model_parallel_rank(), "cp_rank": ps.get_context_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
         "dp_cp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
+        "expert_dp_rank": ps.get_expert_data_parallel_rank(),
         "params": _unique_bytes(params),
-        "grads": _unique_bytes(buf.grad_data for chunk in model for buf in chunk.buffers),
+        "grads": _unique_bytes(buf.grad_data for buf in _grad_buffers(model)),
     }
     batches = random_batches(cfg)
     if args.activations:
@@ -153,7 +159,7 @@ def main() -> None:
 
     data = [random_batches(cfg) for _ in model] if len(model) > 1 else batches
     grad_norm = trainer.train_step(data)[1]
-    exclude = param_ptrs | {_storage_key(buf.grad_data)[0] for chunk in model for buf in chunk.buffers}
+    exclude = param_ptrs | {_storage_key(buf.grad_data)[0] for buf in _grad_buffers(model)}
     result["optimizer"] = optimizer_bytes(optimizer, exclude)
     result["grad_norm"] = grad_norm
     args.out.mkdir(parents=True, exist_ok=True)
