@@ -1,11 +1,15 @@
-"""Single-device training throughput: this recipe vs Hugging Face LlamaForCausalLM on the same shape, per micro batch.
+"""Single-device training throughput: this recipe vs Hugging Face transformers on the same model, per micro batch.
 
     python -m recipes.benchmark                                  # ~1B Llama, seq 4096, BF16 on a GPU, mbs 1 2 4
     python -m recipes.benchmark --seq-length 16384 --micro-batch-sizes 1
+    python -m recipes.benchmark --preset moe                     # Mixtral-style MoE (8 experts, top-2) vs Mixtral
     python -m recipes.benchmark --preset tiny                    # CPU-sized smoke run (what CI exercises)
 
 Every (variant, micro batch) runs in its own process (clean peak-memory numbers, no CPU-rehearsal patches
-leaking into the peers) on the same model shape, sequence length and random tokens. Variants, by precision
+leaking into the peers) on the same model shape, sequence length and tokens (the recipe's mock data, fed to the
+peers batch by batch: an MoE layer's routing, hence its speed, depends on them). The peer is the transformers class
+the recipe exports to (``LlamaForCausalLM``; ``MixtralForCausalLM`` with its load-balancing loss for an MoE preset),
+built from the exporter's config.json for the recipe's shape. Variants, by precision
 regime (fp32 runs: every variant is plain fp32):
 
 * ``megatron-eager``: recipes.pretrain's Trainer, eager (TransformerEngine layers where TE imports, else
@@ -50,7 +54,15 @@ PRESETS = {
                ffn_hidden_size=8192, vocab_size=32000, seq_length=4096, micro_batch_sizes=[1, 2, 4]),
     "tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
                  ffn_hidden_size=384, vocab_size=1024, seq_length=128, micro_batch_sizes=[2]),
+    # Mixtral-style MoE, 1.8B parameters of which 0.6B active (8 SwiGLU experts, top-2, aux-loss balancing) on
+    # one GPU: the peer is transformers' MixtralForCausalLM with its load-balancing loss on
+    "moe": dict(num_layers=8, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=4096,
+                num_moe_experts=8, moe_router_topk=2, vocab_size=32000, seq_length=4096, micro_batch_sizes=[1, 2]),
+    "moe-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+                     num_moe_experts=4, moe_router_topk=2, vocab_size=1024, seq_length=128, micro_batch_sizes=[2]),
 }
+MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
+              "seq_length", "num_moe_experts", "moe_router_topk")  # a preset's model.* keys (the last two: MoE only)
 # The recipe's kernel choices, each a variant, so one run measures which of them pays off.
 MEGATRON_VARIANTS = {
     "megatron-eager": ["train.compile=false"],
@@ -121,13 +133,12 @@ class Result:
 
 
 def _shape_overrides(shape: dict, precision: str, steps: int) -> list[str]:
-    model_keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                  "vocab_size", "seq_length")
-    return [*(f"model.{k}={shape[k]}" for k in model_keys),
+    return [*(f"model.{k}={shape[k]}" for k in MODEL_KEYS if k in shape),
             "model.make_vocab_size_divisible_by=128",
             "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
             "parallel.sequence_parallel=false", "parallel.use_distributed_optimizer=false",
-            f"train.micro_batch_size={shape['micro_batch_size']}", f"train.global_batch_size={shape['micro_batch_size']}",
+            f"train.micro_batch_size={shape['micro_batch_size']}",
+            f"train.global_batch_size={shape['micro_batch_size']}",
             f"train.train_iters={steps}", f"train.eval_interval={steps + 1}", "train.eval_iters=0",
             f"train.precision={precision}", "data.mock=true", "data.blend=null", "data.tokenizer_model=null",
             "checkpoint.save=null", "logging.tensorboard_dir=null", f"logging.log_interval={steps}",
@@ -174,33 +185,52 @@ def run_megatron(variant: str, shape: dict, precision: str, warmup: int, steps: 
     return _measure(variant, result.step_times[warmup:], shape, precision)
 
 
+def recipe_batches(cfg, count: int) -> list[dict]:
+    """The first `count` micro batches the recipe trains on (its mock data at one DP rank), for the peers."""
+    from megatron_ext.data.datasets import build_datasets, microbatch_iterator
+    from megatron_ext.data.tokenizer import VocabOnlyTokenizer
+
+    train, _, _ = build_datasets(cfg, VocabOnlyTokenizer(cfg.model.vocab_size))
+    batches = microbatch_iterator(train, 0, cfg.train.micro_batch_size, dp_rank=0, dp_size=1, num_workers=0)
+    return [next(batches) for _ in range(count)]
+
+
+def hf_model(cfg, dtype):
+    """The transformers model of the recipe's shape, built from the exporter's config.json for it (Llama, or for an
+    MoE recipe Mixtral with its load-balancing loss on, as the recipe trains with megatron-core's aux loss)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_ext.convert.hf_llama import hf_config, shape_from_recipe
+
+    shape = shape_from_recipe(cfg, cfg.model.vocab_size)
+    fields = hf_config(shape, torch.float32, bos_id=None, eos_id=None)
+    if shape.num_experts:
+        fields["output_router_logits"] = True
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(dtype=dtype)
+
+
 def run_hf(variant: str, shape: dict, precision: str, warmup: int, steps: int) -> Result:
     import contextlib
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     amp, compile_model = HF_VARIANTS[variant]
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = recipe_config(shape, precision, warmup + steps)
     # pure bf16 keeps the weights (hence AdamW's state) in bf16; amp keeps them fp32 and autocasts the compute
-    dtype = torch.bfloat16 if precision == "bf16" and not amp else torch.float32
-    config = LlamaConfig(
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"], intermediate_size=shape["ffn_hidden_size"],
-        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_query_groups"], max_position_embeddings=shape["seq_length"],
-        tie_word_embeddings=False, attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    model = hf_model(cfg, torch.bfloat16 if precision == "bf16" and not amp else torch.float32).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     forward = torch.compile(model) if compile_model else model
-    tokens = torch.randint(0, shape["vocab_size"], (shape["micro_batch_size"], shape["seq_length"]), device=device)
     times = []
-    for _ in range(warmup + steps):
+    for batch in recipe_batches(cfg, warmup + steps):  # the tokens the recipe trains on (MoE routing depends on them)
+        tokens = batch["tokens"].to(device)
         start = time.perf_counter()
         autocast = torch.autocast(device, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
         with autocast:
-            loss = forward(input_ids=tokens, labels=tokens).loss
+            loss = forward(input_ids=tokens, labels=tokens).loss  # transformers shifts: the recipe's labels
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -363,14 +393,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not results:
         print("nothing ran", file=sys.stderr)
         return 1
-    title = (f"{args.preset}: {shape['num_layers']}L h{shape['hidden_size']} seq {args.seq_length} "
+    experts = (f" {shape['num_moe_experts']} experts top-{shape['moe_router_topk']}" if "num_moe_experts" in shape
+               else "")
+    title = (f"{args.preset}: {shape['num_layers']}L h{shape['hidden_size']}{experts} seq {args.seq_length} "
              f"{args.precision} on {results[0].device}")
     print(f"\n{title}\n{_table(results)}")
     compared = comparisons(results)
     for row in compared:
-        parts = [f"{label} ({row[key]['peer']}) {row[key]['ratio']:.2f}×" for key, label in
-                 (("same_regime", "vs the fastest peer of its master-weight regime"), ("overall", "vs the fastest peer"))
-                 if row[key]]
+        labels = (("same_regime", "vs the fastest peer of its master-weight regime"),
+                  ("overall", "vs the fastest peer"))
+        parts = [f"{label} ({row[key]['peer']}) {row[key]['ratio']:.2f}×" for key, label in labels if row[key]]
         print(f"micro batch {row['micro_batch_size']}: {row['recipe']} " + "; ".join(parts))
     overhead = timer_overhead(results)
     for mbs, fraction in overhead.items():

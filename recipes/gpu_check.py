@@ -39,14 +39,20 @@ def steps(out: Path) -> list[Step]:
         Step("gpu-tests", [py, "-m", "pytest", "-q", "-rs", "tests/integration/test_cuda_graphs.py",
                            "tests/integration/test_liger.py", "tests/integration/test_optimizer_offload_gpu.py",
                            "tests/integration/test_activation_offload_gpu.py",
-                           "tests/integration/test_document_mask_gpu.py"], 900,
+                           "tests/integration/test_document_mask_gpu.py",
+                           "tests/integration/test_te_interchange.py::test_real_transformer_engine_saves_the_golden_keys"],
+             900,
              "CUDA graphs and liger kernels train like the eager/unfused paths; optimizer and activation CPU offload "
              "(with TE) train like the state kept on the GPU, the activations' with a lower peak; document masking's "
-             "FlexAttention matches the dense mask and trains"),
+             "FlexAttention matches the dense mask and trains; real TE's checkpoint keys, dense and MoE (grouped "
+             "experts), are the golden ones the TE-shaped stand-ins are tested against"),
         Step("doctor", [py, "-m", "recipes.doctor", "--workdir", str(out / "doctor")], 900,
              "layer spec, FP8, resume and Hugging Face round trip on this GPU"),
         Step("benchmark", [py, "-m", "recipes.benchmark", "--out-dir", str(out / "benchmark")], 1800,
              "tokens/s and MFU of every variant against the HF peers; the step timers' cost (megatron-untimed)"),
+        Step("benchmark-moe", [py, "-m", "recipes.benchmark", "--preset", "moe", "--out-dir",
+                               str(out / "benchmark-moe")], 1800,
+             "the MoE preset (8 experts, top-2; grouped GEMM with TE) against transformers' MixtralForCausalLM"),
         Step("fused-linear-ce", [*pretrain, "train.fused_linear_cross_entropy=true", "train.micro_batch_size=6",
                                  "train.global_batch_size=60", "train.train_iters=20",
                                  f"logging.log_dir={out / 'fused-linear-ce' / 'logs'}"], 900,

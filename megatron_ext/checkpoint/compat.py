@@ -4,7 +4,7 @@ A run on a CPU or a bare GPU builds megatron-core's local layers and falls back 
 NGC container the same recipe builds TE layers and TE's FusedAdam. Their checkpoints differ in two
 places, repaired here when loading (saving stays as megatron-core writes it):
 
-* **Model.** TE's final norm (``TENorm``, te.pytorch.RMSNorm) saves an ``_extra_state`` (its FP8
+* **Model.** TE's norms (``TENorm``, te.pytorch.RMSNorm) save an ``_extra_state`` (its FP8
   metadata) that the local RMSNorm does not have. Every other key maps between the specs through
   megatron-core's own key map (``input_layernorm.weight`` is saved as
   ``self_attention.linear_qkv.layer_norm_weight`` by both). A requested ``_extra_state`` that the
@@ -30,6 +30,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
@@ -39,6 +41,10 @@ from megatron_ext.errors import IncompatibleCheckpointError
 log = logging.getLogger(__name__)
 
 EXTRA_STATE_SUFFIX = "_extra_state"
+# current key part: the one earlier checkpoints have. An MoE layer's pre-MLP norm, which megatron-core's local spec
+# saved under the dense TE layer's fused-norm key until this project saved it under its TE spec's (docs/moe.md); the
+# model's tensor and, in the fully reshardable optimizer format, its optimizer state
+LEGACY_KEYS = {".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
 
 
 def is_torch_adam(inner: torch.optim.Optimizer) -> bool:
@@ -188,9 +194,23 @@ def _step_preserving(opt: MegatronOptimizer):
     return copy_without_step
 
 
+def _load_legacy_keys(state: dict[str, Any], checkpoint_dir: Path) -> None:
+    """Point the requests for keys the checkpoint saved under an earlier name (LEGACY_KEYS) at that name."""
+    requested = [entry for entry in nested_values(state) if isinstance(entry, ShardedBase)]
+    if not any(new in entry.key for entry in requested for new in LEGACY_KEYS):
+        return
+    saved = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).keys()
+    for entry in requested:
+        for new, old in LEGACY_KEYS.items():
+            if new in entry.key and entry.key not in saved and entry.key.replace(new, old) in saved:
+                entry.key = entry.key.replace(new, old)
+
+
 def load_sharded(state: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
     """dist_checkpointing.load, accepting a checkpoint without the ``_extra_state`` entries the current
-    layer spec requests (left out of the result; :func:`load_model_chunks` keeps the fresh ones)."""
+    layer spec requests (left out of the result; :func:`load_model_chunks` keeps the fresh ones) and with the
+    LEGACY_KEYS names."""
+    _load_legacy_keys(state, checkpoint_dir)
     loaded, _, absent = dist_checkpointing.load(state, str(checkpoint_dir), strict=StrictHandling.RETURN_UNEXPECTED)
     needed = sorted(key for key in absent if not key.endswith(EXTRA_STATE_SUFFIX))
     if needed:

@@ -93,6 +93,11 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
                                                    qk_layernorm=config.qk_layernorm))
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
+    if config.num_moe_experts:
+        # megatron-core 0.16.1's local spec saves the pre-MLP norm as the dense TE layer's fused norm
+        # (mlp.linear_fc1.layer_norm_weight) even before MoE layers, where its TE spec keeps the norm apart
+        # (pre_mlp_layernorm.weight): saved under TE's key, a checkpoint moves between the specs (Megatron-LM PR 6270)
+        layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
     if config.qk_layernorm:  # over each head's channels; megatron-core sums their gradients over TP itself

@@ -1,5 +1,6 @@
-"""The throughput benchmark end to end on CPU (tiny preset, no speed assertions): table, JSON, chart and the
-per-micro-batch comparisons."""
+"""The throughput benchmark end to end on CPU (the MoE preset at CPU size against transformers' Mixtral; no speed
+assertions): table, JSON, chart and the per-micro-batch comparisons. The dense peer's construction is unit-tested
+(tests/unit/test_benchmark.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_benchmark_writes_table_json_chart_and_per_micro_batch_comparisons(tmp_p
     # (train.compile's numerics are in the parity matrix); the pure-bf16 peer too (the regime split is unit-tested
     # below). bf16, so that the autocast peer runs.
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.benchmark", "--preset", "tiny", "--precision", "bf16", "--warmup", "1",
+        [sys.executable, "-m", "recipes.benchmark", "--preset", "moe-tiny", "--precision", "bf16", "--warmup", "1",
          "--steps", "2", "--micro-batch-sizes", "1", "2", "--seq-length", "64",
          "--variants", "megatron-eager", "megatron-untimed", "megatron-fp8", "hf-amp", "--out-dir", str(tmp_path)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
@@ -26,6 +27,7 @@ def test_benchmark_writes_table_json_chart_and_per_micro_batch_comparisons(tmp_p
     assert "skipping megatron-fp8: model.attention_backend='te' is invalid: TransformerEngine is not importable" \
         in proc.stdout  # the recipe's own rule, not a restatement
     record = json.loads((tmp_path / "benchmark.json").read_text())
+    assert record["title"].startswith("moe-tiny: 2L h128 4 experts top-2 seq 64 bf16")
     runs = [(r["variant"], r["micro_batch_size"], r["seq_length"], r["master_weights"]) for r in record["results"]]
     assert runs == [("megatron-eager", 1, 64, "fp32"), ("megatron-eager", 2, 64, "fp32"),
                     ("megatron-untimed", 1, 64, "fp32"), ("megatron-untimed", 2, 64, "fp32"), ("hf-amp", 1, 64, "fp32"),

@@ -77,11 +77,14 @@ def test_a_lost_node_and_its_return_change_dp_and_nothing_else(initial_weights, 
                 os.killpg(agent.pid, signal.SIGKILL)
     # rank 0 of the world after the scale-up may be on either agent (the rendezvous orders them): a's log, then c's
     log = out["a"].read_text() + out["c"].read_text()
-    assert "restart: world 4 → 2: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration 6" in log, log[-4000:]
+    restarts = re.findall(r"restart: world .*", log)
+    # b dies once step 6's checkpoint is committed; a later one may be committed before the kill lands
+    resumed = re.search(r"restart: world 4 → 2: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration (\d+)",
+                        log)
+    assert resumed and int(resumed[1]) >= 6 and (ckpt / f"iter_{int(resumed[1]):07d}").is_dir(), (restarts, log[-4000:])
     assert "restart: world 2 → 4: DP 1 → 2, 4 → 2 micro batches per step" in log and "lost 0 steps" in log
     # where each recovery went, from the agent's times (recipes.launch) and the new processes' start-up; on the
     # scale-up the agent may decide before the old world's last step
-    restarts = re.findall(r"restart: world .*", log)
     for restart, decided in zip(restarts, ("", "?")):
         print(restart)
         assert re.search(rf"from the last step before it: (until the agent restarted the workers [\d.]+ s, ){decided}"

@@ -112,6 +112,29 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
         assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}
 
 
+def test_checkpoints_move_between_the_local_and_te_layer_specs(runs, tmp_path):
+    """The local EP2×PP2 checkpoint at STOP resumed under TransformerEngine's layer spec (TE-shaped stand-ins:
+    megatron-core's TEGroupedMLP over grouped linears with TE's checkpoint contract) at EP2×DP2, saved there two
+    steps later and resumed under the local spec in one process: every step the uninterrupted run's."""
+    te_ckpt = tmp_path / "te_ckpt"
+    proc = run_pretrain(2, [*parity_overrides(None, tmp_path / "te", STEPS), *TP1, *PP1, "model.attention_backend=te",
+                            f"checkpoint.load={runs['ckpt']}", f"checkpoint.save={te_ckpt}",
+                            f"train.exit_interval={STOP + 2}", "checkpoint.optimizer_format=fully_reshardable"],
+                        module="tests.workers.te_standin", config=TINY_MOE)
+    log = proc.stdout + proc.stderr
+    expected = ["layer spec: TransformerEngine", "4 on this rank as TEGroupedMLP",
+                f"resumed from {runs['ckpt']} at iteration {STOP}"]
+    assert not _missing(log, expected), f"the start-up log does not show {_missing(log, expected)}:\n{log[-4000:]}"
+    _assert_matches(tmp_path / "te", runs["full"], {**MOE_TOLERANCE, **RESHARD_TOLERANCE},
+                    range(STOP + 1, STOP + 3), "local to TE")
+    proc = run_pretrain(1, [*parity_overrides(None, tmp_path / "local", STEPS), *SINGLE, "checkpoint.save=null",
+                            f"checkpoint.load={te_ckpt}"], config=TINY_MOE)
+    log = proc.stdout + proc.stderr
+    assert f"resumed from {te_ckpt} at iteration {STOP + 2}" in log and "as SequentialMLP" in log, log[-3000:]
+    _assert_matches(tmp_path / "local", runs["full"], {**MOE_TOLERANCE, **RESHARD_TOLERANCE},
+                    range(STOP + 3, STEPS + 1), "TE to local")
+
+
 @pytest.mark.parametrize("name, nproc, layout, expected", [
     # EP2 → EP1 (every expert on every rank), PP2 → PP1, TP1 → TP2
     ("ep1_tp2_sp", 2, [*PP1, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",

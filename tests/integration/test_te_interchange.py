@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.model.llama import transformer_engine_available
 from tests.conftest import parity_overrides
 from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_scalars, run_pretrain
 
 GOLDEN_KEYS = ROOT / "tests" / "golden" / "te_spec_sharded_keys.txt"
+GOLDEN_MOE_KEYS = ROOT / "tests" / "golden" / "te_spec_moe_sharded_keys.txt"
 STEPS, STOP = 6, 3
 TE = ["model.attention_backend=te"]
 # Same math in both specs (the stand-ins fuse nothing numerically), so differences are summation
@@ -35,18 +37,38 @@ DP2 = (2, ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_par
 ONE_NON_DISTRIBUTED = (1, [*SINGLE_PROCESS, "parallel.use_distributed_optimizer=false"])
 
 
-def _keys(spec: str) -> list[str]:
+def _keys(spec: str, *options: str) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "tests.workers.te_standin", "keys", spec], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.te_standin", "keys", spec, *options], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300, check=True)
     return proc.stdout.split("\n")[:-1]
 
 
+def _golden(path: Path) -> list[str]:
+    return sorted(line for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
 def test_te_shaped_spec_presents_megatron_cores_te_checkpoint_keys():
-    golden = sorted(line for line in GOLDEN_KEYS.read_text().splitlines() if line and not line.startswith("#"))
+    golden = _golden(GOLDEN_KEYS)
     assert _keys("te") == golden
     # The local spec saves the same keys, except the TE final norm's FP8 metadata.
     assert _keys("local") == [k for k in golden if k != "decoder.final_layernorm._extra_state ShardedObject"]
+
+
+@pytest.mark.skipif(not transformer_engine_available(), reason="real TransformerEngine needs a GPU and TE")
+@pytest.mark.parametrize("golden, options", [(GOLDEN_KEYS, []), (GOLDEN_MOE_KEYS, ["--moe"])], ids=["dense", "moe"])
+def test_real_transformer_engine_saves_the_golden_keys(golden, options):
+    """What the stand-ins are checked against, checked against TE itself where it runs (`make gpu-check`)."""
+    assert _keys("te", *options, "--real-te") == _golden(golden)
+
+
+def test_moe_layers_save_the_same_keys_under_either_spec():
+    """TE's grouped experts save SequentialMLP's keys (megatron-core's contract), and the local spec's pre-MLP norm
+    is saved under the TE spec's key: only the TE norms' FP8 metadata is TE's own."""
+    golden = _golden(GOLDEN_MOE_KEYS)
+    assert _keys("te", "--moe") == golden
+    te_only = {f"decoder.{norm}._extra_state ShardedObject" for norm in ("final_layernorm", "layers.pre_mlp_layernorm")}
+    assert _keys("local", "--moe") == [k for k in golden if k not in te_only]
 
 
 def _run(module: str, layout: tuple[int, list[str]], overrides: list[str]) -> str:
@@ -71,7 +93,8 @@ def test_a_dp_reshardable_checkpoint_is_refused_by_the_other_spec(tmp_path):
     hold other parameters at those offsets, so loading it is one clear error, not misplaced Adam moments."""
     run = [*SINGLE_PROCESS, "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
            "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=64", "train.train_iters=2",
-           "train.global_batch_size=2", "train.micro_batch_size=2", "train.eval_iters=0", "logging.tensorboard_dir=null"]
+           "train.global_batch_size=2", "train.micro_batch_size=2", "train.eval_iters=0",
+           "logging.tensorboard_dir=null"]
     ckpt = tmp_path / "ckpt"
     run_pretrain(1, [*run, "train.exit_interval=1", f"checkpoint.save={ckpt}"])
     proc = run_pretrain(1, [*run, *TE, f"checkpoint.load={ckpt}"], module="tests.workers.te_standin", check=False)

@@ -1,10 +1,13 @@
-"""The throughput benchmark's pieces: comparisons within and across precision regimes, and every recipe variant a
-valid GPU config (or skipped with the recipe's own reason)."""
+"""The throughput benchmark's pieces: comparisons within and across precision regimes, every recipe variant a
+valid GPU config (or skipped with the recipe's own reason), and the peer: the recipe's model in transformers, fed the
+recipe's tokens."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron_ext.config.shape import ModelShape
 from megatron_ext.config.validate import validate_layout
 from recipes import benchmark
 
@@ -29,17 +32,38 @@ def test_the_timers_cost_is_the_timed_over_the_untimed_step_time():
         pytest.approx({1: 0.02})
 
 
+def one_micro_batch(preset: str, mbs: int) -> dict:
+    return {k: v for k, v in benchmark.PRESETS[preset].items() if k != "micro_batch_sizes"} | {"micro_batch_size": mbs}
+
+
+@pytest.mark.parametrize("preset", ["1b", "moe"])
 @pytest.mark.parametrize("te_available", [False, True])
 @pytest.mark.parametrize("variant", list(benchmark.MEGATRON_VARIANTS))
-def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available):
+def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available, preset):
     """GPU runs are rare: a variant the config rules reject must fail here, not on the GPU."""
-    shape = {**benchmark.PRESETS["1b"], "micro_batch_size": 4}
+    shape = one_micro_batch(preset, 4)
     reason = benchmark.unavailable(variant, shape, "bf16", te_available, fp8_capable=True, on_gpu=True)
     if reason:  # skipped by the benchmark with the recipe's own reason
-        expected = {"megatron-fp8": "TransformerEngine is not importable", "megatron-liger": "needs liger-kernel"}
+        expected = {"megatron-fp8": "TransformerEngine is not importable", "megatron-liger": "needs liger-kernel",
+                    **({"megatron-cudagraph": "not verified with MoE models"} if preset == "moe" else {})}
         assert expected.get(variant) and expected[variant] in reason, (variant, reason)
         if variant == "megatron-fp8":
             assert not te_available
         return
     cfg = benchmark.recipe_config(shape, "bf16", steps=13, variant=variant)
     validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=True)
+
+
+@pytest.mark.parametrize("preset, peer", [("tiny", "LlamaForCausalLM"), ("moe-tiny", "MixtralForCausalLM")])
+def test_the_peer_is_the_recipes_model_and_trains_on_its_tokens(preset, peer):
+    shape = one_micro_batch(preset, 2)
+    cfg = benchmark.recipe_config(shape, "fp32", steps=3)
+    model = benchmark.hf_model(cfg, torch.float32)
+    assert type(model).__name__ == peer
+    model_shape = ModelShape.of(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) == model_shape.num_parameters(shape["vocab_size"])
+    if model_shape.is_moe:  # the recipe's loss has megatron-core's load-balancing loss in it; the peer's too
+        assert model.config.output_router_logits and model.config.router_aux_loss_coef == cfg.model.moe_aux_loss_coeff
+    batches = benchmark.recipe_batches(cfg, 3)
+    assert [b["tokens"].shape for b in batches] == [(2, shape["seq_length"])] * 3
+    assert not torch.equal(batches[0]["tokens"], batches[1]["tokens"])  # a new micro batch each step

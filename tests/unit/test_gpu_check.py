@@ -21,9 +21,10 @@ def test_the_checklist_runs_every_gpu_only_test_and_the_benchmark_with_the_timer
     assert skipped_on_cpu >= {"tests/integration/test_cuda_graphs.py", "tests/integration/test_liger.py"}
     assert all(path in listed for path in skipped_on_cpu), (skipped_on_cpu, listed)
     names = [s.name for s in gpu_check.steps(tmp_path)]
-    assert names == ["gpu-tests", "doctor", "benchmark", "fused-linear-ce", "profile"]
+    assert names == ["gpu-tests", "doctor", "benchmark", "benchmark-moe", "fused-linear-ce", "profile"]
     assert "megatron-untimed" in gpu_check.steps(tmp_path)[2].what
-    assert "logging.memory_snapshot=true" in gpu_check.steps(tmp_path)[4].command
+    assert "moe" in gpu_check.steps(tmp_path)[3].command
+    assert "logging.memory_snapshot=true" in gpu_check.steps(tmp_path)[5].command
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

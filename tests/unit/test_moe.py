@@ -103,3 +103,31 @@ def test_routing_collapse_is_warned_once_after_the_set_number_of_intervals_and_a
                                    "logging.moe_collapse_share=0.5, for 3 log intervals in a row (an even split gives "
                                    "each expert 25.0%)")
     assert CollapseDetector(share=None, intervals=3).update({1: 1.0}, {1: 0}, even=0.25) == []
+
+
+def test_a_checkpoint_with_the_earlier_pre_mlp_norm_key_loads(monkeypatch, tmp_path):
+    """Local MoE checkpoints saved the pre-MLP norm under the dense fused-norm key before it moved to TE's: the model's
+    and the optimizer's requests for it are pointed there when (only when) the checkpoint has the earlier name."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_ext.checkpoint import compat
+
+    def requests() -> dict:
+        return {"model": {"norm": ShardedTensor.from_rank_offsets("decoder.layers.pre_mlp_layernorm.weight",
+                                                                  torch.ones(4)),
+                          "extra": ShardedTensor.from_rank_offsets("decoder.layers.pre_mlp_layernorm._extra_state",
+                                                                   torch.ones(1))},
+                "optimizer": {"moment": ShardedTensor.from_rank_offsets(
+                    "optimizer.state.exp_avg.decoder.layers.pre_mlp_layernorm.weight", torch.ones(4))}}
+
+    def keys(state: dict) -> list[str]:
+        return [state["model"]["norm"].key, state["model"]["extra"].key, state["optimizer"]["moment"].key]
+
+    earlier = ["decoder.layers.mlp.linear_fc1.layer_norm_weight",
+               "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.layer_norm_weight"]
+    for saved, expected in [(earlier, [earlier[0], "decoder.layers.pre_mlp_layernorm._extra_state", earlier[1]]),
+                            (keys(requests()), keys(requests()))]:
+        monkeypatch.setattr(compat.dist_checkpointing, "load_tensors_metadata", lambda _: dict.fromkeys(saved))
+        state = requests()
+        compat._load_legacy_keys(state, tmp_path)
+        assert keys(state) == expected

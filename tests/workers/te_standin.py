@@ -10,13 +10,20 @@
   They compute what the local layers compute, so a run keeps its losses when it moves between the specs.
   ``tests/golden/te_spec_sharded_keys.txt`` holds the keys megatron-core's TE spec produces; the
   stand-ins are checked against it, and so is real TE where a GPU has it (``keys`` mode below).
+* MoE layers: megatron-core's own ``TEGroupedMLP`` (the TE spec with ``moe_grouped_gemm``) over
+  :class:`TEColumnParallelGroupedLinear` / :class:`TERowParallelGroupedLinear`, which present TE ``GroupedLinear``
+  as megatron-core's wrappers do (``extensions/transformer_engine.py``): one weight per local expert (``weight0``,
+  ``weight1``, ...), one ``_extra_state`` saved once per expert in a distributed checkpoint (``_extra_state``,
+  ``_extra_state1``, ...) and merged back on load, each expert's tensors sharded on the global expert axis and
+  replicated over expert-DP — so a checkpoint's keys are SequentialMLP's (the local spec's).
+  ``tests/golden/te_spec_moe_sharded_keys.txt`` holds the keys of a 2-layer MoE model.
 * :class:`FusedAdamStandIn` has TE FusedAdam's state contract (TE 2.9-2.11 ``optimizers/fused_adam.py``):
   the step is an ``int`` in each param group (a float reaches a kernel taking ``int``: TypeError), each
   group needs ``bias_correction``, and ``state_dict()``/``load_state_dict()`` look every per-param state
   key up in a dtype map of ``exp_avg``/``exp_avg_sq``/``master_param`` (anything else: KeyError).
 
 Run as ``python -m tests.workers.te_standin --config ... [overrides]`` (under torchrun) to train with both installed;
-``python -m tests.workers.te_standin keys {local,te} [--real-te]`` prints a 2-layer model's sharded keys.
+``python -m tests.workers.te_standin keys {local,te} [--moe] [--real-te]`` prints a 2-layer model's sharded keys.
 """
 
 from __future__ import annotations
@@ -26,7 +33,15 @@ import sys
 import torch
 import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import divide
 
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.llama import RMSNorm
@@ -56,8 +71,73 @@ class TELayerNormColumnParallelLinear(_TEExtraState, ColumnParallelLinear):
         return super().forward(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps))
 
 
+class TEColumnParallelLinear(_TEExtraState, ColumnParallelLinear):
+    """megatron-core's TEColumnParallelLinear as a checkpoint sees it (the shared experts' fc1)."""
+
+
 class TERowParallelLinear(_TEExtraState, RowParallelLinear):
     """megatron-core's TERowParallelLinear as a checkpoint sees it."""
+
+
+class _TEGroupedLinear(_TEExtraState, torch.nn.Module):
+    """TE GroupedLinear under megatron-core's wrapper: `num_gemms` local experts' weights, each split over expert-TP
+    on TP_AXIS, ``forward(x, m_splits)`` = expert e's GEMM over its ``m_splits[e]`` rows. No communication: under
+    expert parallelism or expert-TP the token dispatcher does it (megatron-core's ``explicit_expert_comm``)."""
+
+    TP_AXIS: int  # of a [out, in] weight: 0 column-parallel, 1 row-parallel
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, init_method, bias: bool,
+                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name=None, pg_collection=None):
+        super().__init__()
+        assert is_expert and not bias, "stand-in for the recipe's bias-free experts only"
+        self.num_gemms, self.groups = num_gemms, pg_collection
+        shape = [output_size, input_size]
+        shape[self.TP_AXIS] = divide(shape[self.TP_AXIS], pg_collection.expt_tp.size())
+        for gemm in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
+            if config.perform_initialization:
+                init_method(weight)
+            set_tensor_model_parallel_attributes(weight, True, self.TP_AXIS, 1)
+            self.register_parameter(f"weight{gemm}", weight)
+        self._register_load_state_dict_pre_hook(self._merge_extra_states)
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]):
+        parts = torch.split(x, m_splits)
+        return torch.cat([F.linear(part, getattr(self, f"weight{e}")) for e, part in enumerate(parts)]), None
+
+    def _merge_extra_states(self, state_dict, prefix, *_):
+        """A distributed checkpoint holds the extra state once per expert; the module has one (no FP8: all equal)."""
+        for gemm in range(1, self.num_gemms):
+            state_dict.pop(f"{prefix}_extra_state{gemm}", None)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict = None) -> dict:
+        """Expert e's weight and extra state under SequentialMLP's keys: a TP-sharded tensor with one more axis, the
+        global expert index, after `sharded_offsets`; replicated over expert-DP (not DP)."""
+        ep, local = self.groups.ep, self.state_dict(prefix="", keep_vars=True)
+        sharded = {}
+        for gemm in range(self.num_gemms):
+            expert_axis = (len(sharded_offsets), ep.rank() * self.num_gemms + gemm, ep.size() * self.num_gemms)
+            entries = make_sharded_tensors_for_checkpoint(
+                {"weight": local[f"weight{gemm}"], "_extra_state": local["_extra_state"]}, prefix,
+                {"weight": self.TP_AXIS}, (*sharded_offsets, expert_axis),
+                tp_group=self.groups.expt_tp, dp_cp_group=metadata["dp_cp_group"])
+            sharded[f"{prefix}weight{gemm}"] = entries[f"{prefix}weight"]
+            sharded[f"{prefix}_extra_state{gemm or ''}"] = entries[f"{prefix}_extra_state"]
+        for entry in sharded.values():
+            entry.replica_id = (*entry.replica_id[:2], self.groups.expt_dp.rank())
+        return sharded
+
+
+class TEColumnParallelGroupedLinear(_TEGroupedLinear):
+    """The experts' fc1."""
+
+    TP_AXIS = 0
+
+
+class TERowParallelGroupedLinear(_TEGroupedLinear):
+    """The experts' fc2."""
+
+    TP_AXIS = 1
 
 
 class TENorm(_TEExtraState, RMSNorm):
@@ -86,10 +166,20 @@ class TEDotProductAttention(SDPAttention):
 
 
 class TEShapedSpecProvider(TESpecProvider):
-    """megatron-core's TE backend with the stand-in modules (dense Llama layers only)."""
+    """megatron-core's TE backend with the stand-in modules."""
+
+    def column_parallel_linear(self) -> type:
+        return TEColumnParallelLinear
 
     def column_parallel_layer_norm_linear(self) -> type:
         return TELayerNormColumnParallelLinear
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
+                            ) -> tuple[type, MLPSubmodules]:
+        if moe_use_grouped_gemm:
+            return TEGroupedMLP, MLPSubmodules(linear_fc1=TEColumnParallelGroupedLinear,
+                                               linear_fc2=TERowParallelGroupedLinear)
+        return SequentialMLP, MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
 
     def row_parallel_linear(self) -> type:
         return TERowParallelLinear
@@ -188,8 +278,9 @@ def install() -> None:
         module.transformer_engine_available = lambda: True
 
 
-def sharded_keys(use_te: bool) -> list[str]:
-    """`key kind` of every entry of a 2-layer TP1 model's sharded_state_dict (one process)."""
+def sharded_keys(use_te: bool, moe: bool = False) -> list[str]:
+    """`key kind` of every entry of a 2-layer TP1 model's sharded_state_dict (one process); with `moe` every layer's
+    MLP 4 experts (grouped GEMM under TE, megatron-core's default there) and a shared expert."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     from megatron_ext.config.schema import load_config
@@ -198,8 +289,10 @@ def sharded_keys(use_te: bool) -> list[str]:
     from megatron_ext.model.llama import build_model_chunks, transformer_config
 
     on_gpu = not cpu_backend.install()
+    experts = ["model.num_moe_experts=4", "model.moe_shared_expert_intermediate_size=32",
+               f"model.moe_grouped_gemm={use_te}"] if moe else []
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-                             "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=128"])
+                             "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=128", *experts])
     init_distributed(cfg, on_gpu)
     try:
         chunk = build_model_chunks(cfg, 128, transformer_config(cfg, on_gpu, use_te), use_te)[0]
@@ -215,7 +308,7 @@ if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns p
     if sys.argv[1:2] == ["keys"]:
         if "--real-te" not in sys.argv:
             install()
-        print("\n".join(sharded_keys(use_te=sys.argv[2] == "te")))
+        print("\n".join(sharded_keys(use_te=sys.argv[2] == "te", moe="--moe" in sys.argv)))
         sys.exit(0)
     install()
     from recipes.pretrain import main
