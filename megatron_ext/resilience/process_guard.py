@@ -35,6 +35,8 @@ def die_with_parent(sig: signal.Signals = PARENT_DEATH_SIGNAL) -> Optional[str]:
     if not sys.platform.startswith("linux"):
         return f"{sys.platform} has no parent-death signal: stop this process yourself if its launcher dies"
     parent = os.getppid()
+    if signal.getsignal(sig) == signal.SIG_IGN:  # inherited, e.g. under nohup: the kernel's signal would do nothing
+        signal.signal(sig, signal.SIG_DFL)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}"

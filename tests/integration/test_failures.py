@@ -191,16 +191,19 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
 
 
 def test_die_with_parent_ends_a_busy_child_when_its_parent_is_killed(tmp_path):
-    """A grandchild spinning in pure Python (nothing would stop it) is gone once its parent is SIGKILLed."""
+    """A grandchild spinning in pure Python (nothing would stop it) is gone once its parent is SIGKILLed, also when it
+    inherited SIGHUP ignored (a job started under nohup)."""
     marker = tmp_path / "pid"
     script = textwrap.dedent(f"""
-        import os, subprocess, sys, time
+        import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         child = subprocess.Popen([sys.executable, "-c", "from megatron_ext.resilience.process_guard import die_with_parent; "
                                   "import os; die_with_parent(); open({str(marker)!r}, 'w').write(str(os.getpid())); "
                                   "exec('while True: pass')"])
         time.sleep(600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    child = None
     try:
         deadline = time.monotonic() + 30
         while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
@@ -214,6 +217,8 @@ def test_die_with_parent_ends_a_busy_child_when_its_parent_is_killed(tmp_path):
         assert not _alive(child)
     finally:
         parent.kill()
+        if child is not None and _alive(child):  # a spinning orphan would slow every test after this one
+            os.kill(child, signal.SIGKILL)
 
 
 def test_the_checkpoint_save_helper_ends_with_a_rank_killed_by_sigkill():
