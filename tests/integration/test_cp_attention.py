@@ -14,7 +14,8 @@ from tests.launch import ROOT
 TOLERANCE = 1e-5  # fp32: max |ring - full| / max |full|, per tensor; measured ≤ 2e-6
 
 
-# CP4 only: CP2's ring runs in the parity matrix (cp2, tp2_cp2, pp2_cp2) and the document-masking test
+# CP4 only: CP2's ring runs in the parity matrix (tp2_cp2, dp2_cp2_hsdp2_zero3, dp2_tp2_pp2_cp2) and the
+# document-masking test
 @pytest.mark.parametrize("cp", [4])
 def test_ring_attention_matches_full_attention(cp, tmp_path):
     out = tmp_path / "diffs.json"

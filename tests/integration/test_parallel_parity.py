@@ -38,7 +38,6 @@ LAYOUTS = {
     # name: (processes, overrides on top of configs/tiny.yaml (TP2×PP2+SP), what the run's start-up log must say:
     # the feature was really built — read from megatron-core's objects — not only asked for)
     "tp2": (2, [*PP1, *NO_SP], ["TP2 × CP1 × DP1 × PP1", "kernels: eager, none fused"]),
-    "tp2_sp": (2, PP1, ["TP2 × CP1 × DP1 × PP1", "kernels: sequence parallel"]),
     # 3 processes for PP2: the third stays idle (an elastic world that the layout does not fit)
     "pp2_1f1b_third_rank_idle": (3, [*TP1, "parallel.allow_idle_ranks=true"], [
         "TP1 × CP1 × DP1 × PP2\n", "PP stage 0 (ranks [0]): layers 1-2 + embedding",
@@ -53,17 +52,17 @@ LAYOUTS = {
          f"activation offload of {', '.join(OFFLOADED)}",
          "activation offload: 2.8 MiB of saved activations held in host memory at once on this rank (attn_norm 0.8 "
          "MiB, attn_proj 0.2 MiB, core_attn 0.8 MiB, mlp_norm 0.8 MiB, qkv_linear 0.2 MiB)"]),
-    "pp2_uneven_1_3": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1"],
-                       ["PP stage 0 (ranks [0]): layers 1-1", "PP stage 1 (ranks [1]): layers 2-4"]),
+    "pp2_uneven_1_3_selective_recompute": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1",
+                                               "train.recompute_granularity=selective"],
+                                           ["PP stage 0 (ranks [0]): layers 1-1", "PP stage 1 (ranks [1]): layers 2-4",
+                                            "kernels: selective recompute", "TP1 × CP1 × DP1 × PP2"]),
     "dp2": (2, [*TP1, *PP1, "parallel.use_distributed_optimizer=false"], ["TP1 × CP1 × DP2 × PP1", REPLICATED]),
     "cp4": (4, [*TP1, *PP1, "parallel.context_parallel_size=4"], ["TP1 × CP4 × DP1 × PP1", RING]),
     "dp2_tp2_sp_distopt": (4, PP1, ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
                                     f"{DISTOPT2}; grad sync: after the backward pass"]),
     "tp2_cp2": (4, [*PP1, "parallel.context_parallel_size=2"], ["TP2 × CP2 × DP1 × PP1", RING]),
-    "pp2_cp2": (4, [*TP1, "parallel.context_parallel_size=2"], ["TP1 × CP2 × DP1 × PP2", RING]),
-    "tp2_sp_full_recompute": (2, [*PP1, "train.recompute_granularity=full"], ["sequence parallel, full recompute"]),
-    "pp2_selective_recompute": (2, [*TP1, "train.recompute_granularity=selective"],
-                                ["kernels: selective recompute", "TP1 × CP1 × DP1 × PP2"]),
+    "tp2_sp_full_recompute": (2, [*PP1, "train.recompute_granularity=full"],
+                              ["TP2 × CP1 × DP1 × PP1", "kernels: sequence parallel, full recompute"]),
     "dp2_distopt_overlap": (2, [*TP1, *PP1, "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
                             [DISTOPT2, "grad sync: overlapped grad reduce, overlapped param gather"]),
     "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"],

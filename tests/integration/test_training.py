@@ -83,16 +83,13 @@ def test_resume_under_another_layout_continues_the_same_run(runs, name, nproc, l
         assert diff <= tolerance, (tag, resumed, full)
 
 
-@pytest.mark.parametrize("saved_fused, resumed_fused, kernel", [
-    ("false", "true", "fused kernel"), ("true", "false", "torch's default kernel"),
-])
-def test_resume_runs_the_configured_adam_kernel(saved_fused, resumed_fused, kernel, tmp_path):
+def test_resume_runs_the_configured_adam_kernel(tmp_path):
     """A checkpoint carries the Adam kernel flags it was saved with; the resumed run's config wins.
     (On CPU both kernels give the same numbers here, so only the log can tell them apart.)"""
     ckpt = tmp_path / "ckpt"
     run = [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=2", "logging.tensorboard_dir=null",
            f"checkpoint.save={ckpt}"]
-    run_pretrain(1, [*run, "train.exit_interval=1", f"optimizer.fused_adam={saved_fused}"])
-    resumed = run_pretrain(1, [*run, f"checkpoint.load={ckpt}", f"optimizer.fused_adam={resumed_fused}"])
+    run_pretrain(1, [*run, "train.exit_interval=1", "optimizer.fused_adam=false"])
+    resumed = run_pretrain(1, [*run, f"checkpoint.load={ckpt}", "optimizer.fused_adam=true"])
     log = resumed.stdout + resumed.stderr
-    assert "resumed from" in log and f"optimizer: torch AdamW, {kernel}" in log, log[-3000:]
+    assert "resumed from" in log and "optimizer: torch AdamW, fused kernel" in log, log[-3000:]

@@ -23,11 +23,13 @@
   key up in a dtype map of ``exp_avg``/``exp_avg_sq``/``master_param`` (anything else: KeyError).
 
 Run as ``python -m tests.workers.te_standin --config ... [overrides]`` (under torchrun) to train with both installed;
-``python -m tests.workers.te_standin keys {local,te} [--moe] [--real-te]`` prints a 2-layer model's sharded keys.
+``python -m tests.workers.te_standin keys [--real-te]`` prints the sharded keys of a 2-layer dense and MoE model
+under each spec (JSON: te, te_moe, local, local_moe).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -308,7 +310,8 @@ if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns p
     if sys.argv[1:2] == ["keys"]:
         if "--real-te" not in sys.argv:
             install()
-        print("\n".join(sharded_keys(use_te=sys.argv[2] == "te", moe="--moe" in sys.argv)))
+        print(json.dumps({f"{spec}{'_moe' * moe}": sharded_keys(use_te=spec == "te", moe=moe)
+                          for spec in ("te", "local") for moe in (False, True)}))
         sys.exit(0)
     install()
     from recipes.pretrain import main
