@@ -160,8 +160,10 @@ class Layout:
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
         )
         t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
-        o = dataclasses.replace(cfg.optimizer, optimizer_cpu_offload=self.offload > 0,
-                                optimizer_offload_fraction=self.offload or cfg.optimizer.optimizer_offload_fraction)
+        o = cfg.optimizer
+        if self.offload or o.optimizer_cpu_offload:
+            o = dataclasses.replace(o, optimizer_cpu_offload=self.offload > 0,
+                                    optimizer_offload_fraction=self.offload or o.optimizer_offload_fraction)
         return dataclasses.replace(cfg, parallel=p, train=t, optimizer=o)
 
     @classmethod
@@ -221,6 +223,19 @@ class _Shape:
     @classmethod
     def of(cls, cfg: RecipeConfig, vocab_size: int) -> "_Shape":
         m, p = cfg.model, cfg.parallel
+        # by value: a search asks for the shape of each candidate layout many times over (and config sections are
+        # mutable, so not by identity)
+        key = (tuple(vars(m).values()), p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
+               p.expert_model_parallel_size, p.expert_tensor_parallel_size, cfg.train.precision, vocab_size)
+        if key not in _SHAPES:
+            if len(_SHAPES) >= 4096:
+                _SHAPES.clear()
+            _SHAPES[key] = cls._of(cfg, vocab_size)
+        return _SHAPES[key]
+
+    @classmethod
+    def _of(cls, cfg: RecipeConfig, vocab_size: int) -> "_Shape":
+        m, p = cfg.model, cfg.parallel
         model = ModelShape.of(m)
         return cls(
             layers=model.num_layers, hidden=model.hidden_size, heads=model.num_attention_heads,
@@ -254,6 +269,9 @@ class _Shape:
     def expert_dp(self, world_size: int, pp: int) -> int:
         """The expert-data-parallel size: the ranks of a pipeline stage regrouped as ETP × EP × expert-DP."""
         return world_size // (pp * self.ep * self.etp)
+
+
+_SHAPES: dict[tuple, _Shape] = {}
 
 
 def model_vocab_size(cfg: RecipeConfig) -> int:
@@ -371,6 +389,13 @@ def _stage_static(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int, dp: 
     return param_elems, grad_elems, tuple(owned)
 
 
+def _expert_static(shape: _Shape, world_size: int, pp: int, vpp: Optional[int], pp_rank: int, distopt: bool,
+                   overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
+    """:func:`_stage_static` of the stage's expert buffers, over the expert-DP ranks of `world_size`."""
+    return _stage_static(shape, pp, vpp, pp_rank, shape.expert_dp(world_size, pp), distopt, overlap_grad_reduce,
+                         experts=True)
+
+
 def _model_elements(shape: _Shape) -> int:
     """Parameter elements of one TP rank's part of the whole model (PP 1)."""
     return sum(n for n, _ in _chunk_params(shape, 1, shape.layers, True, True))
@@ -410,9 +435,8 @@ def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_ra
                                                    p.overlap_grad_reduce)
         owned = dense_owned[dp_cp_rank]
         if shape.experts:
-            expert_params, expert_grads, expert_owned = _stage_static(
-                shape, pp, vpp, pp_rank, shape.expert_dp(world_size, pp), p.use_distributed_optimizer,
-                p.overlap_grad_reduce, experts=True)
+            expert_params, expert_grads, expert_owned = _expert_static(
+                shape, world_size, pp, vpp, pp_rank, p.use_distributed_optimizer, p.overlap_grad_reduce)
             params, grads, owned = params + expert_params, grads + expert_grads, owned + expert_owned[expert_dp_rank]
     return {"params": params * shape.bytes_per_value, "grads": grads * 4,
             "optimizer": owned * _optimizer_bytes_per_element(shape)}
@@ -647,9 +671,8 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
     params, grads, owned = _stage_static(shape, layout.pp, layout.vpp, pp_rank, layout.dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
     if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
-        expert_params, expert_grads, expert_owned = _stage_static(
-            shape, layout.pp, layout.vpp, pp_rank, shape.expert_dp(world_size, layout.pp), layout.distopt,
-            cfg.parallel.overlap_grad_reduce, experts=True)
+        expert_params, expert_grads, expert_owned = _expert_static(
+            shape, world_size, layout.pp, layout.vpp, pp_rank, layout.distopt, cfg.parallel.overlap_grad_reduce)
         params, grads, owned = params + expert_params, grads + expert_grads, (max(owned) + max(expert_owned),)
     gathered = 0
     if layout.sharding:
@@ -657,7 +680,8 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
                                                         layout.replicas, cfg.parallel.outer_dp_sharding_strategy)
         owned = (shard,)
     tokens = layout.mbs * shape.seq // layout.cp
-    no_recompute = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
+    no_recompute = cfg if cfg.train.recompute_granularity is None else dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
     # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
     buffers = layer_activation_bytes(no_recompute) * (2 if layout.recompute == "full" else 1)
     if layout.sp:
@@ -754,8 +778,8 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
     params, grads, owned = _stage_static(shape, pp, layout.vpp, 0, dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
     expert_dp = shape.expert_dp(world_size, pp)
-    expert_params, expert_grads, expert_owned = _stage_static(shape, pp, layout.vpp, 0, expert_dp, layout.distopt,
-                                                              cfg.parallel.overlap_grad_reduce, experts=True)
+    expert_params, expert_grads, expert_owned = _expert_static(shape, world_size, pp, layout.vpp, 0, layout.distopt,
+                                                               cfg.parallel.overlap_grad_reduce)
     # What a micro batch costs besides its FLOPs: why small micro batches are slow (measured mbs 1 → 4: 1.45×)
     overhead = (params + expert_params) * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
 

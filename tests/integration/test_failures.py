@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_ext.checkpoint.layout import complete_iterations, latest_iteration
@@ -165,9 +166,16 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
     logs, ckpt, out = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "out.txt"
     cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"logging.log_dir={logs}", f"checkpoint.save={ckpt}",
                                "checkpoint.save_interval=3"])
+    marker = {"TEST_PROCESS_TREE": str(tmp_path)}  # inherited by every process the run starts
+
+    def run_processes() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["environ"]) if p.pid != proc.pid and
+                (p.info["environ"] or {}).get("TEST_PROCESS_TREE") == marker["TEST_PROCESS_TREE"]]
+
     with open(out, "w") as sink:
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})) if signal_lost else None
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT, preexec_fn=block)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**run_env(), **marker}, stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=block)
     try:
         _wait_for(out, "step      1/", proc)
         ranks = _children(proc.pid)
@@ -178,9 +186,13 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
         while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in ranks), out.read_text()[-3000:]
+        if not signal_lost:  # and the ranks' helpers (the checkpoint save's worker processes) with them
+            _, alive = psutil.wait_procs(run_processes(), timeout=5)
+            assert not alive, [p.cmdline()[:3] for p in alive]
     finally:
-        for pid in _children(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        # with SIGHUP blocked the helpers inherit the mask and cannot get their parent-death signal either
+        for leftover in run_processes():
+            leftover.kill()
     time.sleep(2)
     # Nothing a resume would use: no tracker, no complete (manifest-bearing) checkpoint. On a loaded machine the
     # ranks may reach step 3 before the kill lands and stop mid-save, leaving shards without a manifest, which a
