@@ -360,6 +360,12 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
     )
 
 
+def expert_tensor_parallel_size(cfg: RecipeConfig) -> int:
+    """ETP as megatron-core builds it: parallel.expert_tensor_parallel_size, or TP where it is null."""
+    p = cfg.parallel
+    return p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+
+
 def log_dir(cfg: RecipeConfig) -> str:
     """Where each rank writes its tracebacks and hang stacks."""
     return cfg.logging.log_dir or f"runs/{cfg.recipe.name}/logs"

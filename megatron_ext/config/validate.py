@@ -14,7 +14,7 @@ import importlib.util
 import typing
 from typing import Any, Optional
 
-from megatron_ext.config.schema import RecipeConfig, allowed_values, shown_value
+from megatron_ext.config.schema import RecipeConfig, allowed_values, expert_tensor_parallel_size, shown_value
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConfigError
 
@@ -419,7 +419,7 @@ def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
         require(etp is None, "parallel.expert_tensor_parallel_size", etp, "splits the experts of an MoE model: set "
                 "model.num_moe_experts, or leave it null")
         return
-    etp = tp if etp is None else etp
+    etp = expert_tensor_parallel_size(cfg)
     shape = ModelShape.of(m)
     require(experts >= 2, "model.num_moe_experts", experts, "an MoE layer needs at least 2 experts (null = dense)")
     require(1 <= m.moe_router_topk <= experts, "model.moe_router_topk", m.moe_router_topk,

@@ -16,7 +16,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import RecipeConfig, expert_tensor_parallel_size
 from megatron_ext.config.shape import ModelShape
 
 
@@ -44,7 +44,7 @@ def moe_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm is True,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(cfg),
     )
 
 

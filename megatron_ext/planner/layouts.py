@@ -64,6 +64,7 @@ from megatron_ext.config.schema import (
     RecipeConfig,
     ShardingStrategy,
     data_parallel_size,
+    expert_tensor_parallel_size,
 )
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
@@ -246,7 +247,7 @@ class _Shape:
             bytes_per_value=4 if cfg.train.precision == "fp32" else 2, qk_norm=model.qk_layernorm,
             experts=model.num_experts, expert_ffn=model.expert_ffn_hidden_size, topk=model.router_topk,
             shared_ffn=model.shared_expert_ffn_hidden_size, ep=p.expert_model_parallel_size,
-            etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+            etp=expert_tensor_parallel_size(cfg),
         )
 
     def layer_params(self) -> list[int]:
