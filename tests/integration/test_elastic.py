@@ -36,8 +36,8 @@ RUN = [*SMALL_MODEL, f"train.train_iters={STEPS}", "optimizer.lr=1e-4", "optimiz
 def _agent(port: int, run_id: str, overrides: list[str], out: Path) -> subprocess.Popen:
     options = ("--nnodes=1:2", "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
                f"--rdzv-id={run_id}", "--monitor-interval=0.5",
-               # dead peers found in 3 s (c10d keep-alives), a round closed 1 s after its first members
-               "--rdzv-conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3")
+               # dead peers found in 3 s (c10d keep-alives); a round waits 3 s for more members (b starts 1 s after a)
+               "--rdzv-conf=last_call_timeout=3,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3")
     cmd = pretrain_command(2, overrides, launcher="recipes.launch", launch_options=options)
     cmd.remove("--standalone")
     with open(out, "w") as sink:
