@@ -58,10 +58,12 @@ def _summary(cfg, result) -> str:
 
 
 def _exit_now(code: int) -> None:
-    """A failed rank ends without the interpreter's teardown (~2 s here: megatron-core's modules, and joining the
-    checkpoint save helper, which ends by itself with its parent): torchrun's agent restarts the workers that much
-    sooner, and the peers of a rank that ends on its launcher's death see its sockets close that much sooner. What
-    it logged is flushed first (the trainer closed TensorBoard and W&B)."""
+    """A rank ends without the interpreter's teardown (1-2 s of CPU per rank here: megatron-core's modules, and
+    joining the checkpoint save helpers, which end by themselves with their parent): a finished job's allocation is
+    free that much sooner, torchrun's agent restarts failed workers that much sooner, and the peers of a rank that
+    ends on its launcher's death see its sockets close that much sooner. Nothing is left to write by then: the
+    trainer has closed the checkpoints, TensorBoard, W&B and the rank monitor, on success and on failure alike;
+    what was logged is flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -90,14 +92,23 @@ def planned_layout(cfg: RecipeConfig, world_size: int, gpus_per_node: int) -> li
     return planned
 
 
+def _skip_wandb_unless_logging_to_it(cfg: RecipeConfig) -> None:
+    """megatron-core imports W&B wherever it is installed (its timers and inference modules, behind ``try: import
+    wandb``), 0.5 s of CPU per rank here, whether or not the run logs to it: a run that does not is started as if W&B
+    were not installed (Python's documented way: None in ``sys.modules``), before megatron-core is imported."""
+    if not cfg.logging.wandb_project:
+        sys.modules.setdefault("wandb", None)
+
+
 def load_and_validate(config: str, overrides: list[str], world_size: int,
                       gpus_per_node: int) -> tuple[RecipeConfig, TrainedWorld]:
     """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes, and
     which of them train (all, unless parallel.allow_idle_ranks had to leave some idle). Raises ConfigError;
     ImportError when megatron-core cannot be imported here."""
+    cfg = load_config(config, overrides)
+    _skip_wandb_unless_logging_to_it(cfg)
     from megatron_ext.data.checks import validate_data
 
-    cfg = load_config(config, overrides)
     if cfg.parallel.auto:
         cfg = load_config(config, [*overrides, *planned_layout(cfg, world_size, gpus_per_node)])
     world = fitting_world(cfg, world_size)
@@ -205,4 +216,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
-    sys.exit(main())
+    _exit_now(main())
