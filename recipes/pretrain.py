@@ -7,6 +7,7 @@ import logging
 import os
 import statistics
 import sys
+import time
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, keys_table, load_config, log_dir
 from megatron_ext.config.validate import TrainedWorld, trained_world
@@ -68,6 +69,21 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# How long the other ranks wait for rank 0 to say why they all stop: generous for ranks that start together
+RANK_0_GRACE_S = 5.0
+
+
+def _rank_0_says(rank: int, message: str, exit_code: int) -> int:
+    """A verdict every rank reaches alike before any process group exists (recipes.launch reaches it before starting
+    any rank): rank 0 says it, once for the job. Under plain torchrun the first rank to end with an error has the
+    agent stop the others, so on an error the others end a few seconds later, when rank 0 has said it."""
+    if rank == 0:
+        print(message, file=sys.stderr if exit_code else sys.stdout, flush=True)
+    elif exit_code:
+        time.sleep(RANK_0_GRACE_S)
+    return exit_code
 
 
 def _startup_clock():
@@ -179,14 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, world = load_and_validate(args.config, args.overrides, world_size,
                                        int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     except ImportError as e:  # megatron-core imports TE at import time wherever `import transformer_engine` works
-        if rank == 0:
-            print(import_problem(e), file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _rank_0_says(rank, import_problem(e), EXIT_USER_ERROR)
     except ConfigError as e:
-        # Every rank sees the same error (recipes.launch catches it before starting any): rank 0 says it.
-        if rank == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _rank_0_says(rank, f"config error: {e}", EXIT_USER_ERROR)
 
     if world.size < world_size:
         if rank == 0:
@@ -196,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["WORLD_SIZE"] = str(world.size)  # the process group of the ranks that train
     stop = nothing_to_do(cfg, check_lock=False)  # the lock is taken collectively, in the run's checkpoint manager
     if stop:
-        if rank == 0:
-            print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
-        return stop[1]
+        return _rank_0_says(rank, *stop)
     startup.mark("megatron-core imports, config and data checks")
 
     from megatron_ext.training.trainer import RunFailed, pretrain
