@@ -307,7 +307,7 @@ def test_single_node_template_trains_the_tiny_recipe_on_cpu(single_node_job):
 def test_multi_node_template_goes_on_without_a_lost_node_when_elastic(cluster, single_node_job, tmp_path):
     """ELASTIC_MIN_NODES=1, 2 nodes × 2 processes: the torchruns meet in a rendezvous (world 4 = TP1 × PP2 × DP2
     across the nodes). node2's processes are killed after step 6 (a lost node): node1's agent restarts its workers,
-    which resume at DP1 from the step-5 checkpoint and finish the run; the job ends done, not requeued. The steps
+    which resume at DP1 from the last committed checkpoint and finish the run; the job ends done, not requeued. The steps
     before the loss are the single-node run's within the parity bounds (test_elastic.py checks the rest)."""
     job = Job(cluster, tmp_path, "pretrain_multi_node.sbatch", 2, ["--nodes=2", "--cpus-per-task=2", "--no-kill"],
               RECIPE, {"ELASTIC_MIN_NODES": "1",
