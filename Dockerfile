@@ -2,12 +2,12 @@
 #   docker build -t megatron-recipes:latest .
 #   launch/docker_run.sh launch/torchrun.sh configs/llama3_8b_8gpu_bf16.yaml    (docs/docker.md)
 #
-# Base: NGC PyTorch 25.12 (PyTorch 2.10.0a0, CUDA 13.1, Python 3.12, Ubuntu 24.04). It ships
-# TransformerEngine 2.10, the middle of the >=2.9,<2.12 range that megatron-core 0.16.1 declares
-# (its [dev] extra requires transformer-engine>=2.9.0a0,<2.12.0); the neighbouring releases
-# 25.11 (TE 2.9) and 26.01 (TE 2.11) are the range's edges. The build checks the range below,
-# so a tag whose TE falls outside it fails here rather than at the first training step.
-FROM nvcr.io/nvidia/pytorch:25.12-py3
+# Base: NGC PyTorch 26.07 (Python 3.12, PyTorch 2.13.0a0, CUDA 13.3, Ubuntu 24.04, TransformerEngine 2.17,
+# nvidia-resiliency-ext 0.6.0). megatron-core 0.19 declares no TransformerEngine range; its CI builds on the 26.06
+# image with TE 2.17.1, and its code checks TE features up to 2.14. The build ends with recipes.doctor's version
+# checks (megatron-core as pinned, TE inside recipes/doctor.py's TE_RANGE), so a tag whose versions fall outside
+# fails here rather than at the first training step.
+FROM nvcr.io/nvidia/pytorch:26.07-py3
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -21,7 +21,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /workspace/megatron-recipes
 
 # Requirements first: the layer stays cached while only the code changes.
-COPY requirements.txt ./
+COPY requirements.txt requirements-nvrx.txt ./
 # The image pins every package it ships in /etc/pip/constraint.txt (PIP_CONSTRAINT). Drop the
 # pins of the packages requirements.txt pins itself, keep all others (torch and
 # TransformerEngine among them, so pip cannot replace the image's builds), add torch's exact
@@ -29,17 +29,11 @@ COPY requirements.txt ./
 RUN awk -F '[<>=!~;[ @]' ' \
         function norm(name) { name = tolower(name); gsub(/[-_.]+/, "-", name); return name } \
         FNR == NR { if ($1 != "" && $1 !~ /^#/) ours[norm($1)] = 1; next } \
-        !(norm($1) in ours)' requirements.txt /etc/pip/constraint.txt > /tmp/constraint.txt \
+        !(norm($1) in ours)' requirements.txt requirements-nvrx.txt /etc/pip/constraint.txt > /tmp/constraint.txt \
  && python -c 'import torch; print(f"torch=={torch.__version__}")' >> /tmp/constraint.txt \
- && grep -v '^#' requirements.txt >> /tmp/constraint.txt \
- && PIP_CONSTRAINT=/tmp/constraint.txt pip install --no-cache-dir -r requirements.txt \
- && cp /tmp/constraint.txt /etc/pip/constraint.txt \
- && python -c 'import megatron.core, torch, transformer_engine as te; \
-from packaging.version import Version; \
-v = Version(te.__version__.split("+")[0]); \
-assert Version("2.9.0a0") <= v < Version("2.12.0"), f"TransformerEngine {te.__version__} is outside >=2.9,<2.12"; \
-assert megatron.core.__version__ == "0.16.1", megatron.core.__version__; \
-print(f"torch {torch.__version__}, TransformerEngine {te.__version__}, megatron-core {megatron.core.__version__}")'
+ && grep -hv '^#' requirements.txt requirements-nvrx.txt >> /tmp/constraint.txt \
+ && PIP_CONSTRAINT=/tmp/constraint.txt pip install --no-cache-dir -r requirements.txt -r requirements-nvrx.txt \
+ && cp /tmp/constraint.txt /etc/pip/constraint.txt
 
 # liger-kernel for train.liger_kernels and train.fused_linear_cross_entropy (Triton kernels; the image's Triton
 # and torch stay: --no-deps).
@@ -51,6 +45,11 @@ RUN pip install --no-cache-dir --no-deps liger-kernel==0.8.5
 RUN useradd --create-home --uid 10001 --user-group --shell /bin/bash trainer
 
 COPY --chown=10001:10001 . .
+
+# The versions this image was built for (recipes.doctor's checks, the source of the pins and of the TE range).
+RUN python -c 'import sys; from recipes.doctor import Machine, check_versions; \
+checks = check_versions(Machine(gpu=True, te=True, fp8=False)); print(*(f"{c.status} {c.name}: {c.detail}" for c in checks), sep="\n"); \
+sys.exit(any(c.status != "PASS" for c in checks))'
 
 USER 10001:10001
 

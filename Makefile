@@ -1,21 +1,26 @@
-# Two commands on a fresh machine: `make pretrain` and `make test`. Each installs what it needs
-# (pinned) into .venv the first time, with a CPU torch. On a GPU machine: docs/quickstart-gpu.md.
-PYTHON ?= python3
+# Two commands on a fresh machine: `make pretrain` and `make test`. Each installs what it needs (pinned) into .venv
+# the first time, with a Python >= 3.12 it finds itself (launch/find_python.sh; or PYTHON=...). On a GPU machine:
+# docs/quickstart-gpu.md.
+PYTHON ?= $(shell launch/find_python.sh)
 VENV := .venv
 PY := $(VENV)/bin/python
-TORCH_CPU := torch==2.13.0
 NPROC ?= 4
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 
 .PHONY: pretrain test test-fast gpu-check data install clean
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
-	$(PYTHON) -m venv $(VENV)
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-torch.txt requirements-nvrx.txt
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (megatron-core 0.19 needs it): install Python 3.12 \
+	(pyenv install 3.12, or your distribution's python3.12 with venv), or name one: make PYTHON=/path/to/python3.12" >&2; \
+	exit 1; }
+	# a .venv of an older Python (before megatron-core 0.19) is rebuilt from scratch
+	$(PY) -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	# torch first, pinned and alone: an unpinned resolve could pull another build (several GB).
+	$(PY) -m pip install -q -r requirements-torch.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
+	launch/install_nvrx.sh $(PY)
 	touch $@
 
 install: $(VENV)/.installed
@@ -35,7 +40,7 @@ test: data
 test-fast: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests/unit $(ARGS)
 
-# The GPU checklist (recipes/gpu_check.py), with the machine's own CUDA torch and packages, not the CPU venv.
+# The GPU checklist (recipes/gpu_check.py), with the machine's own CUDA torch and packages (Python >= 3.12), not .venv.
 gpu-check:
 	$(PYTHON) -m recipes.gpu_check $(ARGS)
 

@@ -246,9 +246,10 @@ def _measure_tokenizers(spec: dict) -> dict:
     """The Hugging Face tokenizer's own batch encode of the corpus on one thread, as data_prep-hf's workers call it
     (megatron_ext.data.tokenizer), with the texts already in memory; tokens counted with their EOD, as the runs'."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from megatron_ext.data.tokenization_record import DEFAULT_CONVENTION, includes_special_tokens
     from megatron_ext.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(spec["tokenizer_model"])
+    tokenizer = load_tokenizer(spec["tokenizer_model"], include_special_tokens=includes_special_tokens(DEFAULT_CONVENTION))
     with open(spec["input"], encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
     size = spec["chunk_docs"]

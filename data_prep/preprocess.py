@@ -19,7 +19,14 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from data_prep.records import SkippedRecords, iter_documents
-from megatron_ext.data.tokenization_record import RECORD_SUFFIX, Convention, TokenizationRecord, write_record
+from megatron_ext.data.tokenization_record import (
+    DEFAULT_CONVENTION,
+    RECORD_SUFFIX,
+    Convention,
+    TokenizationRecord,
+    includes_special_tokens,
+    write_record,
+)
 from megatron_ext.data.tokenizer import TOKENIZER_TYPES, Tokenizer, load_tokenizer
 from megatron_ext.data.tokenizer import tokenizer_type as tokenizer_type_of
 from megatron_ext.errors import BadRecordError, TokenizerError
@@ -109,7 +116,7 @@ def preprocess(
     skip_bad_records: bool = False,
     chunk_docs: int = 256,
     tokenizer_type: str | None = None,
-    convention: Convention = "default",
+    convention: Convention = DEFAULT_CONVENTION,
 ) -> PreprocessResult:
     """Write one .bin/.idx pair per json key, and how it was tokenized beside it (PREFIX.tokenization.json); on any
     failure no new pair is left behind. `tokenizer_type`: Megatron-LM's name (GPTSentencePieceTokenizer,
@@ -117,7 +124,7 @@ def preprocess(
     follows (megatron_ext.data.tokenization_record)."""
     start = time.perf_counter()
     json_keys = list(json_keys)
-    include_special_tokens = convention != "default"
+    include_special_tokens = includes_special_tokens(convention)
     tokenizer = load_tokenizer(tokenizer_model, tokenizer_type, include_special_tokens)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bos = getattr(tokenizer, "bos", None)
@@ -191,9 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--append-eod", action="store_true", help="append the EOS id to every non-empty document")
     special = parser.add_mutually_exclusive_group()  # Megatron-LM's flags; without either, its default
-    special.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
-                         help="Hugging Face tokenizer: add what its post-processor adds (Llama 3: BOS on every "
-                              "document); by default no special tokens, as Megatron-LM's default")
+    special.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                         help="Hugging Face tokenizer: no special tokens (Megatron-LM 0.16's default); by default "
+                              "what its post-processor adds (Llama 3: BOS on every document), as Megatron-LM's "
+                              "default since 0.17")
     special.add_argument("--legacy-tokenizer", action="store_true",
                          help="Megatron-LM's legacy tokenizer: for a Hugging Face tokenizer, with special tokens")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -212,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         result = preprocess(args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
                             args.append_eod, args.workers, args.skip_bad_records, args.chunk_docs,
                             args.tokenizer_type, "legacy" if args.legacy_tokenizer else
-                            "include-special-tokens" if args.tokenizer_hf_include_special_tokens else "default")
+                            "no-include-special-tokens" if args.tokenizer_hf_no_include_special_tokens
+                            else DEFAULT_CONVENTION)
     except BadRecordError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

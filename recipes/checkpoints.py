@@ -66,9 +66,19 @@ def describe(root: Path, verify: bool) -> tuple[list[str], Optional[Path]]:
             if not problem:
                 newest = path
         tracker = "  <- tracker" if not set_aside and iteration == tracked else ""
-        layout = _layout(read_common(path)) if (path / COMMON_STATE).is_file() else "-"
+        layout = "-" if set_aside else _readable_layout(path)
         lines.append(f"{path.name:24} {state:40} {_size(path):>10}  {layout}{tracker}")
     return lines, newest
+
+
+def _readable_layout(path: Path) -> str:
+    """The layout a checkpoint was saved in, "-" where it has no common state yet, or why it cannot be read."""
+    if not ((path / COMMON_STATE).is_file() or (path / DIST_METADATA).is_file()):
+        return "-"
+    try:
+        return _layout(read_common(path))
+    except CheckpointError:
+        return "common state unreadable"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-PINNED = {"megatron-core": "0.16.1", "torch (CPU machines)": "2.13.0"}
-TE_RANGE = ("2.9.0a0", "2.12.0")  # megatron-core 0.16.1's declared transformer-engine range (its [dev] extra)
+# megatron-core 0.19 declares no TransformerEngine range (its [te] extra is unbounded): 2.14 is the newest release its
+# code checks for, 2.17 the one its CI builds and the NGC 26.07 image (the Dockerfile's base) ships.
+TE_RANGE = ("2.14.0", "2.18.0")
 STEPS, STOP = 5, 3
 # How close a continued run must stay to the uninterrupted one (relative, per step). CPU: fp32 and
 # deterministic, the parity matrix's bound. GPU: bf16; an H100 reproduced its losses exactly on resume,
@@ -48,6 +49,15 @@ class Machine:
     fp8: bool
 
 
+def pinned(requirements: str, package: str) -> str:
+    """The version `requirements` (a file at the top of the repository) pins `package` to."""
+    for line in (ROOT / requirements).read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if name == package:
+            return version
+    raise KeyError(f"{requirements} pins no {package}")
+
+
 def _version(module: str) -> Optional[str]:
     try:
         return __import__(module, fromlist=["__version__"]).__version__
@@ -59,16 +69,18 @@ def check_versions(machine: Machine) -> list[Check]:
     from packaging.version import Version
 
     checks = []
-    mcore = _version("megatron.core")
-    checks.append(Check("megatron-core", "PASS" if mcore == PINNED["megatron-core"] else "FAIL",
-                        f"{mcore} (requirements.txt pins {PINNED['megatron-core']})"))
+    # (megatron.core.__version__ carries the git hash of the checkout it runs in: compare the release alone)
+    mcore, wanted = _version("megatron.core"), pinned("requirements.txt", "megatron-core")
+    checks.append(Check("megatron-core", "PASS" if mcore and mcore.split("+")[0] == wanted else "FAIL",
+                        f"{mcore} (requirements.txt pins {wanted})"))
     torch_version = _version("torch")
     if machine.gpu:
         checks.append(Check("torch", "PASS", f"{torch_version} (the GPU build this machine brings; not pinned)"))
     else:
-        ok = torch_version and torch_version.split("+")[0] == PINNED["torch (CPU machines)"]
+        wanted = pinned("requirements-torch.txt", "torch")
+        ok = torch_version and torch_version.split("+")[0] == wanted
         checks.append(Check("torch", "PASS" if ok else "FAIL",
-                            f"{torch_version} (the Makefile pins {PINNED['torch (CPU machines)']} on CPU machines)"))
+                            f"{torch_version} (requirements-torch.txt pins {wanted} where no GPU build is brought)"))
     te = _version("transformer_engine")
     if te is None:
         checks.append(Check("TransformerEngine", "SKIP", "not installed: local layers (megatron-core + torch SDPA)"))
@@ -77,7 +89,8 @@ def check_versions(machine: Machine) -> list[Check]:
         inside = Version(low) <= Version(te.split("+")[0]) < Version(high)
         usable = " and usable by megatron-core" if machine.te else ", but megatron-core cannot use it (see TE spec)"
         checks.append(Check("TransformerEngine", "PASS" if inside and machine.te else "FAIL",
-                            f"{te} (megatron-core 0.16.1 declares >={low},<{high}){usable}"))
+                            f"{te} (megatron-core 0.19's code checks TE up to 2.14, its CI builds 2.17: "
+                            f">={low},<{high}){usable}"))
     return checks
 
 

@@ -30,14 +30,14 @@ def write_reference(texts: list[str], tokenize: Callable[[str], list[int]], eod:
 
 
 def megatron_hf_tokenizer(directory: Path, include_special_tokens: bool):
-    """megatron-core's HuggingFaceTokenizer as Megatron-LM core_v0.16.1's tools/preprocess_data.py builds it: its
-    argument defaults, and --tokenizer-hf-include-special-tokens (its legacy tokenizer is AutoTokenizer itself:
-    tokenize(text) = tokenizer(text).input_ids, eod = eos_token_id)."""
+    """megatron-core's HuggingFaceTokenizer as Megatron-LM core_v0.19's tools/preprocess_data.py builds it: its
+    argument defaults (the fast tokenizer, with special tokens), or --tokenizer-hf-no-include-special-tokens (its
+    legacy tokenizer is AutoTokenizer itself: tokenize(text) = tokenizer(text).input_ids, eod = eos_token_id)."""
     from argparse import Namespace
 
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     return build_tokenizer(Namespace(
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(directory), vocab_file=None, merge_file=None,
-        tokenizer_special_tokens=None, tokenizer_hf_use_fast=False, trust_remote_code=False,
-        tokenizer_hf_include_special_tokens=include_special_tokens, tokenizer_metadata=None))
+        special_tokens=None, trust_remote_code=False, chat_template=None, metadata_path=None, pad_vocab_size=False,
+        tokenizer_hf_no_use_fast=False, tokenizer_hf_no_include_special_tokens=not include_special_tokens))

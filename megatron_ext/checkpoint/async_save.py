@@ -118,12 +118,8 @@ class AsyncCheckpointSaver:
     def abort(self) -> None:
         """Stop the writer process now, finishing nothing (the run is failing; the tracker stays where it is)."""
         self.queue.close(abort=True)
-        self.queue.persistent_caller = None
 
     def close(self) -> None:
         """Collective: wait for every save in flight, then stop the writer processes."""
         self.finalize(blocking=True)
-        self.queue.close()
-        # Drop the stopped writer now: megatron-core 0.16.1's PersistentAsyncCaller.__del__ calls
-        # torch.distributed.get_rank(), which fails once the process group is destroyed at exit.
-        self.queue.persistent_caller = None
+        self.queue.close()  # (megatron-core drops the stopped writer itself)

@@ -18,8 +18,8 @@ places, repaired here when loading (saving stays as megatron-core writes it):
   under torch, an int under TE); its other optimizers save torch's as a ``common_step`` state entry.
   :func:`adapt_optimizer_state` rewrites a loaded state to the convention of the optimizer it goes into.
 
-Also the repairs of megatron-core 0.16.1's torch-Adam load path (distrib_optimizer.py:642, :818-824,
-:940), which apply to torch Adam only.
+Also the repairs of megatron-core 0.19.2's torch-Adam load path (distrib_optimizer.py:839, :1025-1032,
+:1223), which apply to torch Adam only.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
 
     megatron-core builds the optimizer part of a checkpoint from the live state, which is empty until
     the first step: its DistributedOptimizer.state_dict() asserts on one torch ``step`` value
-    (distrib_optimizer.py:642) and its parameter-state gather expects the moments. TE FusedAdam's state
+    (distrib_optimizer.py:839) and its parameter-state gather expects the moments. TE FusedAdam's state
     is the two moments only (a ``step`` key would make its state_dict() raise KeyError). megatron-core's
     CPU-offload optimizer (HybridDeviceOptimizer) creates its sub-optimizers' state with its own dummy step.
     """
@@ -134,12 +134,12 @@ def adapt_optimizer_state(optimizer: MegatronOptimizer, state: Any) -> None:
 
 
 def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
-    """optimizer.load_state_dict after :func:`adapt_optimizer_state`, with megatron-core 0.16.1's
+    """optimizer.load_state_dict after :func:`adapt_optimizer_state`, with megatron-core 0.19.2's
     torch-Adam load path repaired.
 
     Under torch Adam, load_state_dict first gives every param one *shared* 'step' tensor
-    (distrib_optimizer.py:818-824), then copies each param's saved tensors over its state keys, where
-    'step' has no source (KeyError at distrib_optimizer.py:940). Each copy is done with 'step' set aside
+    (distrib_optimizer.py:1025-1032), then copies each param's saved tensors over its state keys, where
+    'step' has no source (KeyError at distrib_optimizer.py:1223). Each copy is done with 'step' set aside
     and then restored as the param's own tensor, because torch Adam increments it in place once per param.
     """
     adapt_optimizer_state(optimizer, state)
@@ -162,7 +162,7 @@ def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
 def _complete_offloaded_load(hybrid: HybridDeviceOptimizer, step: Optional[float]) -> None:
     """Under CPU offload, put the loaded fp32 master weights and step count where the optimizer steps from.
 
-    megatron-core 0.16.1's distributed optimizer loads its parameter state after HybridDeviceOptimizer's own
+    megatron-core 0.19.2's distributed optimizer loads its parameter state after HybridDeviceOptimizer's own
     load_state_dict hook has rebuilt its fp32 copies and sub-optimizer states, and puts the loaded weights only into
     its ``state`` (``master_param``): the copies it steps kept what the empty-state dummy step gave them, and so did
     the step counts (1) — which, where megatron-core does set them, are one tensor shared by every parameter, so torch

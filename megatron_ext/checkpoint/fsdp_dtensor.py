@@ -50,6 +50,10 @@ class _ParameterLookup:
             self.root = self.root.module
         self.config = self.root.config
 
+    def named_modules(self, *args, **kwargs):
+        """The unwrapped chunk's modules: megatron-core's handle_swiglu_in_state_dict walks the layers."""
+        return self.root.named_modules(*args, **kwargs)
+
     def get_parameter(self, name: str) -> torch.nn.Parameter:
         while name.startswith(_WRAPPER):
             name = name[len(_WRAPPER):]

@@ -1,7 +1,7 @@
 """A checkpoint directory on disk, named in one place: ``<root>/iter_XXXXXXX/`` per saved iteration, the tracker
 file naming the newest complete one, ``iter_XXXXXXX.corrupt`` for one set aside, and the files inside
-(dist_checkpointing's ``common.pt`` and ``metadata.json``, our ``manifest.json``), and the lock of the run
-writing into it. Everything that reads or writes
+(``common.pt`` where a format keeps its common state apart, dist_checkpointing's ``metadata.json``, our
+``manifest.json``), and the lock of the run writing into it. Everything that reads or writes
 a checkpoint (training, retention, the converter, ``recipes.checkpoints``) goes through these names."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from megatron_ext.errors import CheckpointError
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name: the newest complete iteration, as text
 CORRUPT_SUFFIX = ".corrupt"
 MANIFEST = "manifest.json"  # every file's size and CRC32 (checkpoint.manifest); written last: its presence = complete
-COMMON_STATE = "common.pt"  # dist_checkpointing's non-sharded state: iteration, config, content, ...
+COMMON_STATE = "common.pt"  # non-sharded state (iteration, config, content, ...): fsdp_dtensor; torch_dist < mcore 0.17
 DIST_METADATA = "metadata.json"  # dist_checkpointing's own; present once its shards are written
 DCP_METADATA = ".metadata"  # torch DCP's, also inside dist_checkpointing's; alone in an fsdp_dtensor checkpoint
 RUN_LOCK = "run.lock"  # held by the run writing into this directory (checkpoint.run_lock)
@@ -29,13 +29,26 @@ _ITERATION_DIR = re.compile(r"iter_(\d{7})(" + re.escape(CORRUPT_SUFFIX) + r")?"
 
 
 def read_common(ckpt_dir: Path) -> dict[str, Any]:
-    """The non-sharded state of a checkpoint (iteration, config, content, ...) in either format: rank 0's
-    common.pt, which dist_checkpointing and the fsdp_dtensor format both write."""
+    """The non-sharded state of a checkpoint (iteration, config, content, ...) in any of its formats: a ``common.pt``
+    (the fsdp_dtensor format's, and dist_checkpointing's before megatron-core 0.17), or the ``common_state`` object
+    inside the torch_dist shards (megatron-core >= 0.17). Read without unpickling code; a file that cannot be read
+    is one CheckpointError naming it."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    if not (ckpt_dir / COMMON_STATE).is_file():
-        raise CheckpointError(f"{ckpt_dir / COMMON_STATE} not found: {ckpt_dir} is not a checkpoint of this recipe")
-    return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=False)
+    try:
+        if (ckpt_dir / COMMON_STATE).is_file():
+            return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=True)
+        if (ckpt_dir / DIST_METADATA).is_file():
+            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+            return load_common_state_dict(str(ckpt_dir))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any unreadable file is the same refusal
+        raise CheckpointError(f"{ckpt_dir}: its common state (iteration, config) cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the checkpoint is "
+                              "damaged; resume an older one or set it aside") from None
+    raise CheckpointError(f"neither {ckpt_dir / COMMON_STATE} nor {ckpt_dir / DIST_METADATA} found: {ckpt_dir} is "
+                          "not a checkpoint of this recipe")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:

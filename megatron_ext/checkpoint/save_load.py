@@ -54,6 +54,11 @@ from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
+# megatron-core's own writer (AsyncCallsQueue, :mod:`.async_save`), not its default since 0.19, NVRx's: the one the
+# suite runs (megatron-core's synchronous save goes through the same code); NVRx's is not yet run on a GPU here.
+ASYNC_STRATEGY = "mcore"
+
+
 # A checkpoint records the optimizer format it was written in (config.schema.OptimizerFormat): loading asks for it.
 _FORMAT_OF_OLDER_CHECKPOINTS = "fully_reshardable"  # written before the format was recorded
 
@@ -122,8 +127,8 @@ def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> No
     """Start dist_checkpointing's long-lived helper process now, with SIGTERM/SIGUSR1 ignored, running
     `initializer` first (a picklable function: the process is spawned).
 
-    The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.16.1,
-    strategies/filesystem_async.py:54) and keeps it for the life of the rank; started later, a pre-emption
+    The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.19.2,
+    strategies/filesystem_async.py, ``get_write_results_queue``) and keeps it for the life of the rank; started later, a pre-emption
     signal to the rank's process tree would kill it and fail the checkpoint the signal asked for. Started here
     (megatron-core's own takes no initializer), `initializer` can make it end with its rank: otherwise a rank
     killed with SIGKILL leaves it, and its resource tracker, running for good.
@@ -197,7 +202,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
             state["buffer_layouts"] = buffer_layouts(model_chunks)
 
         def write(asynchronous: bool) -> Optional[AsyncRequest]:
-            return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous)
+            return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous,
+                                           async_strategy=ASYNC_STRATEGY)
 
     def finish() -> None:
         if before_commit is not None:

@@ -50,7 +50,7 @@ TokenizerType = Literal["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"]  # 
 # its own slice, no gather, loadable under another DP size only. auto: dp_reshardable, but the checkpoint at
 # train.train_iters (the finished run, the one handed on) fully_reshardable_mem_efficient. Measured in
 # docs/performance.md ("Checkpoint format"). (megatron-core's fourth, fully_sharded_model_space, fails to save in
-# 0.16.1: "ShardedTensor.flattened_range is not supported".)
+# 0.19.2: "ShardedTensor.flattened_range is not supported".)
 OptimizerFormat = Literal["auto", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient"]
 OPTIMIZER_FORMATS: tuple[str, ...] = get_args(OptimizerFormat)
 

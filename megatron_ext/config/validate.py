@@ -293,7 +293,7 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
     """Fused kernels, compile and CUDA graphs against precision, layout and the layer spec (the machine-dependent
     rules are in resolve_kernel_options)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    # megatron-core 0.16.1's native fused cross-entropy casts the logit gradient to bf16
+    # megatron-core 0.19.2's native fused cross-entropy casts the logit gradient to bf16
     # unconditionally: in an fp32 run it would silently round every gradient through bf16.
     require(t.fused_cross_entropy is not True or t.precision == "bf16", "train.fused_cross_entropy", True,
             "needs train.precision=bf16 (megatron-core's fused kernel returns bf16 logit gradients)")
@@ -348,13 +348,21 @@ def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
 
 def _validate_activation_offload(cfg: RecipeConfig) -> None:
     """train.offload_modules against megatron-core's own asserts and what has been verified here (docs/memory.md)."""
-    t = cfg.train
+    t, p = cfg.train, cfg.parallel
     require(t.min_offloaded_tensor_size >= 0, "train.min_offloaded_tensor_size", t.min_offloaded_tensor_size,
             "must be >= 0 (elements)")
     if not t.offload_modules:
         return
     modules = list(t.offload_modules)
+    vpp = p.virtual_pipeline_model_parallel_size
     for ok, key, value, why in [
+        # megatron-core 0.19.2's offload manager keeps the groups of the first backward chunk on the device (its
+        # offload margin: one group per module name); a one-layer virtual stage is left with nothing to offload,
+        # skipped in the backward order, and the next step fails ("Chunk mismatch")
+        (not vpp or cfg.model.num_layers >= 2 * vpp * p.pipeline_model_parallel_size,
+         "parallel.virtual_pipeline_model_parallel_size", vpp,
+         "leaves one layer per virtual pipeline stage, which megatron-core's activation offload cannot run (the "
+         "second step fails): at least 2 layers per virtual stage, fewer virtual stages, or train.offload_modules=[]"),
         (len(set(modules)) == len(modules), "train.offload_modules", modules, "names a module twice"),
         ("attn_proj" not in modules or "core_attn" in modules, "train.offload_modules", modules,
          "attn_proj needs core_attn too: attn_proj's input is core attention's output, which core attention's "
@@ -369,7 +377,7 @@ def _validate_activation_offload(cfg: RecipeConfig) -> None:
 
 
 def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
-    """What parallel.use_megatron_fsdp runs with here: megatron-core 0.16.1's own limits, and what this recipe has
+    """What parallel.use_megatron_fsdp runs with here: megatron-core 0.19.2's own limits, and what this recipe has
     verified (each combination below trained 1-process-identical on CPU, or was refused)."""
     p, t = cfg.parallel, cfg.train
     replicas = p.num_distributed_optimizer_instances
@@ -396,7 +404,7 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
         (p.use_distributed_optimizer, "parallel.use_distributed_optimizer", False,
          "Megatron-FSDP shards the optimizer state itself and needs megatron-core's distributed optimizer on top"),
         (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size,
-         "megatron-core 0.16.1's Megatron-FSDP builds its device mesh over TP×CP×DP only: use it with PP=1"),
+         "megatron-core 0.19.2's Megatron-FSDP builds its device mesh over TP×CP×DP only: use it with PP=1"),
         (dp_cp > 1, "parallel.use_megatron_fsdp", True, "there is nothing to shard at DP×CP=1"),
         (not (p.overlap_grad_reduce or p.overlap_param_gather), "parallel.overlap_grad_reduce",
          p.overlap_grad_reduce, "Megatron-FSDP overlaps its own gathers and reduce-scatters: leave "
@@ -473,7 +481,8 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
             "needs pipeline_model_parallel_size > 1",
         )
     if first is not None or last is not None:
-        # megatron-core 0.16.1 divides by zero (transformer_layer.py) if both are set at PP=2.
+        # megatron-core 0.19.2 divides by zero (transformer_layer.py) if both are set at PP=2 with virtual stages
+        # (stricter here: both are refused at PP=2)
         require(
             pp > 2 or first is None or last is None,
             "parallel.num_layers_in_last_pipeline_stage",

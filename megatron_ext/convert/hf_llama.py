@@ -41,7 +41,7 @@ from megatron_ext.errors import ConversionError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",  # model_type: architecture
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# megatron-core 0.16.1 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
+# megatron-core 0.19.2 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
 # Imported recipes train at most this many tokens per sample by default (override model.seq_length).
@@ -131,7 +131,7 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[float]]:
     for name, fixed in MEGATRON_LLAMA3_ROPE.items():
         if float(params.get(name, fixed)) != fixed:
             raise ConversionError(f"{source}: {key}.{name}={params.get(name)!r} is not supported: "
-                                  f"megatron-core 0.16.1 implements llama3 RoPE scaling only with "
+                                  f"megatron-core 0.19.2 implements llama3 RoPE scaling only with "
                                   f"{name}={fixed:g}")
     return float(theta), float(factor)
 

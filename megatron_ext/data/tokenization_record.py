@@ -1,10 +1,11 @@
 """How a dataset was tokenized, recorded beside it: ``PREFIX.tokenization.json``, written by data_prep.preprocess.
 
 Megatron-LM's tools/preprocess_data.py has three conventions for a Hugging Face tokenizer, chosen by its flags (the
-same names here): by default (megatron.core.tokenizers) no special tokens, so a Llama-3-style byte-level BPE writes
-no begin-of-text token and nothing for an empty document; ``--tokenizer-hf-include-special-tokens`` and
-``--legacy-tokenizer`` add what the tokenizer's post-processor adds (Llama 3: BOS on every document). A blend that
-mixes them trains on two conventions at once, which nothing else would tell: :func:`mixed_conventions` says so.
+same names here): by default (megatron.core.tokenizers, since Megatron-LM 0.17) and with ``--legacy-tokenizer``, what
+the tokenizer's post-processor adds (Llama 3: BOS on every document); with ``--tokenizer-hf-no-include-special-tokens``
+(Megatron-LM 0.16's default) no special tokens, so a Llama-3-style byte-level BPE writes no begin-of-text token and
+nothing for an empty document. A blend that mixes them trains on two conventions at once, which nothing else would
+tell: :func:`mixed_conventions` says so.
 """
 
 from __future__ import annotations
@@ -15,8 +16,16 @@ from pathlib import Path
 from typing import Literal, Optional
 
 RECORD_SUFFIX = ".tokenization.json"
-# Megatron-LM's flags: none, --tokenizer-hf-include-special-tokens, --legacy-tokenizer
-Convention = Literal["default", "include-special-tokens", "legacy"]
+# Megatron-LM's flags: none, --tokenizer-hf-no-include-special-tokens, --legacy-tokenizer
+Convention = Literal["include-special-tokens", "no-include-special-tokens", "legacy"]
+DEFAULT_CONVENTION: Convention = "include-special-tokens"
+# a record's convention as data_prep wrote it before it followed Megatron-LM 0.17's default: no special tokens
+_RENAMED = {"default": "no-include-special-tokens"}
+
+
+def includes_special_tokens(convention: Convention) -> bool:
+    """Whether a Hugging Face tokenizer adds what its post-processor adds under `convention`."""
+    return convention != "no-include-special-tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +37,8 @@ class TokenizationRecord:
     begins_with_bos: bool  # every non-empty document starts with the tokenizer's BOS
 
     def describe(self) -> str:
-        flag = {"default": "Megatron-LM's default, no special tokens",
-                "include-special-tokens": "--tokenizer-hf-include-special-tokens",
+        flag = {"include-special-tokens": "Megatron-LM's default, with special tokens",
+                "no-include-special-tokens": "--tokenizer-hf-no-include-special-tokens",
                 "legacy": "--legacy-tokenizer"}[self.convention]
         return (f"{self.tokenizer_type} ({flag}), {'EOD appended' if self.append_eod else 'no EOD'}; documents "
                 f"{'begin' if self.begins_with_bos else 'do not begin'} with BOS")
@@ -46,8 +55,10 @@ def write_record(path: Path, record: TokenizationRecord) -> None:
 def read_record(prefix: str) -> Optional[TokenizationRecord]:
     """The record beside `prefix` (None: written by another tool, or by an older data_prep)."""
     try:
-        return TokenizationRecord(**json.loads(record_path(prefix).read_text()))
-    except (OSError, ValueError, TypeError):
+        fields = json.loads(record_path(prefix).read_text())
+        fields["convention"] = _RENAMED.get(fields.get("convention"), fields.get("convention"))
+        return TokenizationRecord(**fields)
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -72,5 +83,6 @@ def mixed_conventions(prefixes: list[str]) -> Optional[str]:
     if len(by_bos) < 2:
         return None
     return ("the blend mixes tokenization conventions: documents begin with BOS in " + ", ".join(by_bos[True])
-            + " but not in " + ", ".join(by_bos[False]) + " (data_prep.preprocess --legacy-tokenizer or "
-            "--tokenizer-hf-include-special-tokens against Megatron-LM's default): preprocess them the same way")
+            + " but not in " + ", ".join(by_bos[False]) + " (data_prep.preprocess --tokenizer-hf-no-include-special-"
+            "tokens, or data prepared by Megatron-LM 0.16 or earlier, against the default): preprocess them the same "
+            "way")

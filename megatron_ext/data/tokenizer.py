@@ -87,7 +87,7 @@ class HuggingFaceTokenizer(_LoadedFromPath):
     """megatron-core's HuggingFaceTokenizer semantics (what Megatron-LM's tools/preprocess_data.py uses) for a
     directory AutoTokenizer loads (tokenizer.json, tokenizer_config.json): tokenize adds no special tokens unless
     `include_special_tokens` (then what the tokenizer's post-processor adds, Llama 3: the begin-of-text token, as
-    its --tokenizer-hf-include-special-tokens and its legacy tokenizer do); eod is the EOS id, vocab_size counts
+    its default since Megatron-LM 0.17 and its legacy tokenizer do); eod is the EOS id, vocab_size counts
     added tokens. Encodes with the `tokenizers` library itself (Rust, batched): the ids AutoTokenizer gives, without
     transformers' per-call overhead. Pickles as its directory and that flag.
     """

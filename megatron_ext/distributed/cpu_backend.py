@@ -1,6 +1,6 @@
 """CPU rehearsal: lets megatron-core's real CUDA-only code paths run on CPU processes over gloo.
 
-megatron-core 0.16.1 hard-codes CUDA in a few places (``device="cuda"`` in the pipeline
+megatron-core 0.19.2 hard-codes CUDA in a few places (``device="cuda"`` in the pipeline
 schedules, ``torch.cuda.current_device()`` in p2p, the CUDA RNG tracker, ``tensor.type()``
 checks for ``torch.cuda.*`` in gradient clipping and the distributed optimizer, ``.cuda()``
 in dist_checkpointing). Instead of forking megatron-core, :func:`install` makes those calls
@@ -20,7 +20,8 @@ land on the CPU:
   NVTX ranges are no-ops.
 
 It is applied only when no GPU is present; on a GPU machine :func:`install` does nothing.
-See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch.
+See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch (made on 0.16.1;
+their targets are unchanged in 0.19.2: ``tests/unit/test_upstream_patches.py``).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def host_offload_stand_ins(model_chunks: list[torch.nn.Module]) -> Iterator[None
     It offloads what ``param.is_cuda`` says is on the device, and in rehearsal everything is on the host: here the
     tensors in the model's own storage (its weights and their shard views) count as device tensors, as on a GPU, so
     it copies them to the "host" as it would there. Its precision-aware optimizer config compares TransformerEngine's
-    version (``None`` without TE, a TypeError in megatron-core 0.16.1's ``OptimizerConfig.__post_init__``): that check
-    answers "older than 2.1", as megatron-core itself treats an old TE. Only an offload fraction of 1.0 rehearses
+    version: the stand-in answers "older than 2.1" whatever TE is installed, as megatron-core 0.19.2 does without TE
+    (it reads a missing TE as 0.0.0). Only an offload fraction of 1.0 rehearses
     faithfully: a partial split keeps fp32 clones on the device, which here are new host tensors.
     """
     from megatron.core.optimizer import optimizer_config

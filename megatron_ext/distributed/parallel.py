@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.fsdp import mcore_fsdp_adapter
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.models.gpt import GPTModel
@@ -134,17 +133,10 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
     ]
 
 
-class _NoTELinear:
-    """Matches no module: megatron-core 0.16.1's FSDP adapter tests ``isinstance(m, TELinear)``, and without
-    TransformerEngine that name is a MagicMock, which isinstance refuses."""
-
-
 def _wrap_with_megatron_fsdp(chunks: list[GPTModel], config: TransformerConfig,
                              ddp_config: DistributedDataParallelConfig) -> list[FullyShardedDataParallel]:
     """Megatron-FSDP around each chunk: optimizer state and gradients (and, under optim_grads_params, the
     parameters, gathered per decoder layer) sharded over DP×CP."""
-    if not isinstance(mcore_fsdp_adapter.TELinear, type):
-        mcore_fsdp_adapter.TELinear = _NoTELinear
     if torch.cuda.is_available():
         return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
     # CPU rehearsal: on the CPU on purpose, which Megatron-FSDP would warn about on every rank
@@ -175,10 +167,10 @@ def describe_sharding(chunks: list[FullyShardedDataParallel]) -> str:
     for chunk in chunks:
         for group in chunk.param_and_grad_buffer.parameter_groups:
             whole += sum(index.size for index in group.model_weight_buffer.item_index_map.values())
-            # HSDP with the optimizer sharded across replicas keeps each replica's shard (hsdp_*buf); the main
-            # buffers, sharded over all of DP×CP for the optimizer, are views into it
-            for kind, buffer in (("parameter", group.hsdp_wbuf or group.model_weight_buffer),
-                                 ("gradient", group.hsdp_gbuf or group.main_grad_buffer)):
+            # HSDP with the optimizer sharded across replicas keeps each replica's shard (hfsdp_helper_*buf); the
+            # main buffers, sharded over all of DP×CP for the optimizer, are views into it
+            for kind, buffer in (("parameter", group.hfsdp_helper_wbuf or group.model_weight_buffer),
+                                 ("gradient", group.hfsdp_helper_gbuf or group.main_grad_buffer)):
                 if buffer is not None:
                     held[kind] += buffer.data.numel()
     ddp = chunks[0].ddp_config

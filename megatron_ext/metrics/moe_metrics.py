@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.config.schema import RecipeConfig
@@ -74,7 +74,7 @@ class RouterMetrics:
 
     def __init__(self, cfg: RecipeConfig, device: torch.device, model_chunks: list[torch.nn.Module]):
         m, g = cfg.model, cfg.logging
-        self.num_layers, self.device, self.log_interval = m.num_layers, device, g.log_interval
+        self.num_layers, self.log_interval = m.num_layers, g.log_interval
         self.moe = m.num_moe_experts is not None
         tracked = TRACKED_LOSSES.get(m.moe_router_load_balancing_type)
         self.tracked = [tracked] if self.moe and tracked and m.moe_aux_loss_coeff > 0 else []
@@ -107,16 +107,13 @@ class RouterMetrics:
     def _losses(self, num_microbatches: int) -> dict[str, float]:
         if not self.tracked:
             return {}
-        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-        for name in self.tracked:  # a pipeline stage without MoE layers has recorded nothing, yet must reduce
-            if name not in tracker:
-                tracker[name] = {"values": torch.zeros(self.num_layers, device=self.device), "reduce_group": None,
-                                 "avg_group": None, "reduce_group_has_dp": False}
-        moe_utils.reduce_aux_losses_tracker_across_ranks(self.tracked)
-        scalars = {f"moe/{name}": (tracker[name]["values"].sum() / self.num_layers / num_microbatches).item()
-                   for name in self.tracked}
-        moe_utils.clear_aux_losses_tracker()
-        return scalars
+        # report() reduces over the pipeline (a stage without MoE layers joins with zeros: force_initialize), TP×CP
+        # and DP, averages over the layers and scales by `loss_scale`, then clears the tracker
+        losses: dict[str, torch.Tensor] = {}
+        get_moe_metrics_tracker().report(loss_scale=1 / num_microbatches, iteration=0, force_initialize=True,
+                                         track_names=list(self.tracked), num_layers=self.num_layers,
+                                         total_loss_dict=losses)
+        return {f"moe/{name}": float(losses[name]) for name in self.tracked}
 
     def _loads(self) -> dict[str, float]:
         dist.all_reduce(self.counts)

@@ -25,7 +25,7 @@ _WHOLE_SCHEDULE = "forward-backward"  # megatron-core's region around the whole 
 _P2P = ("forward-recv", "forward-send", "backward-recv", "backward-send", "forward-send-backward-recv",
         "backward-send-forward-recv", "forward-send-forward-recv", "backward-send-backward-recv",
         "forward-backward-send-forward-backward-recv")
-# megatron-core 0.16.1's region names (pipeline_parallel/schedules.py, p2p_communication.py,
+# megatron-core 0.19.2's region names (pipeline_parallel/schedules.py, p2p_communication.py,
 # distributed/finalize_model_grads.py) → the part of the step they belong to.
 REGIONS: dict[str, Part] = {
     "forward-compute": "compute", "backward-compute": "compute",

@@ -3,7 +3,7 @@
 megatron-core does the work (``pipeline_parallel/fine_grained_activation_offload.py``): the tensors autograd saves
 inside the named modules are copied to host memory on a side stream after each layer's forward and copied back
 before its backward. This module owns what the recipe adds around it: the precondition (TransformerEngine's offload
-flag module on a GPU), CPU rehearsal's stand-in for that flag, and the start-up line that says what moved, read from
+flag module on a GPU), CPU rehearsal's stand-ins for that flag and for the device, and the start-up line that says what moved, read from
 megatron-core's offload manager after the first step.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import types
+
+import torch
 
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.errors import ConfigError
@@ -22,7 +24,8 @@ NOTHING_OFFLOADED = "none: every saved tensor is below train.min_offloaded_tenso
 def prepare(cfg: RecipeConfig, on_gpu: bool) -> None:
     """Before the model runs: megatron-core's offload context raises without TE's ``cpu_offload`` module, whose
     ``CPUOffloadEnabled`` flag tells TE's layers that their saved tensors are being offloaded. On a GPU that must be
-    the real TE; in CPU rehearsal (no TE layers to tell) a plain flag holder stands in for it."""
+    the real TE; in CPU rehearsal (no TE layers to tell) a plain flag holder stands in for it, and the host's tensors
+    are the ones offloaded (to more host memory)."""
     if not cfg.train.offload_modules:
         return
     if on_gpu:
@@ -32,9 +35,20 @@ def prepare(cfg: RecipeConfig, on_gpu: bool) -> None:
                               "container) — or set train.offload_modules=[]")
         return
     from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload
 
     if te_extension.cpu_offload is None:
         te_extension.cpu_offload = types.SimpleNamespace(CPUOffloadEnabled=False)
+    fine_grained_activation_offload.ChunkOffloadHandler._can_manage_tensor_for_offload = staticmethod(
+        _can_manage_host_tensor)
+
+
+def _can_manage_host_tensor(tensor: torch.Tensor) -> bool:
+    """megatron-core 0.19.2's rule (``ChunkOffloadHandler._can_manage_tensor_for_offload``: not a parameter, not a
+    fake or functional tensor, on the device) with the host as the device: its rule takes CUDA tensors only, so in
+    CPU rehearsal nothing would be offloaded."""
+    stray = (torch._subclasses.fake_tensor.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
+    return not isinstance(tensor, (torch.nn.Parameter, *stray)) and tensor.device.type == "cpu"
 
 
 def describe() -> str:

@@ -29,7 +29,6 @@ from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_p
 from megatron_ext.model.fused_output import FusedOutputGPTModel
 from megatron_ext.model.moe import (
     moe_transformer_config,
-    prepare_moe_layers,
     reduce_experts_over_expert_data_parallel,
 )
 from megatron_ext.model.ring_attention import RingAttention
@@ -94,7 +93,7 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     if config.num_moe_experts:
-        # megatron-core 0.16.1's local spec saves the pre-MLP norm as the dense TE layer's fused norm
+        # megatron-core 0.19.2's local spec saves the pre-MLP norm as the dense TE layer's fused norm
         # (mlp.linear_fc1.layer_norm_weight) even before MoE layers, where its TE spec keeps the norm apart
         # (pre_mlp_layernorm.weight): saved under TE's key, a checkpoint moves between the specs (Megatron-LM PR 6270)
         layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
@@ -164,7 +163,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage,
         # The interleaved schedule at PP=2 swaps the two stages' tensors when p2p ops are
-        # batched (megatron-core 0.16.1, Megatron-LM issues 750/1450): never batch them.
+        # batched (megatron-core 0.19.2, Megatron-LM issues 750/1450): never batch them.
         batch_p2p_comm=vpp is None,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
@@ -183,7 +182,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         persist_layer_norm=False,
         gradient_accumulation_fusion=te_gradient_accumulation_fusion(use_te),
         cuda_graph_impl="local" if cfg.train.cuda_graphs else "none",
-        cuda_graph_scope=[],  # the whole layer (megatron-core's deprecated default "full" warns on every build)
+        cuda_graph_modules=[],  # the whole layer (megatron-core's deprecated default "full" warns on every build)
         recompute_granularity=cfg.train.recompute_granularity,
         recompute_method="uniform" if cfg.train.recompute_granularity == "full" else None,
         recompute_num_layers=1 if cfg.train.recompute_granularity == "full" else None,
@@ -234,8 +233,6 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallel.tensor_model_parallel_size)
     model_class = FusedOutputGPTModel if cfg.train.fused_linear_cross_entropy else GPTModel
-    if config.num_moe_experts is not None:
-        prepare_moe_layers()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -270,8 +267,8 @@ def compile_layers(chunks: list[GPTModel]) -> None:
 
 
 def _give_row_parallel_layers_their_group(chunks: list[GPTModel]) -> None:
-    """megatron-core 0.16.1's RowParallelLinear.forward hands its GEMM ``tp_group=None`` (tensor_parallel/
-    layers.py:1281), which then warns "tp_group is None, using default tp group" on rank 0 at every call and,
+    """megatron-core 0.19.2's RowParallelLinear.forward hands its GEMM ``tp_group=None`` (tensor_parallel/
+    layers.py:1466), which then warns "tp_group is None, using default tp group" on rank 0 at every call and,
     under torch.compile, puts a warnings.warn into every compiled layer. The layer's own group is the one
     meant: pass it."""
     for chunk in chunks:

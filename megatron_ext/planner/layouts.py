@@ -3,7 +3,7 @@
 Everything here is arithmetic on the config — no process group, no model — so a layout can be
 chosen before any GPU hour is spent. ``docs/planner.md`` derives the formulas; in short:
 
-Memory (per GPU, the worst pipeline stage and the worst DP×CP rank), as megatron-core 0.16.1
+Memory (per GPU, the worst pipeline stage and the worst DP×CP rank), as megatron-core 0.19.2
 allocates it under this recipe (``wrap_with_ddp`` sets ``grad_reduce_in_fp32=True``):
 
 * parameters in ``params_dtype``; under the distributed optimizer they live in DDP's contiguous

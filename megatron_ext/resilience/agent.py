@@ -1,11 +1,12 @@
 """The elastic agent that runs the ranks under ``recipes.launch``, and what this project changes in it.
 
-Two agents: torchrun's, or NVIDIA Resiliency Extension's ``ft_launcher`` (``recipes.launch --nvrx``), a fork of it
-under other module paths that adds rank heartbeats watched from outside the ranks (:mod:`.nvrx`) and node health
-checks. Both get the same three changes, made once per process by :func:`prepare`:
+Two agents: torchrun's, or NVIDIA Resiliency Extension's ``ft_launcher`` (``recipes.launch --nvrx``), a subclass of
+torch's elastic agent that adds rank heartbeats watched from outside the ranks (:mod:`.nvrx`) and node health
+checks. Both get the same four changes, made once per process by :func:`prepare`:
 
 * a failure whose exit code a restart would repeat (NOT_RESTARTED: config/data/checkpoint errors, divergence) ends
   the job at once instead of using up ``--max-restarts``;
+* a run that fails names the ranks that failed (NVRx 0.6.0 loses them when it runs out of restarts);
 * the agent's environment, which the workers it starts inherit, records when it decided to restart them, had
   stopped the old ones and had the new world's rendezvous (:mod:`.elastic` says where a recovery went);
 * SIGTERM or Ctrl-C to the launcher reaches the ranks as SIGTERM, on which they checkpoint at the next step boundary
@@ -27,6 +28,7 @@ from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_
 
 # A restart would fail the same way: fix the config/data/checkpoint, or the run's numerics, first.
 NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED)
+NVRX_VERSION = "0.6.0"  # megatron-core 0.19 refuses to import beside an older NVRx; requirements-nvrx.txt pins it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,27 +47,26 @@ class Agent:
 
 
 def agent(nvrx: bool) -> Agent:
-    """torchrun's agent, or NVRx's ft_launcher (its ``--ft-*`` options then apply), prepared."""
+    """torchrun's agent, or NVRx's ft_launcher (its ``--ft-*`` options then apply), prepared. NVRx >= 0.6's
+    ft_launcher subclasses torch's elastic agent and uses torch's worker processes and errors, so both agents share
+    those classes."""
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import api as processes
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     if nvrx:
         if importlib.util.find_spec("nvidia_resiliency_ext") is None:
             raise ConfigError("--nvrx runs NVIDIA Resiliency Extension's ft_launcher, which is not installed here: "
-                              "pip install nvidia-resiliency-ext==0.4.1 (requirements.txt pins it)")
+                              f"pip install nvidia-resiliency-ext=={NVRX_VERSION} (its wheels need glibc >= 2.39; "
+                              "the NGC image has it)")
         from nvidia_resiliency_ext.fault_tolerance import launcher
-        from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server import api
-        from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.multiprocessing import api as processes
-        from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.multiprocessing.errors import (
-            ChildFailedError,
-        )
 
         chosen = Agent("NVRx ft_launcher", launcher.parse_args, launcher.config_from_args, launcher.run,
                        api.SimpleElasticAgent, launcher.LocalElasticAgent, api.WorkerState, processes,
                        ChildFailedError)
     else:
         from torch.distributed import run as torchrun
-        from torch.distributed.elastic.agent.server import api
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-        from torch.distributed.elastic.multiprocessing import api as processes
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         chosen = Agent("torchrun", torchrun.parse_args, torchrun.config_from_args, torchrun.run,
                        api.SimpleElasticAgent, LocalElasticAgent, api.WorkerState, processes, ChildFailedError)
@@ -74,8 +75,9 @@ def agent(nvrx: bool) -> Agent:
 
 
 def prepare(chosen: Agent) -> None:
-    """The three changes of the module docstring (once per class: a second call changes nothing)."""
+    """The four changes of the module docstring (once per class: a second call changes nothing)."""
     _end_restarts_after_errors_a_restart_repeats(chosen)
+    _report_the_failures_seen(chosen)
     _time_restarts(chosen.simple_agent)
     _stop_ranks_with_a_checkpoint_on_signals(chosen.processes)
 
@@ -88,12 +90,32 @@ def _end_restarts_after_errors_a_restart_repeats(chosen: Agent) -> None:
 
     def monitor_workers(agent, worker_group):
         result = monitor(agent, worker_group)
-        if result.state in failed and any(failure.exitcode in NOT_RESTARTED for failure in result.failures.values()):
-            agent._remaining_restarts = 0
+        if result.state in failed and result.failures:
+            agent.seen_failures = result.failures
+            if any(failure.exitcode in NOT_RESTARTED for failure in result.failures.values()):
+                agent._remaining_restarts = 0
         return result
 
     monitor_workers.ends_restarts = True
     chosen.local_agent._monitor_workers = monitor_workers
+
+
+def _report_the_failures_seen(chosen: Agent) -> None:
+    """NVRx 0.6.0's agent ends a run out of restarts with a FAILED result without the failures it saw (launcher.py,
+    ``_invoke_run_with_any_failed_policy``), on which its launcher fails to build the ChildFailedError that names the
+    failed rank (an AssertionError instead): the result gets the failures the monitor last saw back."""
+    invoke_run = chosen.local_agent._invoke_run
+    if getattr(invoke_run, "reports_failures", False):
+        return
+
+    def invoke_run_reporting_failures(agent, *args, **kwargs):
+        result = invoke_run(agent, *args, **kwargs)
+        if result.is_failed() and not result.failures and getattr(agent, "seen_failures", None):
+            result = dataclasses.replace(result, failures=agent.seen_failures)
+        return result
+
+    invoke_run_reporting_failures.reports_failures = True
+    chosen.local_agent._invoke_run = invoke_run_reporting_failures
 
 
 def _time_restarts(simple_agent: type) -> None:

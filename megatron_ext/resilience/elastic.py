@@ -85,17 +85,19 @@ class Restart:
     def parts(self, started: float, startup: list[tuple[str, float]]) -> list[tuple[str, float]]:
         """Where the recovery went, in order: before this process started (with recipes.launch's times: until the
         agent restarted the workers, stopping the old ones, the rendezvous, the process start; on a scale-up the
-        agent decides before the old world's last step, which then checkpoints while stopping), then this process's
+        agent decides before the old world's last step, which then checkpoints while stopping, and an agent that
+        joins has only its rendezvous), then this process's
         start-up phases to the end of its first step."""
         a, since, parts = self.agent, self.before.time, []
-        if a.decided is not None:  # under recipes.launch
-            for part, at in (("until the agent restarted the workers", a.decided),
-                             ("stopping the old ones", a.stopped), ("rendezvous", a.rendezvous_done)):
-                # the process start is known to a clock tick (10 ms): the agent's last time may read a little later
-                if at is not None and since <= at <= started + CLOCK_TICK_SLACK_S:
-                    at = min(at, started)
-                    parts.append((part, at - since))
-                    since = at
+        # under recipes.launch; an agent that joined at this restart stopped no workers, and only its rendezvous
+        # falls after the last step
+        for part, at in (("until the agent restarted the workers", a.decided),
+                         ("stopping the old ones", a.stopped), ("rendezvous", a.rendezvous_done)):
+            # the process start is known to a clock tick (10 ms): the agent's last time may read a little later
+            if at is not None and since <= at <= started + CLOCK_TICK_SLACK_S:
+                at = min(at, started)
+                parts.append((part, at - since))
+                since = at
         parts.append(("process start" if parts else "down until this process started", started - since))
         return [*parts, *startup]
 

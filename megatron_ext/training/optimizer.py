@@ -46,15 +46,15 @@ def build_optimizer(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> Mega
     """megatron-core's optimizer for the model; with optimizer.optimizer_cpu_offload its HybridDeviceOptimizer."""
     o = cfg.optimizer
     if o.optimizer_cpu_offload and on_gpu and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("optimizer.optimizer_cpu_offload=True is invalid here: megatron-core's offload builds its "
-                          "precision-aware optimizer, which needs TransformerEngine on a GPU (the NGC container)")
+        raise ConfigError("optimizer.optimizer_cpu_offload=True is invalid here: megatron-core's offload on a GPU is not "
+                          "verified here without TransformerEngine: use the NGC container")
     if o.optimizer_cpu_offload and not on_gpu and o.optimizer_offload_fraction != 1.0:
         raise ConfigError(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} is invalid in CPU "
                           "rehearsal: only 1.0 (all of the state on the host) rehearses faithfully without a GPU")
     with offload_stand_ins(cfg, model_chunks, on_gpu):
         optimizer = get_megatron_optimizer(optimizer_config(cfg), model_chunks)
     if cfg.parallel.outer_dp_sharding_strategy == "optim":
-        # megatron-core 0.16.1 sums the gradient norm over one HSDP replica's ranks, but with the optimizer sharded
+        # megatron-core 0.19.2 sums the gradient norm over one HSDP replica's ranks, but with the optimizer sharded
         # across the replicas each rank's gradient shard is its own: only the sum over every rank is the norm
         # (measured at DP4 in 2 replicas: 1.23 for 3.13, so clipping scaled the step wrongly). Megatron-FSDP runs
         # at PP=1, so every rank is TP×CP×DP: the world.

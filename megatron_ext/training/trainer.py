@@ -146,7 +146,8 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch
         documents = None
     # Under CP, tokens, labels, loss mask and positions are cut into the same zigzag chunks
     # (RoPE slices its global positions the same way inside GPTModel).
-    batch = get_batch_on_this_cp_rank(batch)
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                      cp_group=parallel_state.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
                    loss_mask=batch["loss_mask"], packed_seq_params=packed)
     return output, partial(_loss_func, batch["loss_mask"])

@@ -251,7 +251,9 @@ def test_the_listing_command_shows_state_layout_and_config_differences(run, tmp_
     from tests.launch import TINY
 
     ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
-    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]
+    # a shard of another rank than 0, whose first shard holds the common state (iteration, config): the listing
+    # still names the layout of the damaged checkpoint (with that shard damaged it says the common state is unreadable)
+    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[:100])
     proc = subprocess.run([sys.executable, "-m", "recipes.checkpoints", str(ckpt), "--verify", "--config", str(TINY),
                            *SMALL_MODEL, *SINGLE_PROCESS, "model.hidden_size=256"], cwd=ROOT, capture_output=True,

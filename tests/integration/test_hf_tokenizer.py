@@ -36,8 +36,8 @@ def test_the_recipe_trains_on_it_and_exports_a_model_transformers_runs(unicode_c
     trained = run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6", "optimizer.lr_decay_iters=null",
                                f"data.blend=[{tmp_path / 'hf'}_text_document]", f"data.tokenizer_model={byte_bpe_dir}",
                                f"logging.tensorboard_dir={tmp_path / 'tb'}", f"checkpoint.save={ckpt}"])
-    assert ("data: tokenized HuggingFaceTokenizer (Megatron-LM's default, no special tokens), EOD appended; "
-            "documents do not begin with BOS") in trained.stdout + trained.stderr
+    assert ("data: tokenized HuggingFaceTokenizer (Megatron-LM's default, with special tokens), EOD appended; "
+            "documents begin with BOS") in trained.stdout + trained.stderr
     losses = read_scalars(tmp_path / "tb", "train/lm_loss")
     assert min(losses[step] for step in (4, 5, 6)) < losses[1] - 0.5, losses  # 6 steps at lr 3e-3 are noisy
 

@@ -23,8 +23,12 @@ from tests.launch import TINY, max_relative_difference, read_scalars, run_pretra
 # params, a wrong CP split) moves the loss by 1e-4 or more within 5 steps.
 # Loss: measured worst 1.2e-7 over the matrix, bound 1e-6. Grad-norm: a global fp32 sum of
 # squares whose decomposition into per-shard partial sums changes with TP/CP sharding; measured
-# up to 7.9e-6 already at step 1 (identical weights), bound 2e-5.
-TOLERANCE = {"train/lm_loss": 1e-6, "train/grad_norm": 2e-5}
+# up to 7.9e-6 already at step 1 (identical weights), and Adam turns those differences into
+# weight differences that grow over the steps: on the default corpus of Python 3.12's standard library
+# the 16-process TP2×CP2×PP2×DP2 layout reaches 2.31e-5 at step 5 (1.9e-6 at step 1) — bit for bit
+# the same under megatron-core 0.16.1 and torch 2.13's CPU build with that corpus (on Python 3.11's
+# corpus it stayed under 2e-5) — bound 3e-5.
+TOLERANCE = {"train/lm_loss": 1e-6, "train/grad_norm": 3e-5}
 
 TP1 = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false"]
 PP1 = ["parallel.pipeline_model_parallel_size=1"]
@@ -43,15 +47,12 @@ LAYOUTS = {
         "TP1 × CP1 × DP1 × PP2\n", "PP stage 0 (ranks [0]): layers 1-2 + embedding",
         "PP stage 1 (ranks [1]): layers 3-4 + output layer/loss", "world 3 does not fit (world size (processes "
         "started)=3 is invalid: must be a multiple of ", "2 ranks train (DP 1), rank 2 stays idle and exits"]),
-    # with megatron-core's activation offload of every module it offers (its handlers follow the interleaved order)
-    "pp2_vpp2_interleaved_activation_offload": (
-        2, [*TP1, "parallel.virtual_pipeline_model_parallel_size=2", f"train.offload_modules=[{','.join(OFFLOADED)}]",
-            "train.min_offloaded_tensor_size=1024"],
-        ["TP1 × CP1 × DP1 × PP2 (VPP2)", "PP stage 0 (ranks [0]): chunk 0: layers 1-1; chunk 1: layers 3-3",
-         "PP stage 1 (ranks [1]): chunk 0: layers 2-2; chunk 1: layers 4-4",
-         f"activation offload of {', '.join(OFFLOADED)}",
-         "activation offload: 2.8 MiB of saved activations held in host memory at once on this rank (attn_norm 0.8 "
-         "MiB, attn_proj 0.2 MiB, core_attn 0.8 MiB, mlp_norm 0.8 MiB, qkv_linear 0.2 MiB)"]),
+    # with megatron-core's activation offload of every module it offers (under interleaving: below)
+    "pp2_1f1b_activation_offload": (
+        2, [*TP1, f"train.offload_modules=[{','.join(OFFLOADED)}]", "train.min_offloaded_tensor_size=1024"],
+        ["TP1 × CP1 × DP1 × PP2", f"activation offload of {', '.join(OFFLOADED)}",
+         "activation offload: 1.4 MiB of saved activations held in host memory at once on this rank (attn_norm 0.4 "
+         "MiB, attn_proj 0.1 MiB, core_attn 0.4 MiB, mlp_norm 0.4 MiB, qkv_linear 0.1 MiB)"]),
     "pp2_uneven_1_3_selective_recompute": (2, [*TP1, "parallel.num_layers_in_first_pipeline_stage=1",
                                                "train.recompute_granularity=selective"],
                                            ["PP stage 0 (ranks [0]): layers 1-1", "PP stage 1 (ranks [1]): layers 2-4",
@@ -121,3 +122,23 @@ def test_layout_matches_single_process(name, initial_weights, single_process_ref
         diff = max_relative_difference(measured, reference)
         print(f"parity {name} {tag}: max rel diff {diff:.2e}")
         assert diff <= tolerance, (name, tag, measured, reference)
+
+
+def test_activation_offload_under_interleaving_changes_nothing(tmp_path):
+    """PP2 × VPP2 over 8 layers (2 per virtual stage: one is refused, see config.validate) with megatron-core's
+    activation offload of every module it offers: each step's loss and grad norm are those of the same run without
+    offload within the parity bounds (its chunk handlers follow the interleaved order, steps after the first
+    included). Not bit for bit: measured 1.2e-7 (loss) and 7.4e-6 (grad norm) on megatron-core 0.19.2."""
+    interleaved = [*TP1, "parallel.virtual_pipeline_model_parallel_size=2", "model.num_layers=8"]
+    offloaded = [f"train.offload_modules=[{','.join(OFFLOADED)}]", "train.min_offloaded_tensor_size=1024"]
+    for name, extra in (("plain", []), ("offloaded", offloaded)):
+        proc = run_pretrain(2, [*parity_overrides(None, tmp_path / name), *interleaved, *extra])
+    assert ("activation offload: 6.9 MiB of saved activations held in host memory at once on this rank (attn_norm 1.9 "
+            "MiB, attn_proj 0.6 MiB, core_attn 1.9 MiB, mlp_norm 1.9 MiB, qkv_linear 0.6 MiB)") in proc.stdout, \
+        proc.stdout[-3000:]
+    for tag, tolerance in TOLERANCE.items():
+        plain, offloaded = read_scalars(tmp_path / "plain", tag), read_scalars(tmp_path / "offloaded", tag)
+        diff = max_relative_difference(offloaded, plain)
+        print(f"interleaved activation offload {tag}: max rel diff {diff:.2e}")
+        assert len(plain) == PARITY_STEPS and diff <= tolerance, (tag, offloaded, plain)
+

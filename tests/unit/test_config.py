@@ -92,6 +92,8 @@ def test_overrides_are_typed():
         # activation offload
         (["train.offload_modules=[attn_proj]"], 4, "attn_proj needs core_attn too"),
         (["train.offload_modules=[mlp_norm,mlp_norm]"], 4, "names a module twice"),
+        (["train.offload_modules=[attn_norm]", "parallel.virtual_pipeline_model_parallel_size=2"], 4,
+         "virtual_pipeline_model_parallel_size=2 is invalid: leaves one layer per virtual pipeline stage"),
         (["train.offload_modules=[attn_norm]", "train.recompute_granularity=full"], 4,
          "full recompute keeps only each layer's input: there is nothing left to offload"),
         (["train.offload_modules=[mlp_proj]"], 4, "train.offload_modules[0]: Invalid value 'mlp_proj'"),
@@ -216,7 +218,7 @@ def test_missing_data_files_are_named():
 
 
 @pytest.mark.parametrize("damage, fragment", [
-    ("cut the .bin to 1 MB", r"x\.bin is 1,000,000 bytes, but .*x\.idx describes 3,758,350 bytes of tokens \(448 "
+    ("cut the .bin to 1 MB", r"x\.bin is 1,000,000 bytes, but .*x\.idx describes 3,764,364 bytes of tokens \(416 "
                              r"sequences of uint16\): the \.bin is cut short or belongs to another index; re-run "
                              r"data_prep.preprocess for it, or copy both files again"),
     ("write another header", r"x\.idx is not a megatron-core index \(version 1\) it can read: bad header"),

@@ -17,7 +17,7 @@ def test_transformer_config_asks_megatron_core_for_whole_layer_graphs_without_wa
         warnings.simplefilter("error")  # megatron-core's default scope "full" warns that it is deprecated
         graphed = transformer_config(load_config(None, ["train.cuda_graphs=true"]), on_gpu=True, use_te=False)
         eager = transformer_config(load_config(None, []), on_gpu=True, use_te=False)
-    assert (graphed.cuda_graph_impl, graphed.cuda_graph_scope) == ("local", [])  # [] = the whole layer
+    assert (graphed.cuda_graph_impl, graphed.cuda_graph_modules) == ("local", [])  # [] = the whole layer
     assert eager.cuda_graph_impl == "none"
 
 

@@ -47,6 +47,10 @@ def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_re
     monkeypatch.setenv(elastic.RESTART_DECIDED_AT, "100.5")
     assert dict(after.restart(6).parts(115.0, [])) == {"stopping the old ones": 3.5, "rendezvous": 9.5,
                                                        "process start": 1.0}
+    # an agent that joins at the scale-up: it started its workers (the first time) long before, stopped none
+    monkeypatch.delenv(elastic.RESTART_DECIDED_AT)
+    monkeypatch.setenv(elastic.WORKERS_STOPPED_AT, "60.0")
+    assert dict(after.restart(6).parts(115.0, [])) == {"rendezvous": 13.0, "process start": 1.0}
 
 
 def test_only_rank_0_writes_and_an_unreadable_record_is_no_restart(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from data_prep import train_tokenizer as train_mod
 from megatron_ext.config.schema import load_config
 from megatron_ext.data.checks import validate_data
-from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions, read_record
+from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions, read_record, record_path
 from megatron_ext.data.tokenizer import HuggingFaceTokenizer, load_tokenizer
 from megatron_ext.errors import ConfigError, TokenizerError
 from tests.corpora import UNICODE_TEXTS
@@ -41,7 +41,8 @@ def test_byte_bpe_trains_deterministically_into_a_directory_transformers_loads(u
     megatron, megatron_special = megatron_hf_tokenizer(byte_bpe_dir, False), megatron_hf_tokenizer(byte_bpe_dir, True)
     assert megatron.eod == ours.eod
     for text in [*UNICODE_TEXTS[:5], "", " \t\n ", "日本語 and tabs\t\tand\r\nnewlines"]:
-        assert ours.tokenize(text) == megatron.tokenize(text), text  # Megatron-LM's default: no special tokens
+        # --tokenizer-hf-no-include-special-tokens; Megatron-LM's default (with them) is AutoTokenizer's
+        assert ours.tokenize(text) == megatron.tokenize(text), text
         assert with_special.tokenize(text) == megatron_special.tokenize(text) == auto(text).input_ids, text
         assert with_special.tokenize(text)[0] == auto.bos_token_id  # Llama 3: begin-of-text on every sequence
     assert ours.tokenize_batch(UNICODE_TEXTS[:5]) == [megatron.tokenize(t) for t in UNICODE_TEXTS[:5]]
@@ -49,14 +50,14 @@ def test_byte_bpe_trains_deterministically_into_a_directory_transformers_loads(u
     assert with_special.detokenize(with_special.tokenize("x = 1 ✓")) == "<|begin_of_text|>x = 1 ✓"
 
 
-@pytest.mark.parametrize("flag, convention", [(None, "default"),
-                                              ("--tokenizer-hf-include-special-tokens", "include-special-tokens"),
+@pytest.mark.parametrize("flag, convention", [(None, "include-special-tokens"),
+                                              ("--tokenizer-hf-no-include-special-tokens", "no-include-special-tokens"),
                                               ("--legacy-tokenizer", "legacy")])
 def test_preprocess_writes_megatron_lm_identical_datasets(flag, convention, unicode_corpus, byte_bpe_dir, tmp_path):
-    """Megatron-LM core_v0.16.1's tools/preprocess_data.py with the same flag: its default path (megatron-core's
-    tokenizer, no special tokens: no BOS, nothing for an empty document), --tokenizer-hf-include-special-tokens,
-    and --legacy-tokenizer (AutoTokenizer: tokenize = tokenizer(text).input_ids). The corpus has an empty and a
-    whitespace-only document."""
+    """Megatron-LM core_v0.19's tools/preprocess_data.py with the same flag: its default path (megatron-core's
+    tokenizer with special tokens: BOS on every document), --tokenizer-hf-no-include-special-tokens (no BOS, nothing
+    for an empty document), and --legacy-tokenizer (AutoTokenizer: tokenize = tokenizer(text).input_ids). The corpus
+    has an empty and a whitespace-only document."""
     from transformers import AutoTokenizer
 
     outputs = {}
@@ -69,18 +70,19 @@ def test_preprocess_writes_megatron_lm_identical_datasets(flag, convention, unic
     assert len({tuple(output) for output in outputs.values()}) == 1
     auto = AutoTokenizer.from_pretrained(byte_bpe_dir)
     tokenize = (lambda text: auto(text).input_ids) if convention == "legacy" else \
-        megatron_hf_tokenizer(byte_bpe_dir, convention == "include-special-tokens").tokenize
+        megatron_hf_tokenizer(byte_bpe_dir, convention != "no-include-special-tokens").tokenize
     write_reference(UNICODE_TEXTS, tokenize, auto.eos_token_id, len(auto), tmp_path / "ref")
     assert outputs[2] == [(tmp_path / f"ref.{ext}").read_bytes() for ext in ("bin", "idx")]
 
     prefix = f"{tmp_path / 'w2'}_text_document"
     record = read_record(prefix)
-    assert (record.convention, record.begins_with_bos, record.append_eod) == (convention, flag is not None, True)
+    assert (record.convention, record.begins_with_bos, record.append_eod) == (
+        convention, convention != "no-include-special-tokens", True)
     report = inspect_mod.report(prefix, samples=2, tokenizer_model=str(byte_bpe_dir))
     vocab = HuggingFaceTokenizer(str(byte_bpe_dir)).vocab_size
     assert f"vs vocabulary {vocab}" in report and ": ok" in report
     assert f"tokenized {record.describe()}, with {byte_bpe_dir}" in report
-    assert f"\n{'<|begin_of_text|>' if flag else ''}def f0(x):" in report  # the first sample, decoded
+    assert f"\n{'<|begin_of_text|>' if record.begins_with_bos else ''}def f0(x):" in report  # the first sample, decoded
     assert "documents ending with EOD (id 1): 100.0%" in report
     if flag is None:  # the type is also detected from the path (a directory)
         preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(tmp_path / "auto"),
@@ -91,7 +93,7 @@ def test_preprocess_writes_megatron_lm_identical_datasets(flag, convention, unic
 def test_a_blend_that_mixes_bos_conventions_is_said_once_naming_the_datasets(unicode_corpus, byte_bpe_dir,
                                                                             tmp_path):
     prefixes = []
-    for name, flags in (("plain", []), ("legacy", ["--legacy-tokenizer"])):
+    for name, flags in (("no_special", ["--tokenizer-hf-no-include-special-tokens"]), ("legacy", ["--legacy-tokenizer"])):
         preprocess_mod.main(["--input", str(unicode_corpus), "--output-prefix", str(tmp_path / name),
                              "--tokenizer-model", str(byte_bpe_dir), "--append-eod", *flags])
         prefixes.append(f"{tmp_path / name}_text_document")
@@ -100,6 +102,16 @@ def test_a_blend_that_mixes_bos_conventions_is_said_once_naming_the_datasets(uni
     assert said.startswith(f"the blend mixes tokenization conventions: documents begin with BOS in {prefixes[1]} "
                            f"but not in {prefixes[0]}"), said
     assert describe_blend(prefixes).count("HuggingFaceTokenizer") == 2
+
+
+def test_a_record_written_before_the_default_changed_reads_as_no_special_tokens(tmp_path):
+    """data_prep before Megatron-LM 0.17's default recorded its no-special-tokens default as "default"."""
+    record_path(str(tmp_path / "old")).write_text(json.dumps(
+        {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer": "tok", "convention": "default", "append_eod": True,
+         "begins_with_bos": False}))
+    record = read_record(str(tmp_path / "old"))
+    assert record.convention == "no-include-special-tokens"
+    assert "--tokenizer-hf-no-include-special-tokens" in record.describe()
 
 
 def test_bad_tokenizers_are_one_clear_error(byte_bpe_dir, tmp_path):

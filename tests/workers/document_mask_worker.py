@@ -81,7 +81,8 @@ def run(model, batch: dict[str, torch.Tensor], forward_only: bool, use_te: bool)
         if use_te:
             data, packed = pack_documents(data, documents)
             documents = None
-        data = get_batch_on_this_cp_rank(data)
+        data = get_batch_on_this_cp_rank(data, is_hybrid_cp=False,
+                                         cp_group=parallel_state.get_context_parallel_group())
         labels = None if forward_only else data["labels"]
         output = chunk(data["tokens"], data["position_ids"], attention_mask=documents, labels=labels,
                        packed_seq_params=packed)

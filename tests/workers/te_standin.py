@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,8 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import ExpertsBuilder
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
@@ -89,7 +91,7 @@ class _TEGroupedLinear(_TEExtraState, torch.nn.Module):
     TP_AXIS: int  # of a [out, in] weight: 0 column-parallel, 1 row-parallel
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, init_method, bias: bool,
-                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name=None, pg_collection=None):
+                 skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name=None, pg_collection=None, name=None):
         super().__init__()
         assert is_expert and not bias, "stand-in for the recipe's bias-free experts only"
         self.num_gemms, self.groups = num_gemms, pg_collection
@@ -176,17 +178,21 @@ class TEShapedSpecProvider(TESpecProvider):
     def column_parallel_layer_norm_linear(self) -> type:
         return TELayerNormColumnParallelLinear
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
-                            ) -> tuple[type, MLPSubmodules]:
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> ExpertsBuilder:
         if moe_use_grouped_gemm:
-            return TEGroupedMLP, MLPSubmodules(linear_fc1=TEColumnParallelGroupedLinear,
-                                               linear_fc2=TERowParallelGroupedLinear)
-        return SequentialMLP, MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
+            return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+                linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear, activation_func=None))
+        return partial(SequentialMLP, submodules=MLPSubmodules(
+            linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear, activation_func=None))
+
+    def activation_func(self) -> None:
+        """The config's activation (SwiGLU), not TE's fused activation op."""
+        return None
 
     def row_parallel_linear(self) -> type:
         return TERowParallelLinear
 
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
         return TENorm
 
     def core_attention(self) -> type:

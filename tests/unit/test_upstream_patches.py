@@ -1,0 +1,101 @@
+"""Every place where this project patches, or works around, code of megatron-core 0.19.2 (or of NVRx 0.6.0) names
+that code here with a hash of its source: when an upgrade changes it, this test fails and names the patch to
+re-check (is it still needed, does it still fit?), instead of the patch going silently stale. docs/architecture.md
+lists the same patches with their reasons."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+from typing import NamedTuple
+
+import pytest
+
+
+class Patched(NamedTuple):
+    upstream: str  # the qualified name of the function whose behaviour the patch depends on
+    source_sha256: str  # the first 16 hex digits of sha256(inspect.getsource(upstream))
+    ours: str  # where the patch or workaround lives
+
+
+PATCHED = [
+    # CPU rehearsal (megatron_ext/distributed/cpu_backend.py): the CUDA RNG on the CPU generator
+    Patched("megatron.core.tensor_parallel.random._get_cuda_rng_state", "aa26caaa069c5c4f", "distributed/cpu_backend.py"),
+    Patched("megatron.core.tensor_parallel.random._set_cuda_rng_state", "b179c9d95438b61c", "distributed/cpu_backend.py"),
+    # CPU rehearsal: OptimizerConfig's TE version check, which fails without TE
+    Patched("megatron.core.optimizer.optimizer_config.OptimizerConfig.__post_init__", "8d06c93753e45143",
+            "distributed/cpu_backend.py"),
+    # CPU rehearsal: offload of host tensors
+    Patched("megatron.core.pipeline_parallel.fine_grained_activation_offload.ChunkOffloadHandler."
+            "_can_manage_tensor_for_offload", "20d546c67b80fbf7", "model/activation_offload.py"),
+    # one-layer virtual stages refused with activation offload (the offload margin empties a chunk)
+    Patched("megatron.core.pipeline_parallel.fine_grained_activation_offload.PipelineOffloadManager."
+            "post_warmup_callback", "fcd891e4c53934fd", "config/validate.py"),
+    # the save's helper process started by the recipe (signals ignored, ends with its rank)
+    Patched("megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue",
+            "e395fb0e86a062e2", "checkpoint/save_load.py"),
+    # megatron-core's own async writer chosen, its deprecation message filtered
+    Patched("megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy.async_save",
+            "76a4d55fe07edb88", "checkpoint/save_load.py"),
+    # torch Adam's state on load: empty state asserted on, one shared step tensor, KeyError 'step'
+    Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict", "fe621ae6a622b587",
+            "checkpoint/compat.py"),
+    Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict", "7e5f988b86b48501",
+            "checkpoint/compat.py"),
+    Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
+            "40cab784659711a8", "checkpoint/compat.py"),
+    # the HSDP grad norm with the optimizer sharded across replicas
+    Patched("megatron.core.optimizer.optimizer.MegatronOptimizer.get_grad_stats_parallel_group", "e9e42213a75e2cd1",
+            "training/optimizer.py"),
+    # RowParallelLinear's GEMM without its TP group (a warning per forward, graph breaks under compile)
+    Patched("megatron.core.tensor_parallel.layers.RowParallelLinear.forward", "d98cea58261aef07", "model/llama.py"),
+    # experts marked expert-parallel only at EP > 1 or ETP != TP
+    Patched("megatron.core.tensor_parallel.layers.ColumnParallelLinear.__init__", "20dcfe25ca5aa94b", "model/moe.py"),
+    # the local spec's MoE pre-MLP norm under the dense fused-norm key
+    Patched("megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_local_spec", "3072178d945b4d8b", "model/llama.py"),
+    # batched p2p swaps the tensors of an interleaved pipeline at PP=2
+    Patched("megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops", "4b0901807501c561",
+            "model/llama.py"),
+    # first and last stage overrides at PP=2 divide by zero (with virtual stages)
+    Patched("megatron.core.transformer.transformer_layer.get_transformer_layer_offset", "841de49f82bd7cc2",
+            "config/validate.py"),
+    # the native fused cross-entropy's gradient in bf16 whatever the precision
+    Patched("megatron.core.fusions.fused_cross_entropy.calculate_gradients", "6524843bdf90ceea", "config/validate.py"),
+    # NVRx 0.6.0's agent drops the failures it saw when it runs out of restarts
+    Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._invoke_run_with_any_failed_policy",
+            "b2e2ac0dca2a2d6b", "resilience/agent.py"),
+]
+
+
+def _resolve(qualified: str):
+    parts = qualified.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+            break
+        except ImportError:
+            continue
+    for name in parts[split:]:
+        found = getattr(found, name)
+    return found
+
+
+@pytest.mark.parametrize("patched", PATCHED, ids=[p.upstream.rsplit(".", 2)[-2] + "." + p.upstream.rsplit(".", 1)[-1]
+                                                  for p in PATCHED])
+def test_the_upstream_code_a_patch_depends_on_is_unchanged(patched):
+    if patched.upstream.startswith("nvidia_resiliency_ext") and importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        pytest.skip("NVRx is not installed (make install unpacks it: launch/install_nvrx.sh)")
+    source = inspect.getsource(_resolve(patched.upstream))
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert digest == patched.source_sha256, (
+        f"{patched.upstream} changed upstream (source sha256 {digest}, was {patched.source_sha256}): re-check the "
+        f"patch in megatron_ext/{patched.ours} (docs/architecture.md says why it is there), then record the new hash")
+
+
+def test_every_patch_site_exists():
+    from tests.launch import ROOT
+
+    missing = sorted({p.ours for p in PATCHED if not (ROOT / "megatron_ext" / p.ours).is_file()})
+    assert not missing, missing
