@@ -88,3 +88,18 @@ def test_export_and_generate_read_a_checkpoint_of_the_previous_stack(tmp_path):
                                "--max-new-tokens", "4", "--tokenizer", tokenizer],
                               cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert generate.returncode == 0 and "iter_0000002" in generate.stderr, generate.stderr[-3000:]
+
+
+def test_the_listing_names_a_changed_model_in_a_checkpoint_of_the_previous_stack(capsys):
+    """What a resume would refuse (recipes.checkpoints --config: the shape check a resume runs, from the saved config
+    of a common.pt)."""
+    from recipes.checkpoints import main
+
+    run = json.loads((FIXTURES / "moe_ep2" / "uninterrupted.json").read_text())
+    overrides = [*run["overrides"], "model.hidden_size=128"]
+    assert main([str(FIXTURES / "moe_ep2" / "checkpoints"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+                 *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "iter_0000002" in out and "optimizer dp_reshardable" in out, out
+    assert "model.hidden_size: 64 → 128" in out, out
+    assert "a resume would be refused: parameter shapes differ (model.hidden_size: 64 → 128" in out, out
