@@ -249,7 +249,8 @@ def _measure_tokenizers(spec: dict) -> dict:
     from megatron_ext.data.tokenization_record import DEFAULT_CONVENTION, includes_special_tokens
     from megatron_ext.data.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(spec["tokenizer_model"], include_special_tokens=includes_special_tokens(DEFAULT_CONVENTION))
+    tokenizer = load_tokenizer(spec["tokenizer_model"],
+                               include_special_tokens=includes_special_tokens(DEFAULT_CONVENTION))
     with open(spec["input"], encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
     size = spec["chunk_docs"]

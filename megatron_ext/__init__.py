@@ -15,10 +15,7 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not in
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
-class _Unactionable(logging.Filter):
-    """Drops one of megatron-core's start-up messages a recipe user cannot act on (docs/architecture.md says what
-    the project does about each)."""
-
+class _Dropping(logging.Filter):
     def __init__(self, fragment: str) -> None:
         super().__init__()
         self.fragment = fragment
@@ -27,6 +24,13 @@ class _Unactionable(logging.Filter):
         return self.fragment not in record.getMessage()
 
 
+def drop_messages(logger: str, fragment: str) -> None:
+    """Drop the records `logger` itself logs whose message contains `fragment`."""
+    logging.getLogger(logger).addFilter(_Dropping(fragment))
+
+
+# megatron-core's start-up messages a recipe user cannot act on (docs/architecture.md says what the project does
+# about each)
 for _logger, _fragment in (
     # every model build: the recipes build GPTModel until the move to HybridModel
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
@@ -36,4 +40,4 @@ for _logger, _fragment in (
     # for): megatron-core's writer is the one chosen (checkpoint/save_load.py)
     ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated"),
 ):
-    logging.getLogger(_logger).addFilter(_Unactionable(_fragment))
+    drop_messages(_logger, _fragment)

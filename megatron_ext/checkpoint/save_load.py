@@ -128,10 +128,10 @@ def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> No
     `initializer` first (a picklable function: the process is spawned).
 
     The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.19.2,
-    strategies/filesystem_async.py, ``get_write_results_queue``) and keeps it for the life of the rank; started later, a pre-emption
-    signal to the rank's process tree would kill it and fail the checkpoint the signal asked for. Started here
-    (megatron-core's own takes no initializer), `initializer` can make it end with its rank: otherwise a rank
-    killed with SIGKILL leaves it, and its resource tracker, running for good.
+    strategies/filesystem_async.py, ``get_write_results_queue``) and keeps it for the life of the rank; started
+    later, a pre-emption signal to the rank's process tree would kill it and fail the checkpoint the signal asked
+    for. Started here (megatron-core's own takes no initializer), `initializer` can make it end with its rank:
+    otherwise a rank killed with SIGKILL leaves it, and its resource tracker, running for good.
     """
     global _save_helper
     from megatron.core.dist_checkpointing.strategies import filesystem_async

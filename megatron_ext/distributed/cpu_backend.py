@@ -27,11 +27,12 @@ their targets are unchanged in 0.19.2: ``tests/unit/test_upstream_patches.py``).
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_ext import drop_messages
 
 _installed_mode: TorchFunctionMode | None = None
 
@@ -61,13 +62,6 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
-
-
-class _RngStateChangedFilter(logging.Filter):
-    """Drops megatron's per-dropout warning that is expected once CUDA RNG maps onto the CPU one."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
 def _cpu_get_rng_state(device: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -221,7 +215,8 @@ def install() -> bool:
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
-    logging.getLogger(mcore_random.__name__).addFilter(_RngStateChangedFilter())
+    # megatron's per-dropout warning, expected once the CUDA RNG maps onto the CPU one
+    drop_messages(mcore_random.__name__, "CPU RNG state changed within GPU RNG context")
 
     _installed_mode = CudaToCpuMode()
     _installed_mode.__enter__()  # stays active for the life of the process

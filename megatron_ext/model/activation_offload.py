@@ -1,10 +1,10 @@
 """Activation offload: megatron-core's fine-grained activation offloading, switched on by train.offload_modules.
 
 megatron-core does the work (``pipeline_parallel/fine_grained_activation_offload.py``): the tensors autograd saves
-inside the named modules are copied to host memory on a side stream after each layer's forward and copied back
-before its backward. This module owns what the recipe adds around it: the precondition (TransformerEngine's offload
-flag module on a GPU), CPU rehearsal's stand-ins for that flag and for the device, and the start-up line that says what moved, read from
-megatron-core's offload manager after the first step.
+inside the named modules are copied to host memory on a side stream after each layer's forward and copied back before
+its backward. This module owns what the recipe adds around it: the precondition (TransformerEngine's offload flag
+module on a GPU), CPU rehearsal's stand-ins for that flag and for the device, and the start-up line that says what
+moved, read from megatron-core's offload manager after the first step.
 """
 
 from __future__ import annotations
