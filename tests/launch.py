@@ -35,6 +35,7 @@ ONE_GPU_SMALL = [
     "parallel.sequence_parallel=false", "train.precision=bf16", "train.micro_batch_size=2",
     "train.global_batch_size=4", "train.train_iters=8", "train.eval_iters=0", "optimizer.lr_warmup_iters=0",
     "data.mock=true", "data.blend=null", "data.tokenizer_model=null",
+    "logging.log_interval=1",  # the tests read every step's loss off the console (tiny.yaml logs every 10th)
 ]
 SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                   "parallel.sequence_parallel=false"]

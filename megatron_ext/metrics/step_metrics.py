@@ -66,20 +66,22 @@ class StepMetrics:
         return self.timers if self.timed else None
 
     def discard(self) -> None:
-        """Forget what the timers saw since the last step (an evaluation's forward passes)."""
-        self.timers.take()
+        """Forget what the timers saw since the last step (an evaluation's forward passes, a skipped step)."""
+        self.timers.discard()
 
     def record(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
                loss_scale: Optional[float] = None, extra: Optional[dict[str, float]] = None) -> None:
         """One training step (collective on log-interval steps); `loss_scale`: fp16's; `extra`: more of the step's
         scalars (an MoE model's router metrics)."""
         parts = self._interval
-        for part, seconds in [*self.timers.take().items(), ("step", step_time), ("steps", 1.0)]:
+        for part, seconds in (("step", step_time), ("steps", 1.0)):
             parts[part] = parts.get(part, 0.0) + seconds
         if iteration % self.cfg.logging.log_interval:
+            self.timers.end_step()  # read on the logging step: reading a CUDA event waits for the device
             self.logger.step(iteration, loss, lr, grad_norm, step_time, console=False, loss_scale=loss_scale,
                              extra=extra)
             return
+        parts.update(self.timers.take())
         steps, self._interval = parts["steps"], {}
         if not self.timed:
             self.logger.step(iteration, loss, lr, grad_norm, step_time, console=True, loss_scale=loss_scale,

@@ -7,7 +7,9 @@ those) — plus what the loop times itself: data (waiting for the next micro bat
 forward compute), the optimizer (zeroing the grads, the step) and the loss sync (the all-reduce of the loss and the
 non-finite flags). Whatever is left of the step is ``other`` (Python between regions).
 
-On a GPU each region records CUDA events (no synchronisation), read after the step's own sync; on CPU the host
+On a GPU each region records CUDA events and nothing waits for them until a logging step: the steps of a log
+interval are closed (:meth:`StepTimers.end_step`) unread, and :meth:`StepTimers.take` synchronises with the device
+once before reading them all (an event still queued behind the optimizer step cannot be read). On CPU the host
 clock.
 """
 
@@ -71,10 +73,11 @@ class StepTimers:
 
     def __init__(self, on_gpu: bool, enabled: bool = True):
         self.on_gpu, self.enabled = on_gpu, enabled
-        self._spans: dict[str, list] = {part: [] for part in (*PARTS, _WHOLE_SCHEDULE)}
+        self._spans: dict[str, list] = {part: [] for part in (*PARTS, _WHOLE_SCHEDULE)}  # the step under way
+        self._closed: dict[str, list] = {part: [] for part in self._spans}  # the interval's finished steps
         self._regions = {name: _Region(on_gpu, self._spans[part])
                          for name, part in (*REGIONS.items(), (_WHOLE_SCHEDULE, _WHOLE_SCHEDULE))}
-        self._data_s = 0.0
+        self._data_s = self._closed_data_s = 0.0
 
     def __call__(self, name: str, log_level: Optional[int] = None):
         return self._regions.get(name, _Untimed()) if self.enabled else _Untimed()
@@ -103,17 +106,35 @@ class StepTimers:
             self._data_s += time.perf_counter() - start
             yield batch
 
-    def take(self) -> dict[Part, float]:
-        """Seconds per part since the last call (after the step has synchronised with the device). Data waits
-        happen inside megatron-core's forward-compute region, so they are taken out of compute."""
-        seconds = {}
+    def end_step(self) -> None:
+        """The step under way is finished: its regions join the interval's, unread (no wait for the device)."""
         for part, spans in self._spans.items():
-            taken, spans[:] = list(spans), []
-            seconds[part] = (sum(begin.elapsed_time(end) for begin, end in taken) / 1000.0 if self.on_gpu
-                             else float(sum(taken)))
+            self._closed[part].extend(spans)
+            spans.clear()
+        self._closed_data_s += self._data_s
+        self._data_s = 0.0
+
+    def discard(self) -> None:
+        """Forget the regions since the last finished step (an evaluation's forward passes, a skipped step)."""
+        for spans in self._spans.values():
+            spans.clear()
+        self._data_s = 0.0
+
+    def take(self) -> dict[Part, float]:
+        """Seconds per part over the interval's steps, the one under way included, since the last call; on a GPU
+        after one synchronisation with the device. Data waits happen inside megatron-core's forward-compute region,
+        so they are taken out of compute."""
+        self.end_step()
+        if self.on_gpu and any(self._closed.values()):
+            torch.cuda.synchronize()
+        seconds = {}
+        for part, spans in self._closed.items():
+            seconds[part] = (sum(begin.elapsed_time(end) for begin, end in spans) / 1000.0 if self.on_gpu
+                             else float(sum(spans)))
+            spans.clear()
         whole = seconds.pop(_WHOLE_SCHEDULE)
         seconds["schedule"] = max(whole - seconds["compute"] - seconds["pipeline"] - seconds["grad_sync"], 0.0)
-        seconds["data"] = self._data_s
-        seconds["compute"] = max(seconds["compute"] - self._data_s, 0.0)
-        self._data_s = 0.0
+        seconds["data"] = self._closed_data_s
+        seconds["compute"] = max(seconds["compute"] - self._closed_data_s, 0.0)
+        self._closed_data_s = 0.0
         return seconds

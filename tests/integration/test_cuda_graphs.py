@@ -7,15 +7,10 @@ import re
 import pytest
 import torch
 
-from tests.launch import run_pretrain
+from tests.launch import ONE_GPU_SMALL, run_pretrain
 
-SHAPE = ["model.num_layers=2", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
-         "model.ffn_hidden_size=1536", "model.seq_length=512", "model.vocab_size=32000",
-         "model.attention_backend=local", "parallel.tensor_model_parallel_size=1",
-         "parallel.pipeline_model_parallel_size=1", "parallel.sequence_parallel=false", "train.precision=bf16",
-         "train.micro_batch_size=2", "train.global_batch_size=4", "train.train_iters=8", "train.eval_interval=4",
-         "train.eval_iters=1", "optimizer.lr_warmup_iters=0", "data.mock=true", "data.blend=null",
-         "data.tokenizer_model=null", "train.compile=false"]
+SHAPE = [*ONE_GPU_SMALL, "model.attention_backend=local", "train.eval_interval=4", "train.eval_iters=1",
+         "train.compile=false"]
 
 
 def _losses(stdout: str) -> list[float]:

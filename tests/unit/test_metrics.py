@@ -207,3 +207,67 @@ def test_step_timers_switched_off_time_nothing_and_pass_batches_through():
     timers("forward-compute").start()
     timers("forward-compute").stop()
     assert set(timers.take().values()) == {0.0}
+
+
+class _QueuedEvent:
+    """A CUDA event's contract on a busy GPU: elapsed_time raises until the device has been synchronised after the
+    event was recorded (torch: "Both events must be completed before calculating elapsed time")."""
+
+    clock = {"now": 0.0, "synchronised_at": -1.0, "synchronisations": 0}
+
+    def __init__(self, enable_timing: bool = True):
+        self.at = None
+
+    def record(self) -> None:
+        self.clock["now"] += 1.0
+        self.at = self.clock["now"]
+
+    def elapsed_time(self, end: "_QueuedEvent") -> float:
+        if max(self.at, end.at) > self.clock["synchronised_at"]:
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (end.at - self.at) * 1000.0  # one "second" per record, returned in ms as torch does
+
+    @classmethod
+    def synchronize(cls) -> None:
+        cls.clock["synchronised_at"] = cls.clock["now"]
+        cls.clock["synchronisations"] += 1
+
+
+def test_on_a_gpu_step_metrics_wait_for_the_device_only_on_logging_steps(monkeypatch):
+    import types
+
+    import torch
+
+    from megatron_ext.metrics.step_metrics import StepMetrics
+    from megatron_ext.metrics.step_time import StepTimers
+
+    monkeypatch.setattr(torch.cuda, "Event", _QueuedEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", _QueuedEvent.synchronize)
+    monkeypatch.setattr(_QueuedEvent, "clock", {"now": 0.0, "synchronised_at": -1.0, "synchronisations": 0})
+    logged = []
+    metrics = StepMetrics.__new__(StepMetrics)  # only what a non-logging step touches
+    metrics.cfg = types.SimpleNamespace(logging=types.SimpleNamespace(log_interval=3))
+    metrics.timers, metrics.timed, metrics._interval = StepTimers(on_gpu=True), False, {}
+    metrics.logger = types.SimpleNamespace(step=lambda iteration, *args, **kw: logged.append(kw["console"]))
+
+    def step(iteration: int) -> None:
+        metrics.timers("forward-backward").start()
+        metrics.timers("forward-compute").start()  # 1 s
+        metrics.timers("forward-compute").stop()
+        metrics.timers("forward-backward").stop()
+        with metrics.timers.region("optimizer"):  # 1 s, still queued behind the step when it is recorded
+            pass
+        metrics.record(iteration, loss=1.0, lr=0.1, grad_norm=1.0, step_time=0.5)
+
+    step(1)
+    step(2)
+    assert _QueuedEvent.clock["synchronisations"] == 0 and logged == [False, False]
+    with metrics.timers.region("optimizer"):  # an evaluation's or skipped step's region is forgotten, unread
+        pass
+    metrics.discard()
+    taken, take = [], metrics.timers.take
+    metrics.timers.take = lambda: taken.append(take()) or taken[-1]
+    step(3)
+    assert _QueuedEvent.clock["synchronisations"] == 1 and logged == [False, False, True]
+    # three steps of 1 s compute, 2 s of the schedule around it and 1 s optimizer; the discarded region not counted
+    assert (taken[0]["compute"], taken[0]["schedule"], taken[0]["optimizer"]) == (3.0, 6.0, 3.0), taken
