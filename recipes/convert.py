@@ -106,7 +106,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from megatron_ext.checkpoint import fsdp_dtensor, layout
+    from megatron_ext.checkpoint import fsdp_dtensor, layout, safe_unpickle
     from megatron_ext.errors import CheckpointError
 
     iteration = layout.latest_iteration(root)
@@ -129,7 +129,8 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     if fsdp_dtensor.holds_format(directory):
         rows = fsdp_dtensor.embedding_rows(directory)
     else:
-        embedding = dist_checkpointing.load_tensors_metadata(str(directory)).get("embedding.word_embeddings.weight")
+        with safe_unpickle.refusals_named(directory):
+            embedding = dist_checkpointing.load_tensors_metadata(str(directory)).get("embedding.word_embeddings.weight")
         if embedding is None:
             raise ConversionError(f"{directory}: no embedding.word_embeddings.weight tensor in the checkpoint")
         rows = int(embedding.global_shape[0])
@@ -172,7 +173,7 @@ def load_weights(model, saved: SavedCheckpoint) -> None:
     """The saved weights into `model`, resharded by dist_checkpointing (or DCP) to the current layout."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from megatron_ext.checkpoint import fsdp_dtensor
+    from megatron_ext.checkpoint import fsdp_dtensor, safe_unpickle
 
     if fsdp_dtensor.holds_format(saved.iteration_dir):
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
@@ -180,7 +181,8 @@ def load_weights(model, saved: SavedCheckpoint) -> None:
                                   "tensor_model_parallel_size=1 only")
         fsdp_dtensor.load_weights_into(model, saved.iteration_dir)
         return
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(saved.iteration_dir))
+    with safe_unpickle.refusals_named(saved.iteration_dir):
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(saved.iteration_dir))
     model.load_state_dict(loaded["model"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,18 @@ def pretrain_command(nproc: int, overrides: list[str], module: str = "recipes.pr
             # never into the repository's runs/ (a test that saves or logs says where)
             "checkpoint.save=null", "logging.tensorboard_dir=null", f"logging.log_dir={RANK_LOGS}",
             f"data.path_to_cache={DATASET_CACHE}", *overrides]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on this machine now (for launches that must not share one)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def run_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:

@@ -36,7 +36,10 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
+from megatron_ext.checkpoint import safe_unpickle
 from megatron_ext.errors import IncompatibleCheckpointError
+
+safe_unpickle.install()  # every checkpoint read goes through this module (fsdp_dtensor's too)
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +213,10 @@ def load_sharded(state: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
     """dist_checkpointing.load, accepting a checkpoint without the ``_extra_state`` entries the current
     layer spec requests (left out of the result; :func:`load_model_chunks` keeps the fresh ones) and with the
     LEGACY_KEYS names."""
-    _load_legacy_keys(state, checkpoint_dir)
-    loaded, _, absent = dist_checkpointing.load(state, str(checkpoint_dir), strict=StrictHandling.RETURN_UNEXPECTED)
+    with safe_unpickle.refusals_named(checkpoint_dir):
+        _load_legacy_keys(state, checkpoint_dir)
+        loaded, _, absent = dist_checkpointing.load(state, str(checkpoint_dir),
+                                                    strict=StrictHandling.RETURN_UNEXPECTED)
     needed = sorted(key for key in absent if not key.endswith(EXTRA_STATE_SUFFIX))
     if needed:
         shown = ", ".join(needed[:5]) + (f" and {len(needed) - 5} more" if len(needed) > 5 else "")

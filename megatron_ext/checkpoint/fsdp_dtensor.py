@@ -30,7 +30,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import prep
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
 
-from megatron_ext.checkpoint import compat
+from megatron_ext.checkpoint import compat, safe_unpickle
 from megatron_ext.checkpoint.layout import COMMON_STATE, DCP_METADATA, DIST_METADATA
 
 FORMAT = "fsdp_dtensor"  # megatron-core's distrib_optim_sharding_type and Megatron-LM's --ckpt-format
@@ -112,7 +112,8 @@ def save(model_chunks: list, optimizer: MegatronOptimizer, target: Path, common:
 def load(ckpt_dir: Path, model_chunks: list, optimizer: MegatronOptimizer) -> None:
     """Collective: the model weights and optimizer moments of `ckpt_dir`, resharded to this run's DP size."""
     state, own = _dtensor_state(model_chunks, optimizer, is_loading=True)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
+    with safe_unpickle.refusals_named(ckpt_dir):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
     model_chunks[0].load_state_dict(own["model"])
     optimizer.load_state_dict(own["optimizer"])
 
@@ -124,7 +125,8 @@ def holds_format(ckpt_dir: Path) -> bool:
 
 def embedding_rows(ckpt_dir: Path) -> int:
     """The (padded) vocabulary rows of the checkpoint's word embeddings, from DCP's metadata alone."""
-    metadata = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    with safe_unpickle.refusals_named(ckpt_dir):
+        metadata = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
     return int(metadata[f"model.{_WRAPPER}embedding.word_embeddings.weight"].size[0])
 
 
@@ -142,7 +144,8 @@ def load_weights_into(model: torch.nn.Module, ckpt_dir: Path) -> None:
         else:
             targets[_WRAPPER + name] = torch.empty_like(tensor)
     wrapped = {"model": targets}
-    dcp.load(wrapped, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
+    with safe_unpickle.refusals_named(ckpt_dir):
+        dcp.load(wrapped, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
     halves = {key + half for key in fused.values() for half in SWIGLU_HALVES}
     weights = {name[len(_WRAPPER):]: tensor for name, tensor in targets.items() if name not in halves}
     for name, key in fused.items():

@@ -36,13 +36,19 @@ def read_common(ckpt_dir: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
 
-    try:
-        if (ckpt_dir / COMMON_STATE).is_file():
-            return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=True)
-        if (ckpt_dir / DIST_METADATA).is_file():
-            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+    from megatron_ext.checkpoint import safe_unpickle
 
-            return load_common_state_dict(str(ckpt_dir))
+    safe_unpickle.install()
+    try:
+        with safe_unpickle.refusals_named(ckpt_dir):
+            if (ckpt_dir / COMMON_STATE).is_file():
+                return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=True)
+            if (ckpt_dir / DIST_METADATA).is_file():
+                from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+                return load_common_state_dict(str(ckpt_dir))
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any unreadable file is the same refusal
         raise CheckpointError(f"{ckpt_dir}: its common state (iteration, config) cannot be read "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the checkpoint is "

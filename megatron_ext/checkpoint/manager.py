@@ -92,12 +92,27 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.saver:
             self.saver.finalize(blocking=True)
+        self._stop_if_lock_lost()
         path = save_load.save_checkpoint(
             ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
             keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
-            optimizer_format=optimizer_format_for(self.cfg, iteration), before_commit=self.before_commit)
+            optimizer_format=optimizer_format_for(self.cfg, iteration), before_commit=self._before_commit)
         self.last_save = time.monotonic()
         return path, time.perf_counter() - start
+
+    def _before_commit(self) -> None:
+        """Every rank, before a checkpoint is made complete (manifest, tracker, retention)."""
+        self._stop_if_lock_lost()
+        if self.before_commit is not None:
+            self.before_commit()
+
+    def _stop_if_lock_lost(self) -> None:
+        """Collective: every rank raises the same one line when another run took over rank 0's run lock, so
+        nothing is written, committed or deleted in a directory this run no longer owns."""
+        lost = [self.lock.lost() if self.lock is not None else None]
+        dist.broadcast_object_list(lost, src=0)
+        if lost[0]:
+            raise CheckpointError(lost[0])
 
     def close(self) -> None:
         """Wait until every save in flight is complete: the last checkpoint exists before the run reports it."""

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def apply_retention(root: Path, latest: int, keep_last: Optional[int], keep_every: Optional[int]) -> list[int]:
     """Delete the complete checkpoints older than the newest `keep_last`, except multiples of `keep_every`;
-    returns the iterations deleted."""
+    returns the iterations deleted (one that cannot be deleted is a warning, not a failure)."""
     if keep_last is None:
         return []
     iterations = [i for i in complete_iterations(root) if i <= latest]
@@ -26,7 +26,12 @@ def apply_retention(root: Path, latest: int, keep_last: Optional[int], keep_ever
     doomed = [i for i in iterations if i not in kept and not (keep_every and i % keep_every == 0)]
     for iteration in doomed:
         path = iteration_dir(root, iteration)
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as e:  # NFS's .nfsXXXX files of a reader, permissions: the new checkpoint is safe anyway
+            log.warning(f"retention could not delete {path} ({type(e).__name__}: {e}); training goes on, "
+                        "delete it by hand")
+            continue
         log.info(f"retention (checkpoint.keep_last={keep_last}"
                  + (f", keep_every={keep_every}" if keep_every else "") + f"): deleted {path}")
-    return doomed
+    return [i for i in doomed if not iteration_dir(root, i).exists()]

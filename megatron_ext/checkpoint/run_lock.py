@@ -4,10 +4,16 @@ run holds ``<checkpoint.save>/run.lock`` for its lifetime and a second run is re
 holder.
 
 The lock is a file created with O_EXCL (atomic on local filesystems and on NFSv3+/Lustre/GPFS, where POSIX
-``fcntl`` locks are not dependable) holding the holder's host, pid and SLURM job; a heartbeat thread refreshes its
-modification time. A lock is stale, and is taken over with one warning, when its holder was this same SLURM job
-(an earlier start of a requeued job: SLURM never runs two at once), when its process is gone on this host, or when
-its heartbeat stopped more than :data:`STALE_AFTER_S` ago (a dead job on another host).
+``fcntl`` locks are not dependable) holding the holder's host, pid, SLURM job and step and the launch's rendezvous id;
+a heartbeat thread refreshes its modification time. Whether the holder lives is asked first: a holder on this host
+whose process exists keeps the lock (two plain ``torchrun`` launches share the run id ``none``, two steps of one
+SLURM allocation share the job id). Otherwise the lock is stale, and is taken over with one warning, when its holder
+was this same SLURM job step (an earlier start of a requeued job: SLURM never runs two at once) or an earlier world
+of this same elastic launch, when its process is gone on this host, or when its heartbeat stopped more than
+:data:`STALE_AFTER_S` ago (a dead job on another host).
+
+A holder whose lock was taken over notices: its heartbeat stops refreshing a file that no longer names it, and
+:meth:`RunLock.lost` says so before the run saves or deletes anything there.
 """
 
 from __future__ import annotations
@@ -30,10 +36,15 @@ HEARTBEAT_S = 20.0  # how often a holder refreshes its lock
 STALE_AFTER_S = 120.0  # a lock not refreshed for this long belongs to a dead run on another host
 
 
+_DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id when none is given: shared by unrelated launches
+
+
 def _identity(elastic_run_id: Optional[str] = None) -> dict[str, Any]:
     """Who takes the lock; `elastic_run_id`: the launcher's --rdzv-id (its ranks read TORCHELASTIC_RUN_ID)."""
+    run_id = elastic_run_id or os.environ.get("TORCHELASTIC_RUN_ID")
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "elastic_run_id": elastic_run_id or os.environ.get("TORCHELASTIC_RUN_ID"),
+            "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
+            "elastic_run_id": run_id if run_id != _DEFAULT_RUN_ID else None,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -54,13 +65,17 @@ def _pid_alive(pid: int) -> bool:
 
 def stale_reason(holder: dict[str, Any], age_s: float, me: dict[str, Any]) -> Optional[str]:
     """Why the run that wrote `holder` (refreshed `age_s` ago) no longer holds it, or None while it may."""
-    if me.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
+    if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int):
+        if not _pid_alive(holder["pid"]):
+            return f"process {holder['pid']} no longer exists on {me['host']}"
+        if age_s <= STALE_AFTER_S:  # alive and refreshing: whatever ids it shares with this run
+            return None
+    if me.get("slurm_job_id") and (holder.get("slurm_job_id"), holder.get("slurm_step_id")) == (
+            me["slurm_job_id"], me.get("slurm_step_id")):
         return f"it was an earlier start of this SLURM job {me['slurm_job_id']}"
     if me.get("elastic_run_id") and holder.get("elastic_run_id") == me["elastic_run_id"]:
-        # torchrun restarted the workers (a lost or a joining node): the same job, on a new world
+        # torchrun restarted the workers (a lost or a joining node): the same launch, on a new world
         return f"it was an earlier world of this elastic job (run id {me['elastic_run_id']})"
-    if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"]):
-        return f"process {holder['pid']} no longer exists on {me['host']}"
     if age_s > STALE_AFTER_S:
         return f"it was last refreshed {age_s:.0f} s ago"
     return None
@@ -146,11 +161,24 @@ class RunLock:
         return self._create()
 
     def _refresh(self) -> None:
+        """Keep the lock fresh while it names this run; stop once another run took it over (:meth:`lost`)."""
         while not self._stop.wait(HEARTBEAT_S):
+            if self.lost() is not None:
+                return
             try:
                 os.utime(self.path)
             except OSError:  # the directory went away; the run's own saves will say so
                 return
+
+    def lost(self) -> Optional[str]:
+        """None while the lock file names this run; else the one line saying who took it (one small read)."""
+        found = _read(self.path)
+        if found is not None and found[0] == self.me:
+            return None
+        by = f"by {describe(found[0])}" if found is not None and found[0] else "(the lock file is gone)"
+        return (f"checkpoint.save={self.path.parent} was taken over {by} while this run held it: stopping "
+                f"without saving or deleting anything there. Two runs were using one checkpoint directory; "
+                f"let the other finish, or give this run its own checkpoint.save")
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours."""

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import pytest
 
 from megatron_ext.checkpoint.layout import latest_iteration
 from tests.integration.test_parallel_parity import TOLERANCE
-from tests.launch import ROOT, SMALL_MODEL, max_relative_difference, read_scalars
+from tests.launch import ROOT, SMALL_MODEL, free_ports, max_relative_difference, read_scalars
 
 STEPS = 16
 SAVE_INTERVAL = 5  # a periodic checkpoint before the signal, as in any real run
@@ -77,17 +76,6 @@ def _ensure_slurm_installed() -> None:
                     f"missing {missing}: {proc.stderr.strip()[-500:]}")
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class SlurmCluster:
     """munged, slurmctld and one slurmd per node, all in `root`, on free ports; clients via SLURM_CONF."""
 
@@ -103,7 +91,7 @@ class SlurmCluster:
 
     def write_config(self) -> None:
         r = self.root
-        ctld_port, slurmd_port, *node_ports = _free_ports(2 + len(self.NODES))
+        ctld_port, slurmd_port, *node_ports = free_ports(2 + len(self.NODES))
         (r / "state").mkdir()
         nodes = "\n".join(
             # CPUs above the machine's real count: SlurmdParameters=config_overrides accepts them,

@@ -61,3 +61,19 @@ def test_a_checkpoint_resumes_only_in_a_run_of_its_own_data_parallel_kind():
     assert "saved by a Megatron-FSDP run" in format_mismatch(ckpt, fsdp, use_megatron_fsdp=False)
     assert "saved by a run without Megatron-FSDP" in format_mismatch(ckpt, zero1, use_megatron_fsdp=True)
     assert format_mismatch(ckpt, imported, use_megatron_fsdp=True) is None
+
+
+def test_retention_that_cannot_delete_warns_and_goes_on(tmp_path, monkeypatch, caplog):
+    import logging
+    import shutil
+
+    for i in range(1, 5):
+        _complete(tmp_path, i)
+
+    def busy(path, *args, **kwargs):
+        raise OSError(16, "Device or resource busy", str(path / ".nfs0000000001"))
+
+    monkeypatch.setattr(shutil, "rmtree", busy)
+    with caplog.at_level(logging.WARNING):
+        assert apply_retention(tmp_path, latest=4, keep_last=2, keep_every=None) == []
+    assert "retention could not delete" in caplog.text and "training goes on" in caplog.text

@@ -77,3 +77,44 @@ def test_a_lock_replaced_during_a_take_over_is_put_back(tmp_path):
     winner = (tmp_path / RUN_LOCK).read_text()
     assert RunLock(tmp_path)._take_over(stale) is False
     assert (tmp_path / RUN_LOCK).read_text() == winner
+
+
+@pytest.mark.parametrize("env", [{"TORCHELASTIC_RUN_ID": "none"}, {"TORCHELASTIC_RUN_ID": "job-7"},
+                                 {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}])
+def test_a_live_holder_on_this_host_keeps_the_lock_whatever_ids_it_shares(tmp_path, monkeypatch, env):
+    """Two plain torchrun launches share the run id 'none'; ids are compared only once the holder is not alive."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    holder = RunLock(tmp_path)
+    holder.acquire()  # this process: alive, on this host, with the same ids as the next one
+    try:
+        with pytest.raises(CheckpointError, match="is in use by another run"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.release()
+
+
+def test_another_step_of_the_same_slurm_job_is_refused_and_a_requeued_start_takes_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    _write(tmp_path, 5.0, host="other-node", slurm_job_id="77", slurm_step_id="0")
+    with pytest.raises(CheckpointError, match="SLURM job 77"):
+        RunLock(tmp_path).acquire()
+    _write(tmp_path, 5.0, host="other-node", slurm_job_id="77", slurm_step_id="1")
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.release()
+
+
+def test_a_holder_whose_lock_was_taken_over_notices_and_stops_refreshing_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.02)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert lock.lost() is None
+    _write(tmp_path, run_lock.STALE_AFTER_S / 2, host="other-node", slurm_job_id="12")  # the run that took it
+    time.sleep(0.2)
+    age = time.time() - (tmp_path / RUN_LOCK).stat().st_mtime
+    assert age > run_lock.STALE_AFTER_S / 4, "the old holder's heartbeat refreshed the new holder's lock"
+    assert lock.lost().startswith(f"checkpoint.save={tmp_path} was taken over by pid ") and "other-node" in lock.lost()
+    lock.release()
+    assert (tmp_path / RUN_LOCK).exists()  # not ours to remove

@@ -1,4 +1,4 @@
-"""Every place where this project patches, or works around, code of megatron-core 0.19.2 (or of NVRx 0.6.0) names
+"""Every place where this project patches, or works around, code of megatron-core 0.19.2 (or of NVRx 0.6.0, torch 2.13) names
 that code here with a hash of its source: when an upgrade changes it, this test fails and names the patch to
 re-check (is it still needed, does it still fit?), instead of the patch going silently stale. docs/architecture.md
 lists the same patches with their reasons."""
@@ -63,6 +63,11 @@ PATCHED = [
             "config/validate.py"),
     # the native fused cross-entropy's gradient in bf16 whatever the precision
     Patched("megatron.core.fusions.fused_cross_entropy.calculate_gradients", "6524843bdf90ceea", "config/validate.py"),
+    # torch's distributed checkpoint unpickles .metadata (pickle.load) and non-tensor items (weights_only=False)
+    Patched("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", "8586ce344a523602",
+            "checkpoint/safe_unpickle.py"),
+    Patched("megatron_ext.checkpoint.safe_unpickle.REPLACED_LOAD_BYTES", "666701f9808c4bc2",
+            "checkpoint/safe_unpickle.py"),
     # NVRx 0.6.0's agent drops the failures it saw when it runs out of restarts
     Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._invoke_run_with_any_failed_policy",
             "b2e2ac0dca2a2d6b", "resilience/agent.py"),
