@@ -23,6 +23,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_ext.config.ranges import check_ranges
+from megatron_ext.config.values import checked_values, override_as_config
 from megatron_ext.errors import ConfigError
 
 AUTO = "auto"  # a kernel option decided for the machine it runs on (config.kernels.resolve_kernel_options)
@@ -327,7 +329,8 @@ def _first_line(message: str) -> str:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
-    """YAML file (optional) merged over the defaults, then `section.key=value` overrides."""
+    """YAML file (optional) merged over the defaults, then `section.key=value` overrides (values as written, nothing
+    read from the environment: :mod:`megatron_ext.config.values`)."""
     merged = OmegaConf.structured(RecipeConfig)
     path = Path(path) if path is not None else None
     if path is not None:
@@ -336,7 +339,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
         try:
             from_file = OmegaConf.load(path)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or _first_line(str(e))}"
+                              ) from None
         try:
             merged = OmegaConf.merge(merged, from_file)
         except OmegaConfBaseException as e:
@@ -347,10 +353,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            merged = OmegaConf.merge(merged, override_as_config(RecipeConfig, item))
         except OmegaConfBaseException as e:
             raise ConfigError(f"override {item!r}: {e.full_key or item}: {_first_line(e.msg)}") from None
-    return OmegaConf.to_object(merged)
+    checked_values(merged)
+    cfg = OmegaConf.to_object(merged)
+    check_ranges(cfg.to_dict())
+    return cfg
 
 
 def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:

@@ -81,11 +81,6 @@ def trained_world(cfg: RecipeConfig, world_size: int, te_available: bool = False
 
 def _validate_checkpoint(cfg: RecipeConfig) -> None:
     c = cfg.checkpoint
-    for key in ("save_interval", "keep_last", "keep_every"):
-        value = getattr(c, key)
-        require(value is None or value >= 1, f"checkpoint.{key}", value, "must be a positive integer or null")
-    require(c.save_interval_minutes is None or c.save_interval_minutes > 0, "checkpoint.save_interval_minutes",
-            c.save_interval_minutes, "must be a positive number of minutes or null")
     require(c.keep_every is None or c.keep_last is not None, "checkpoint.keep_every", c.keep_every,
             "only applies with checkpoint.keep_last (without it every checkpoint is kept)")
     if cfg.parallel.use_megatron_fsdp:
@@ -100,15 +95,6 @@ def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
     require(t.hang_timeout_s is None or 0 < t.hang_timeout_s < collective_timeout_s, "train.hang_timeout_s",
             t.hang_timeout_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
             f"{collective_timeout_s} s, so that the watchdog names the hung rank before the collectives time out")
-    require(t.skip_nonfinite_steps >= 0, "train.skip_nonfinite_steps", t.skip_nonfinite_steps, "must be >= 0")
-    for key in ("loss_spike_factor", "straggler_factor"):
-        value = getattr(g, key)
-        require(value is None or value > 1, f"logging.{key}", value, "must be above 1, or null (off)")
-    require(g.loss_spike_window >= 5, "logging.loss_spike_window", g.loss_spike_window, "must be >= 5")
-    require(g.straggler_intervals >= 1, "logging.straggler_intervals", g.straggler_intervals, "must be >= 1")
-    require(g.moe_collapse_share is None or 0 < g.moe_collapse_share <= 1, "logging.moe_collapse_share",
-            g.moe_collapse_share, "is a share of a layer's tokens: in (0, 1], or null")
-    require(g.moe_collapse_intervals >= 1, "logging.moe_collapse_intervals", g.moe_collapse_intervals, "must be >= 1")
     steps = g.profile_steps
     require(steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.train_iters),
             "logging.profile_steps", steps, f"must be [first, last] iterations with 1 <= first <= last <= "
@@ -131,22 +117,6 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size
-    for key, value in [
-        ("parallel.tensor_model_parallel_size", tp),
-        ("parallel.pipeline_model_parallel_size", pp),
-        ("parallel.context_parallel_size", cp),
-        ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.seq_length", m.seq_length),
-        ("train.global_batch_size", t.global_batch_size),
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.eval_interval", t.eval_interval),
-        ("logging.log_interval", cfg.logging.log_interval),
-    ]:
-        require(value >= 1, key, value, "must be a positive integer")
-    require(t.train_iters >= 0, "train.train_iters", t.train_iters, "must be >= 0")
-    require(t.eval_iters >= 0, "train.eval_iters", t.eval_iters, "must be >= 0")
 
     model_parallel = tp * pp * cp
     require(
@@ -269,11 +239,8 @@ def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool
                 "Ada, Hopper, Blackwell) — or set train.fp8=null")
         require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
     if t.precision == "fp16":
-        require(t.min_loss_scale > 0, "train.min_loss_scale", t.min_loss_scale, "must be > 0")
         require(t.initial_loss_scale >= t.min_loss_scale, "train.initial_loss_scale", t.initial_loss_scale,
                 f"must be >= train.min_loss_scale ({t.min_loss_scale:g})")
-        require(t.loss_scale_window >= 1, "train.loss_scale_window", t.loss_scale_window, "must be >= 1")
-        require(t.hysteresis >= 1, "train.hysteresis", t.hysteresis, "must be >= 1")
 
 
 def require_packed_sequence_layout(cfg: RecipeConfig, why_te: str) -> None:
@@ -329,8 +296,6 @@ def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
     """What optimizer.optimizer_cpu_offload runs with: megatron-core's HybridDeviceOptimizer inside the distributed
     optimizer, as verified here (docs/memory.md)."""
     o, p, t = cfg.optimizer, cfg.parallel, cfg.train
-    require(0 < o.optimizer_offload_fraction <= 1, "optimizer.optimizer_offload_fraction", o.optimizer_offload_fraction,
-            "must be in (0, 1]: the fraction of the optimizer state kept in host memory")
     if not o.optimizer_cpu_offload:
         return
     for ok, key, value, why in [
@@ -349,8 +314,6 @@ def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
 def _validate_activation_offload(cfg: RecipeConfig) -> None:
     """train.offload_modules against megatron-core's own asserts and what has been verified here (docs/memory.md)."""
     t, p = cfg.train, cfg.parallel
-    require(t.min_offloaded_tensor_size >= 0, "train.min_offloaded_tensor_size", t.min_offloaded_tensor_size,
-            "must be >= 0 (elements)")
     if not t.offload_modules:
         return
     modules = list(t.offload_modules)
@@ -381,7 +344,6 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
     verified (each combination below trained 1-process-identical on CPU, or was refused)."""
     p, t = cfg.parallel, cfg.train
     replicas = p.num_distributed_optimizer_instances
-    require(replicas >= 1, "parallel.num_distributed_optimizer_instances", replicas, "must be a positive integer")
     require(replicas == 1 or p.use_megatron_fsdp, "parallel.num_distributed_optimizer_instances", replicas,
             "is HSDP, Megatron-FSDP's: set parallel.use_megatron_fsdp=true (megatron-core's partial distributed "
             "optimizer without it is not verified here)")
@@ -450,10 +412,7 @@ def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
     require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
             "model.moe_router_enable_expert_bias", True, "megatron-core's expert bias works with sigmoid scores: set "
             "model.moe_router_score_function=sigmoid")
-    require(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be >= 0")
     capacity = m.moe_expert_capacity_factor
-    require(capacity is None or capacity > 0, "model.moe_expert_capacity_factor", capacity, "must be > 0, or null "
-            "(dropless)")
     require(capacity is not None or not m.moe_pad_expert_input_to_capacity, "model.moe_pad_expert_input_to_capacity",
             True, "pads to the capacity: set model.moe_expert_capacity_factor")
     shared = m.moe_shared_expert_intermediate_size

@@ -59,7 +59,7 @@ def test_overrides_are_typed():
          "train.precision: Invalid value 'fp64', expected one of ['fp32', 'bf16', 'fp16']"),
         (["optimizer.min_lr=1.0"], 4, "optimizer.min_lr=1.0"),
         (["model.attention_backend=te"], 4, "TransformerEngine is not importable"),
-        (["train.micro_batch_size=0"], 4, "train.micro_batch_size=0 is invalid: must be a positive integer"),
+        (["train.micro_batch_size=0"], 4, "train.micro_batch_size=0 is invalid: must be >= 1"),
         (["train.fp8=delayed", "train.precision=bf16"], 4, "FP8 runs through TransformerEngine"),
         (["train.precision=fp16", "train.initial_loss_scale=0.5"], 4,
          "train.initial_loss_scale=0.5 is invalid: must be >= train.min_loss_scale (1)"),
@@ -113,7 +113,7 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["logging.profile_steps=[1,500]"], "<= train.train_iters (120)"),
     (["logging.profile_steps=[1,2]", "logging.profile_ranks=[4]"], "logging.profile_ranks=[4] is invalid"),
     (["logging.memory_snapshot=true"], "is taken at the end of logging.profile_steps"),
-    (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be a positive"),
+    (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be > 0"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
       "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
 ])

@@ -31,7 +31,6 @@ ANY_DP = ["train.micro_batch_size=1", "train.global_batch_size=48"]  # a global 
     (["model.moe_router_topk=1"], 4, "top-1 routing with softmax scores needs the softmax over all experts first"),
     (["model.moe_router_enable_expert_bias=true"], 4, "set model.moe_router_score_function=sigmoid"),
     (["model.moe_pad_expert_input_to_capacity=true"], 4, "set model.moe_expert_capacity_factor"),
-    (["model.moe_expert_capacity_factor=0"], 4, "must be > 0, or null (dropless)"),
     (["model.moe_grouped_gemm=true", "model.attention_backend=local"], 4, "TransformerEngine's (TEGroupedMLP)"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1"], 4,
      "parallel.use_megatron_fsdp=True is invalid: is not verified with MoE models here"),
