@@ -29,7 +29,7 @@ from megatron_ext.data.tokenization_record import (
 )
 from megatron_ext.data.tokenizer import TOKENIZER_TYPES, Tokenizer, load_tokenizer
 from megatron_ext.data.tokenizer import tokenizer_type as tokenizer_type_of
-from megatron_ext.errors import BadRecordError, TokenizerError
+from megatron_ext.errors import EXIT_STORAGE, STORAGE_ERRNOS, BadRecordError, TokenizerError
 from megatron_ext.resilience.process_guard import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("interrupted: no output written")
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"storage error: {e.filename or args.output_prefix}: {e.strerror}: free space or choose another "
+              "--output-prefix; no output written (temporary files removed)", file=sys.stderr)
+        sys.exit(EXIT_STORAGE)
     logger.info(
         "tokenized %d documents into %d tokens in %.1fs (%.0f tokens/s); skipped bad records: %s",
         result.documents, result.tokens, result.seconds, result.tokens / max(result.seconds, 1e-9),

@@ -8,6 +8,7 @@ rank's log).
 
 from __future__ import annotations
 
+import errno
 from typing import ClassVar
 
 EXIT_FAILED = 1  # anything else: the traceback in the rank's log says more
@@ -15,6 +16,9 @@ EXIT_USER_ERROR = 2  # config, data, tokenizer or checkpoint: fix what the messa
 EXIT_DIVERGED = 3  # non-finite loss or gradients
 EXIT_HUNG = 4  # the hang watchdog ended the job: requeue it, it resumes from the last checkpoint
 EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's message says why)
+EXIT_STORAGE = 6  # disk full, quota or permission denied on a path: not a node fault, so not requeued elsewhere
+# The errno values that make an OSError a storage error (EXIT_STORAGE)
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 # recipes.launch stopped by Ctrl-C or SIGTERM exits 128 + the signal's number (130, 143) once its ranks have
 # checkpointed at their next step boundary; its last line names that checkpoint.
 
@@ -48,6 +52,12 @@ class CheckpointError(RecipeError, RuntimeError):
     """A checkpoint cannot be written or used as asked; the message names the path and what to do."""
 
     kind = "checkpoint error"
+
+
+class CheckpointStorageError(CheckpointError):
+    """A checkpoint could not be written: disk full, quota or permission denied (not a node fault)."""
+
+    exit_code = EXIT_STORAGE
 
 
 class IncompatibleCheckpointError(CheckpointError):

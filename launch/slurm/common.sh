@@ -24,7 +24,8 @@
 #   REQUEUE_ON_HANG   1 (default): requeue the job when the hang watchdog ended it (train.hang_timeout_s)
 #   REQUEUE_ON_FAILURE 1 (default): requeue the job when a rank crashed, was killed, lost its peers (NCCL error,
 #                     lost node) or the step failed otherwise; never after exit 2 (config, data, checkpoint: a
-#                     requeue would fail the same way) or 3 (divergence: needs a person)
+#                     requeue would fail the same way), 3 (divergence: needs a person) or 6 (disk full or
+#                     permission denied: not the node's fault, and excluding it would not help)
 #   MAX_REQUEUES      3 (default): at most this many hang/failure requeues per job (signal requeues are planned
 #                     and not counted); then the job ends failed
 #   EXCLUDE_FAILED_NODES 1 (default): a failure requeue leaves out the node(s) whose rank failed first
@@ -56,6 +57,7 @@
 EXIT_USER_ERROR=2
 EXIT_DIVERGED=3
 EXIT_HUNG=4
+EXIT_STORAGE=6
 
 _log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }
 
@@ -226,8 +228,9 @@ slurm_pretrain() {
     if ((_term_seen == 1)); then
         return "$rc"  # cancelled or pre-empted: SLURM decides
     fi
-    if ((rc == EXIT_USER_ERROR || rc == EXIT_DIVERGED)); then
-        _log "not requeueing: exit $rc (config, data or checkpoint error, or divergence) needs a fix first"
+    if ((rc == EXIT_USER_ERROR || rc == EXIT_DIVERGED || rc == EXIT_STORAGE)); then
+        _log "not requeueing: exit $rc (config, data or checkpoint error, divergence, or a full or unwritable" \
+             "disk) needs a fix first"
         return "$rc"
     fi
     if ((rc == EXIT_HUNG)); then

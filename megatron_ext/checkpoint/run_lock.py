@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.checkpoint.layout import RUN_LOCK
-from megatron_ext.errors import CheckpointError
+from megatron_ext.errors import CheckpointError, CheckpointStorageError
 
 log = logging.getLogger("megatron_ext")
 
@@ -117,7 +117,18 @@ class RunLock:
         self._heartbeat: Optional[threading.Thread] = None
 
     def acquire(self) -> None:
-        """Take the lock, or take over a stale one; raises CheckpointError naming a live holder."""
+        """Take the lock, or take over a stale one; raises CheckpointError naming a live holder, or the directory
+        when it cannot be written."""
+        try:
+            self._acquire()
+        except OSError as e:
+            raise CheckpointStorageError(
+                f"checkpoint.save={self.path.parent} cannot be written ({type(e).__name__}: {e.strerror or e}): make "
+                "it writable by this job's user or choose another checkpoint.save") from None
+        self._heartbeat = threading.Thread(target=self._refresh, name="run-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a lock that disappears between a failed create and its read: try again
             if self._create():
@@ -133,8 +144,6 @@ class RunLock:
                 break
         else:
             raise CheckpointError(f"{self.path}: could not take the run lock (another run keeps replacing it)")
-        self._heartbeat = threading.Thread(target=self._refresh, name="run-lock-heartbeat", daemon=True)
-        self._heartbeat.start()
 
     def _create(self) -> bool:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.managers
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -50,13 +51,42 @@ from megatron_ext.checkpoint.optimizer_format import (
 )
 from megatron_ext.checkpoint.retention import apply_retention
 from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_state
-from megatron_ext.errors import CheckpointError
+from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError
 
 log = logging.getLogger(__name__)
 
 # megatron-core's own writer (AsyncCallsQueue, :mod:`.async_save`), not its default since 0.19, NVRx's: the one the
 # suite runs (megatron-core's synchronous save goes through the same code); NVRx's is not yet run on a GPU here.
 ASYNC_STRATEGY = "mcore"
+
+
+class _RankZeroWrite:
+    """megatron-core's save ends with rank 0 writing ``metadata.json`` and then a barrier on every rank: if that write
+    failed (disk full) rank 0 would skip the barrier and wait in the save's failure agreement while the others wait
+    in the barrier. The write's error is kept instead and raised after the barrier (:meth:`raise_kept`), inside the
+    phase whose failure every rank agrees on."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing import serialization
+
+        self.kept: list[BaseException] = []
+        real = serialization.save_config
+
+        def save_config(*args: Any, **kwargs: Any) -> None:
+            try:
+                real(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- any failure of the write: raised after the barrier
+                self.kept.append(e)
+
+        serialization.save_config = save_config
+
+    def raise_kept(self) -> None:
+        if self.kept:
+            error, self.kept[:] = self.kept[0], []
+            raise error
+
+
+_metadata_write = _RankZeroWrite()
 
 
 # A checkpoint records the optimizer format it was written in (config.schema.OptimizerFormat): loading asks for it.
@@ -160,7 +190,8 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
         shutil.rmtree(target, ignore_errors=True)
     dist.barrier()
     previous = latest_iteration(target.parent)
-    raise CheckpointError(
+    storage = any(int(n) in STORAGE_ERRNOS for n in re.findall(r"\[Errno (\d+)\]", causes))
+    raise (CheckpointStorageError if storage else CheckpointError)(
         f"saving {target} failed while {what} ({causes}). Removed the partial {target.name}; the tracker still names "
         + (f"iteration {previous}" if previous is not None else "no checkpoint")
         + " and older checkpoints are untouched. Free space or fix the path, then resume with "
@@ -206,6 +237,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                                            async_strategy=ASYNC_STRATEGY)
 
     def finish() -> None:
+        _on_every_rank(_metadata_write.raise_kept, target, "writing metadata.json")
         if before_commit is not None:
             before_commit()
         _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")

@@ -290,10 +290,13 @@ class RunLogger:
     def close(self, failed: bool = False) -> None:
         """Everything logged onto disk (a failing rank exits without the interpreter's teardown, which would have
         finished the W&B run)."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish(exit_code=1 if failed else 0)
+        try:
+            if self.writer is not None:
+                self.writer.close()
+            if self.wandb is not None:
+                self.wandb.finish(exit_code=1 if failed else 0)
+        except OSError as e:  # a full disk must not hide the failure being reported, nor crash a finished run
+            log.warning(f"TensorBoard/W&B could not write their last records ({type(e).__name__}: {e})")
 
 
 def read_scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:

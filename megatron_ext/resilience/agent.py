@@ -23,11 +23,11 @@ import time
 from types import ModuleType
 from typing import Any, Callable
 
-from megatron_ext.errors import EXIT_DIVERGED, EXIT_USER_ERROR, ConfigError
+from megatron_ext.errors import EXIT_DIVERGED, EXIT_STORAGE, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_AT, WORKERS_STOPPED_AT
 
 # A restart would fail the same way: fix the config/data/checkpoint, or the run's numerics, first.
-NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED)
+NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_STORAGE)
 NVRX_VERSION = "0.6.0"  # megatron-core 0.19 refuses to import beside an older NVRx; requirements-nvrx.txt pins it
 
 

@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator, Optional
 
-from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, RecipeError
+from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_STORAGE, STORAGE_ERRNOS, RecipeError
 
 # What torch.distributed raises on the survivors when a peer process dies: a consequence, not the cause.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
@@ -73,8 +73,10 @@ def _classify(exc: BaseException) -> tuple[str, int, str]:
         return "interrupted", 128 + 2, ""
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return "I/O error", EXIT_FAILED, ("free space there (or point checkpoint.save elsewhere) and resume: "
-                                              "checkpoints already complete are untouched")
+            return "storage error", EXIT_STORAGE, ("free space there (or point checkpoint.save elsewhere) and "
+                                                   "resume: checkpoints already complete are untouched")
+        if exc.errno in STORAGE_ERRNOS:
+            return "storage error", EXIT_STORAGE, "make that path writable (or choose another) and resume"
         return "I/O error", EXIT_FAILED, ""
     return type(exc).__name__, EXIT_FAILED, ""
 

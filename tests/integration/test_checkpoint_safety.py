@@ -176,18 +176,23 @@ def test_retention_keeps_the_newest_n_and_every_kth_of_the_saves_the_clock_made(
     assert latest_iteration(ckpt) == 6
 
 
-def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_tracker(tmp_path):
-    """2 processes; rank 1's write of iteration 4 hits ENOSPC after rank 0 finished its part."""
+@pytest.mark.parametrize("fail", [{"FAIL_RANK": "1"}, {"FAIL_RANK": "0", "FAIL_AT": "metadata"}],
+                         ids=["a_shard_on_rank_1", "metadata_json_on_rank_0"])
+def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_tracker(tmp_path, fail):
+    """2 processes; rank 1's write of iteration 4 hits ENOSPC after rank 0 finished its part — or rank 0's write of
+    megatron-core's metadata.json, the save's last write and rank 0's alone: every rank stops in the same agreed way,
+    without waiting for a collective timeout."""
     ckpt = tmp_path / "ckpt"
     overrides = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                  "parallel.sequence_parallel=false", "train.train_iters=4", f"checkpoint.save={ckpt}",
-                 "checkpoint.save_interval=2", "logging.tensorboard_dir=null"]
+                 "checkpoint.save_interval=2", "logging.tensorboard_dir=null", "parallel.distributed_timeout_minutes=30"]
     proc = run_pretrain(2, overrides, module="tests.workers.checkpoint_fault_worker", check=False,
-                        env={"FAIL_ITERATION": "4", "FAIL_RANK": "1"})
+                        env={"FAIL_ITERATION": "4", **fail}, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "checkpoint error" in line]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "rank 1: OSError: [Errno 28] No space left on device" in errors[0] and "iteration 2" in errors[0]
+    assert f"rank {fail['FAIL_RANK']}: OSError: [Errno 28] No space left on device" in errors[0], errors
+    assert "iteration 2" in errors[0]
     assert not (ckpt / "iter_0000004").exists() and latest_iteration(ckpt) == 2
     assert (ckpt / "iter_0000002" / "manifest.json").is_file() and (ckpt / TRACKER).read_text().strip() == "2"
 

@@ -176,3 +176,24 @@ def test_benchmark_runs_and_reports(tmp_path):
     assert result["identical_outputs"] and baseline["tokens"] == ours["tokens"] > 0
     assert all(r["main_rss_mb"] > 0 and r["cpu_seconds"] > 0 for r in result["runs"])
     assert not list((tmp_path / "work").glob("out-*"))  # scratch datasets are removed
+
+
+def test_a_full_disk_is_one_line_exit_6_and_leaves_no_file(sentencepiece_model, tmp_path):
+    """The output on a 256 KiB tmpfs (the tests run as root): disk full mid-write. One line, exit 6 (a storage
+    error, which the SLURM templates do not requeue), no traceback, and not a byte left behind."""
+    full = tmp_path / "small-disk"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        src = write_jsonl(tmp_path / "input.jsonl", [text * 40 for text in code_docs(400)])
+        proc = subprocess.run([sys.executable, "-m", "data_prep.preprocess", "--input", str(src), "--output-prefix",
+                               str(full / "d"), "--tokenizer-model", str(sentencepiece_model)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 6, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if "storage error" in line]
+        assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in proc.stderr, \
+            proc.stderr[-3000:]
+        assert list(full.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(full)], capture_output=True)

@@ -12,8 +12,10 @@ from megatron_ext.errors import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_PEER_FAILED,
+    EXIT_STORAGE,
     EXIT_USER_ERROR,
     CheckpointError,
+    CheckpointStorageError,
     ConfigError,
     DivergenceError,
     IncompatibleCheckpointError,
@@ -32,7 +34,8 @@ def test_report_failure_logs_the_traceback_and_says_it_once(tmp_path, capsys, mo
     except OSError as exc:
         code = report_failure(exc, 3, "checkpoint save at iteration 4", tmp_path)
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("[rank 3, checkpoint save at iteration 4] I/O error: [Errno 28] No space")
+    assert code == EXIT_STORAGE and err.startswith(
+        "[rank 3, checkpoint save at iteration 4] storage error: [Errno 28] No space")
     assert "free space there" in err and f"(traceback: {tmp_path / 'rank-3.log'})" in err and "Traceback" not in err
     assert "Traceback" in (tmp_path / "rank-3.log").read_text()
     try:
@@ -49,6 +52,10 @@ def test_report_failure_logs_the_traceback_and_says_it_once(tmp_path, capsys, mo
     # another model's checkpoint is a user error too (it once exited 1, as an unknown crash)
     (IncompatibleCheckpointError("the checkpoint lacks decoder.layers.3"), "checkpoint error", EXIT_USER_ERROR),
     (DivergenceError("non-finite loss at iteration 7"), "divergence", EXIT_DIVERGED),
+    (CheckpointStorageError("saving ckpt/iter_0000004 failed (rank 1: OSError: [Errno 28] ...)"), "checkpoint error",
+     EXIT_STORAGE),
+    (PermissionError(errno.EACCES, "Permission denied", "/runs/tb/events.out"), "storage error", EXIT_STORAGE),
+    (OSError(errno.EIO, "Input/output error", "/runs/x"), "I/O error", EXIT_FAILED),
     (ValueError("a bug"), "ValueError", EXIT_FAILED),
 ])
 def test_each_error_says_its_kind_and_exits_with_its_code(exc, kind, code, tmp_path, capsys, monkeypatch):
@@ -140,3 +147,31 @@ def test_the_peer_reference_is_the_median_of_the_stages_other_units():
         want = {u: statistics.median([now[v] for v in detector.units if v.stage == u.stage and v != u])
                 for u in detector.units if u.stage != 2}  # stage 2 has one unit: no peers
         assert got == pytest.approx(want)
+
+
+def test_the_slurm_scripts_exit_codes_are_the_recipes():
+    """launch/slurm/common.sh repeats megatron_ext/errors.py's exit codes (bash cannot import them): they agree."""
+    import re
+
+    from megatron_ext import errors
+    from tests.launch import ROOT
+
+    script = (ROOT / "launch" / "slurm" / "common.sh").read_text()
+    named = dict(re.findall(r"^(EXIT_[A-Z_]+)=(\d+)$", script, flags=re.M))
+    assert named and all(int(code) == getattr(errors, name) for name, code in named.items()), named
+
+
+def test_a_full_disk_at_close_does_not_hide_the_failure_being_reported(tmp_path, caplog):
+    """TensorBoard's writer re-raises ENOSPC from close(), which the failure path calls: it is a warning there."""
+    from megatron_ext.metrics.run_logger import RunLogger
+
+    cfg = load_config(TINY, ["data.mock=true", "model.vocab_size=1000", f"logging.tensorboard_dir={tmp_path}"])
+    logger = RunLogger(cfg, 1000, world_size=1, enabled=True)
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "events.out.tfevents"))
+
+    logger.writer.close = full_disk
+    with caplog.at_level("WARNING", logger="megatron_ext"):
+        logger.close(failed=True)
+    assert "could not write their last records (OSError: [Errno 28] No space left on device" in caplog.text

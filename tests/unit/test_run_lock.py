@@ -118,3 +118,12 @@ def test_a_holder_whose_lock_was_taken_over_notices_and_stops_refreshing_it(tmp_
     assert lock.lost().startswith(f"checkpoint.save={tmp_path} was taken over by pid ") and "other-node" in lock.lost()
     lock.release()
     assert (tmp_path / RUN_LOCK).exists()  # not ours to remove
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError) as error:
+        RunLock(tmp_path / "a-file" / "ckpt").acquire()
+    assert str(error.value).startswith(f"checkpoint.save={tmp_path / 'a-file' / 'ckpt'} cannot be written "
+                                       "(NotADirectoryError: Not a directory): make it writable"), error.value
+    assert error.value.exit_code == 6
