@@ -11,6 +11,9 @@ from typing import BinaryIO, NamedTuple
 from megatron_ext.errors import BadRecordError
 
 MAX_REPORTED_LOCATIONS = 5
+# One record (a jsonl line, a .txt file) larger than this is a broken file, or a whole corpus on one line: refused
+# before it is read whole (a multi-GB line, or a gzip bomb decompressing into one, would exhaust the host's memory).
+MAX_RECORD_BYTES = 256 << 20
 
 
 class Document(NamedTuple):
@@ -101,10 +104,15 @@ def _iter_jsonl(
     f: BinaryIO, path: str, json_keys: list[str], skip_bad_records: bool, skipped: SkippedRecords
 ) -> Iterator[Document]:
     # Binary lines split on b"\n" only, so line numbers match what `sed -n Np` shows.
-    for line_no, raw in enumerate(f, start=1):
+    for line_no, raw in enumerate(iter(lambda: f.readline(MAX_RECORD_BYTES + 1), b""), start=1):
         if not raw.strip():  # blank lines (e.g. a trailing newline) carry no record
             continue
         try:
+            if len(raw) > MAX_RECORD_BYTES:
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):  # the rest of it, unkept
+                    pass
+                raise BadRecordError(f"{path}:{line_no}: a record of more than {MAX_RECORD_BYTES >> 20} MiB (a "
+                                     "broken file, or a corpus on one line?)")
             yield Document(path, line_no, _parse_json_line(raw, path, line_no, json_keys))
         except BadRecordError as e:
             if not skip_bad_records:
@@ -144,7 +152,10 @@ def _read_txt(path: str, json_keys: list[str]) -> Document:
     if len(json_keys) != 1:
         raise BadRecordError(f"{path}: a .txt file is one document with one field; got json keys {json_keys}")
     with open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(MAX_RECORD_BYTES + 1)
+    if len(raw) > MAX_RECORD_BYTES:
+        raise BadRecordError(f"{path}: a .txt file is one document, and this one is more than "
+                             f"{MAX_RECORD_BYTES >> 20} MiB: split it, or write it as .jsonl")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

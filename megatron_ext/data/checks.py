@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.config.schema import RecipeConfig, parse_blend
@@ -63,6 +64,9 @@ def _check_index_matches_bin(key: str, prefix: str) -> None:
     except (AssertionError, ValueError, struct.error) as e:  # megatron-core's own checks are asserts
         raise ConfigError(f"{key}: {prefix}.idx is not a megatron-core index (version 1) it can read: "
                           f"{str(e) or type(e).__name__}; {redo}") from None
+    problem = index_layout_problem(index.sequence_lengths, index.sequence_pointers, index.document_indices,
+                                   index.dtype_size)
+    require(problem is None, key, prefix, f"{prefix}.idx is inconsistent: {problem}; {redo}")
     count = len(index.sequence_lengths)
     described = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if count else 0
     actual = os.path.getsize(prefix + ".bin")
@@ -70,6 +74,27 @@ def _check_index_matches_bin(key: str, prefix: str) -> None:
             f"{prefix}.bin is {actual:,} bytes, but {prefix}.idx describes {described:,} bytes of tokens "
             f"({count:,} sequences of {index.dtype.__name__}): the .bin is cut short or belongs to another index; "
             f"{redo}")
+
+
+def index_layout_problem(lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
+                         token_bytes: int) -> Optional[str]:
+    """What is wrong with an index's arrays as megatron-core writes them, or None: no negative length, each sequence
+    starting where the previous one ends (megatron-core's C++ index builder trusts both, so a forged value reads out
+    of bounds), document boundaries rising from 0 to the sequence count. Vectorised: one pass over each array."""
+    if len(lengths) and lengths.min() < 0:
+        first = int(np.argmax(lengths < 0))
+        return f"sequence {first} has length {int(lengths[first])}"
+    expected = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], dtype=np.int64, out=expected[1:])
+    expected *= token_bytes
+    if not np.array_equal(pointers, expected):
+        first = int(np.argmax(pointers != expected))
+        return f"sequence {first} starts at byte {int(pointers[first])}, not {int(expected[first])} (where the one " \
+               "before it ends)"
+    if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths) or (np.diff(documents) < 0).any():
+        return (f"its document boundaries are not a rising list from 0 to the sequence count {len(lengths)} "
+                f"(first {documents[:1].tolist()}, last {documents[-1:].tolist()})")
+    return None
 
 
 def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:

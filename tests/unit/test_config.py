@@ -224,6 +224,11 @@ def test_missing_data_files_are_named():
     ("write another header", r"x\.idx is not a megatron-core index \(version 1\) it can read: bad header"),
     ("write another version", r"x\.idx is not a megatron-core index \(version 1\) it can read: bad version"),
     ("cut the .idx", r"x\.idx is not a megatron-core index \(version 1\) it can read"),
+    # forged values megatron-core's C++ index builder would follow out of bounds (no checks there: SIGSEGV)
+    ("a negative length", r"x\.idx is inconsistent: sequence 7 has length -5; re-run data_prep"),
+    ("a pointer off its place", r"x\.idx is inconsistent: sequence 9 starts at byte 1, not "),
+    ("a document boundary past the end", r"x\.idx is inconsistent: its document boundaries are not a rising list "
+                                         r"from 0 to the sequence count 416"),
 ])
 def test_a_damaged_dataset_is_one_error_naming_its_files(damage, fragment, tmp_path):
     """Before any rank starts: not a traceback from the first read past the end of a short .bin."""
@@ -235,6 +240,15 @@ def test_a_damaged_dataset_is_one_error_naming_its_files(damage, fragment, tmp_p
         os.truncate(f"{prefix}.bin", 1_000_000)
     elif damage == "cut the .idx":
         os.truncate(f"{prefix}.idx", 100)
+    elif damage in ("a negative length", "a pointer off its place", "a document boundary past the end"):
+        count = 416  # sequences (and 417 document boundaries): header 9 + version 8 + dtype 1 + two counts 16 = 34
+        at, value = {"a negative length": (34 + 4 * 7, (-5).to_bytes(4, "little", signed=True)),
+                     "a pointer off its place": (34 + 4 * count + 8 * 9, (1).to_bytes(8, "little")),
+                     "a document boundary past the end": (34 + 12 * count + 8 * 5, (10**6).to_bytes(8, "little"))
+                     }[damage]
+        with open(f"{prefix}.idx", "r+b") as f:
+            f.seek(at)
+            f.write(value)
     else:
         with open(f"{prefix}.idx", "r+b") as f:
             f.seek(0 if damage == "write another header" else 9)

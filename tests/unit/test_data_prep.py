@@ -187,6 +187,26 @@ def test_reader_formats(tmp_path):
         list(iter_documents([str(tmp_path / "bad.txt")], ["text"], True))
 
 
+def test_an_oversized_record_is_refused_without_being_read_whole(tmp_path, monkeypatch):
+    """A line (or a gzip stream decompressing into one) past MAX_RECORD_BYTES is a bad record named by file:line;
+    skipped, the reader goes on with the next line."""
+    from data_prep import records
+
+    monkeypatch.setattr(records, "MAX_RECORD_BYTES", 64)
+    long_line = b'{"text": "' + b"x" * 1000 + b'"}\n'
+    for name, data in [("big.jsonl", long_line + b'{"text": "next"}\n'),
+                       ("big.jsonl.gz", gzip.compress(long_line + b'{"text": "next"}\n'))]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(BadRecordError, match=rf"{name}:1: a record of more than 0 MiB"):
+            list(iter_documents([str(tmp_path / name)], ["text"], False))
+        skipped = SkippedRecords()
+        docs = list(iter_documents([str(tmp_path / name)], ["text"], True, skipped))
+        assert [(d.line, d.fields["text"]) for d in docs] == [(2, "next")] and skipped.count == 1
+    (tmp_path / "big.txt").write_bytes(b"y" * 1000)
+    with pytest.raises(BadRecordError, match=r"big\.txt: a \.txt file is one document, and this one is more than"):
+        list(iter_documents([str(tmp_path / "big.txt")], ["text"], False))
+
+
 def test_reader_all_bad_file_is_an_error_even_when_skipping(tmp_path):
     (tmp_path / "x.jsonl").write_bytes(b'{"a": 1}\n')
     skipped = SkippedRecords()

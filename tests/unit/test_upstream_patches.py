@@ -68,6 +68,16 @@ PATCHED = [
             "checkpoint/safe_unpickle.py"),
     Patched("megatron_ext.checkpoint.safe_unpickle.REPLACED_LOAD_BYTES", "666701f9808c4bc2",
             "checkpoint/safe_unpickle.py"),
+    # rank 0 writes metadata.json then every rank meets in a barrier: its failure is kept until after the barrier
+    Patched("megatron.core.dist_checkpointing.serialization.save", "e9626ecdf679a001", "checkpoint/save_load.py"),
+    # the dataset index cache is memory-mapped, so it cannot unpickle objects (tests/unit/test_dataset_cache_safety.py)
+    Patched("megatron.core.datasets.gpt_dataset.GPTDataset._query_document_sample_shuffle_indices", "1c5dd2f8d68aff48",
+            "data/datasets.py"),
+    Patched("megatron.core.datasets.gpt_dataset.GPTDataset._build_document_sample_shuffle_indices", "31ef3869909a992b",
+            "data/datasets.py"),
+    Patched("megatron.core.datasets.blended_dataset.BlendedDataset.__getitem__", "ab4036c7afcbda7f",
+            "data/datasets.py"),
+    Patched("megatron.core.datasets.blended_dataset.BlendedDataset._build_indices", "c526c2c6ddd9d47e", "data/datasets.py"),
     # NVRx 0.6.0's agent drops the failures it saw when it runs out of restarts
     Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._invoke_run_with_any_failed_policy",
             "b2e2ac0dca2a2d6b", "resilience/agent.py"),
