@@ -147,6 +147,7 @@ def _train_byte_bpe(sample: _Sample, vocab_size: int, directory: str) -> str:
                                       clean_up_tokenization_spaces=False)
     directory = os.path.abspath(directory)
     tmp, old = f"{directory}.tmp-{os.getpid()}", f"{directory}.old-{os.getpid()}"
+    moved_aside = False
     try:
         wrapped.save_pretrained(tmp)
         # transformers 5 names its own backend class; the 4.x releases in NGC containers know the fast class by
@@ -162,10 +163,15 @@ def _train_byte_bpe(sample: _Sample, vocab_size: int, directory: str) -> str:
             json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, f, indent=2)
         if os.path.exists(directory):
             os.replace(directory, old)
+            moved_aside = True
         os.replace(tmp, directory)
+    except BaseException:
+        if moved_aside:  # the previous tokenizer goes back where it was: a failed run loses nothing
+            os.replace(old, directory)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     return directory
 
 

@@ -149,3 +149,24 @@ def test_recipe_refuses_a_smaller_vocabulary_and_data_from_another_tokenizer(uni
         validate_data(tiny)
 
 
+
+
+def test_a_failed_byte_bpe_training_keeps_the_previous_tokenizer(unicode_corpus, byte_bpe_dir, tmp_path, monkeypatch):
+    """The new directory cannot be moved into place (a full or read-only disk at the last step): the previous
+    tokenizer is back under its name, whole, and nothing else is left beside it."""
+    previous = tmp_path / "tok"
+    shutil.copytree(byte_bpe_dir, previous)
+    before = sorted(p.name for p in previous.iterdir())
+    real_replace = train_mod.os.replace
+
+    def failing_replace(src, dst):
+        if str(src).startswith(f"{previous}.tmp-"):
+            raise OSError(28, "No space left on device", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(train_mod.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="No space left"):
+        train_mod.main(["--input", str(unicode_corpus), "--vocab-size", "400", "--model-type", "byte-bpe",
+                              "--output-prefix", str(previous)])
+    assert sorted(p.name for p in previous.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
