@@ -76,9 +76,7 @@ def checked_values(config: DictConfig) -> None:
     """Refuse interpolations and shell variables in every string value of the loaded config, and expand a leading
     ``~`` (in place, before the config is resolved)."""
     for key, node, parent, slot in _leaves(config, ""):
-        if OmegaConf.is_interpolation(parent, slot):
-            refuse_environment(key, str(node._value()))
-        value = node._value()
+        value = node._value()  # an interpolation's own text, unresolved
         if isinstance(value, str):
             refuse_environment(key, value)
             if value == "~" or value.startswith("~/"):
