@@ -9,7 +9,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -131,11 +131,30 @@ def _cache_file(prefix: str, cache_root: Optional[str]) -> Path:
     return Path(cache_root) / "max_token_id" / f"{name}-{digest}.json"
 
 
+_SAMPLED_BLOCKS, _BLOCK_BYTES = 16, 64 << 10
+
+
+def content_stamp(prefix: str) -> dict[str, Any]:
+    """What the remembered largest token id is tied to: both files' sizes and modification times, the .idx's whole
+    content and 16 blocks of 64 KiB spread over the .bin (hashed: a few ms for a 1 GB dataset), so a file rewritten
+    under the same size and time (``cp -p``, ``rsync -t``) is scanned again."""
+    stamp: dict[str, Any] = {suffix: [(st := os.stat(prefix + suffix)).st_size, st.st_mtime_ns]
+                             for suffix in (".bin", ".idx")}
+    digest = hashlib.sha256(Path(prefix + ".idx").read_bytes())
+    size = stamp[".bin"][0]
+    with open(prefix + ".bin", "rb") as f:
+        for block in range(_SAMPLED_BLOCKS):
+            f.seek(size * block // _SAMPLED_BLOCKS)
+            digest.update(f.read(_BLOCK_BYTES))
+    stamp["sha256"] = digest.hexdigest()
+    return stamp
+
+
 def cached_max_token_id(prefix: str, cache_root: Optional[str] = None) -> int:
-    """The largest token id of the dataset at `prefix`: read from the cache while its .bin and .idx have the size
-    and modification time they had when it was computed, else computed (one pass over the .bin) and remembered.
+    """The largest token id of the dataset at `prefix`: read from the cache while the files match the
+    :func:`content_stamp` they had when it was computed, else computed (one pass over the .bin) and remembered.
     A cache that cannot be written (a read-only data directory) only costs the pass again next time."""
-    stamp = {suffix: [(st := os.stat(prefix + suffix)).st_size, st.st_mtime_ns] for suffix in (".bin", ".idx")}
+    stamp = content_stamp(prefix)
     cache = _cache_file(prefix, cache_root)
     try:
         saved = json.loads(cache.read_text())

@@ -5,6 +5,7 @@ import dataclasses
 import gzip
 import itertools
 import json
+import os
 import re
 import shutil
 import warnings
@@ -380,5 +381,11 @@ def test_the_largest_token_id_is_remembered_per_file_and_recomputed_when_the_fil
     assert checks.cached_max_token_id(prefix, cache) == 700 and len(passes) == 1  # remembered: no pass
     write(900)  # rewritten: same sizes, another modification time
     assert checks.cached_max_token_id(prefix, cache) == 900 and len(passes) == 2
-    assert checks.cached_max_token_id(prefix, None) == 900 and len(passes) == 3  # next to the data by default
+    times = {suffix: Path(f"{prefix}{suffix}").stat().st_mtime_ns for suffix in (".bin", ".idx")}
+    write(800)  # rewritten under the same sizes and modification times (cp -p, rsync -t)
+    for suffix, mtime in times.items():
+        os.utime(f"{prefix}{suffix}", ns=(mtime, mtime))
+    assert checks.cached_max_token_id(prefix, cache) == 800 and len(passes) == 3
+    write(900)
+    assert checks.cached_max_token_id(prefix, None) == 900 and len(passes) == 4  # next to the data by default
     assert (tmp_path / "cache" / "max_token_id" / "d_text_document.json").is_file()
