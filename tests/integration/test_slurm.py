@@ -391,6 +391,36 @@ def test_a_crashed_rank_requeues_the_job_without_its_node_and_the_run_finishes_e
             read_scalars(single_node_job.run_dir / "tensorboard", tag), tag
 
 
+def test_two_job_steps_of_one_allocation_never_share_a_checkpoint_directory(cluster, tmp_path):
+    """Two srun steps of one sbatch allocation (the same SLURM job id) start on one checkpoint.save together: one
+    trains, the other stops at start-up with the one line naming the holder (exit 2)."""
+    ckpt = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "recipes.pretrain", "--config", "configs/tiny.yaml", *SMALL_MODEL,
+               "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+               "parallel.sequence_parallel=false", "train.train_iters=30", f"checkpoint.save={ckpt}",
+               "logging.tensorboard_dir=null", f"data.path_to_cache={tmp_path / 'dataset_cache'}"]
+    steps = "\n".join(
+        f"(srun --ntasks=1 --cpus-per-task=1 --exact --output={tmp_path}/step-{i}.out --error={tmp_path}/step-{i}.err "
+        f"{' '.join(command)} logging.log_dir={tmp_path}/logs-{i}; echo $? > {tmp_path}/step-{i}.rc) &"
+        for i in range(2))
+    script = tmp_path / "two_steps.sbatch"
+    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexport OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n{steps}\nwait\n")
+    job_id = cluster.run("sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--cpus-per-task=1",
+                         "--gpus-per-node=0", f"--output={tmp_path}/batch.out", str(script), cwd=ROOT
+                         ).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while job_id in cluster.jobs() and time.monotonic() < deadline:
+        time.sleep(1)
+    codes = [(tmp_path / f"step-{i}.rc").read_text().strip() if (tmp_path / f"step-{i}.rc").exists() else None
+             for i in range(2)]
+    outputs = [(tmp_path / f"step-{i}.err").read_text(errors="replace") for i in range(2)]
+    assert sorted(codes) == ["0", "2"], (codes, outputs, (tmp_path / "batch.out").read_text(), cluster.logs())
+    refused = outputs[codes.index("2")]
+    lines = [line for line in refused.splitlines() if "checkpoint error" in line]
+    assert len(lines) == 1 and f"checkpoint.save={ckpt} is in use by another run (pid " in lines[0], refused
+    assert latest_iteration(ckpt) == 30
+
+
 def test_a_missing_cluster_fails_where_slurm_is_required(monkeypatch):
     monkeypatch.setenv("REQUIRE_SLURM", "1")
     with pytest.raises(pytest.fail.Exception, match="REQUIRE_SLURM=1 but no slurmd"):
