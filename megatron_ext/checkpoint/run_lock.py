@@ -96,15 +96,21 @@ def _read(path: Path) -> Optional[tuple[dict[str, Any], float]]:
 
 def holder_of(root: str | Path, elastic_run_id: Optional[str] = None) -> Optional[str]:
     """The one-line refusal while a live run holds `root`, else None (the launcher's check before ranks start; a
-    node joining an elastic job passes the job's run id)."""
+    node joining an elastic job passes the job's run id, and the job's own lock lets it in)."""
     path = Path(root) / RUN_LOCK
     found = _read(path)
-    if found is None or stale_reason(*found, _identity(elastic_run_id)) is not None:
+    me = _identity(elastic_run_id)
+    if found is None or stale_reason(*found, me) is not None:
         return None
-    holder, age = found
-    return (f"checkpoint.save={root} is in use by another run ({describe(holder)}; {path} refreshed {age:.0f} s ago): "
-            f"wait for it or stop it, or choose another checkpoint.save. The lock of a run that died is taken over "
-            f"by the next launch (on another host once it is {STALE_AFTER_S:.0f} s old)")
+    if elastic_run_id and found[0].get("elastic_run_id") == me["elastic_run_id"]:
+        return None  # the live job this launch joins (the join restarts its workers, which take the lock over)
+    return _refusal(path, *found)
+
+
+def _refusal(path: Path, holder: dict[str, Any], age_s: float) -> str:
+    return (f"checkpoint.save={path.parent} is in use by another run ({describe(holder)}; {path} refreshed "
+            f"{age_s:.0f} s ago): wait for it or stop it, or choose another checkpoint.save. The lock of a run that "
+            f"died is taken over by the next launch (on another host once it is {STALE_AFTER_S:.0f} s old)")
 
 
 class RunLock:
@@ -138,7 +144,7 @@ class RunLock:
                 continue
             reason = stale_reason(*found, self.me)
             if reason is None:
-                raise CheckpointError(holder_of(self.path.parent) or f"{self.path} is held by another run")
+                raise CheckpointError(_refusal(self.path, *found))
             if self._take_over(found[0]):
                 log.warning(f"took over {self.path} from {describe(found[0])}: {reason}")
                 break

@@ -7,7 +7,7 @@ restricted to what a checkpoint of this recipe holds.
   checkpoints of megatron-core 0.16.1 and 0.19.2 in ``tests/legacy_checkpoints`` and a fresh one).
 * Every non-tensor item — the common state (iteration, config), RNG states, optimizer groups (torch's
   ``DefaultLoadPlanner.load_bytes``, ``torch.load(weights_only=False)``): loaded with ``weights_only=True`` (tensors and
-  plain Python values only; this recipe's checkpoints need no extra safe globals).
+  plain Python values, plus the optimizer classes an offloaded optimizer's param groups name).
 
 A refused file is one :class:`CheckpointError` naming it and what it tried to build. The legacy ``common.pt`` is
 read with ``weights_only=True`` where it is read (``layout.read_common``). :func:`install` applies both on import of
@@ -112,11 +112,20 @@ class _RestrictedPickle:
 REPLACED_LOAD_BYTES = default_planner.DefaultLoadPlanner.load_bytes  # torch's, hashed by test_upstream_patches
 
 
+def _optimizer_classes() -> list[type]:
+    """The optimizer classes megatron-core's CPU-offloading optimizer records in its param groups (the ones its
+    optimizer module chose here: torch's, TE's or apex's): referenced by a checkpoint, never called by loading it."""
+    from megatron.core import optimizer
+
+    return [optimizer.CPUAdam, optimizer.CPUSGD, optimizer.Adam, optimizer.SGD]
+
+
 def _load_bytes(self: default_planner.DefaultLoadPlanner, read_item: Any, value: io.BytesIO) -> None:
     """``DefaultLoadPlanner.load_bytes`` with ``torch.load(weights_only=True)``."""
     fqn = read_item.dest_index.fqn
     try:
-        loaded = torch.load(value, weights_only=True)
+        with torch.serialization.safe_globals(_optimizer_classes()):
+            loaded = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         refused = _TORCH_REFUSAL.search(str(e))
         raise UnpicklingRefused(_refused(refused[1] if refused else "it", f"item {fqn!r}",

@@ -127,3 +127,12 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_one_line(tmp_path):
     assert str(error.value).startswith(f"checkpoint.save={tmp_path / 'a-file' / 'ckpt'} cannot be written "
                                        "(NotADirectoryError: Not a directory): make it writable"), error.value
     assert error.value.exit_code == 6
+
+
+def test_a_launch_joining_the_live_elastic_job_that_holds_the_lock_is_let_in(tmp_path):
+    """A node joining an elastic job checks the lock before its workers start: the job's own live rank 0 (on this
+    host, in the tests) holds it. The join goes ahead; another launch is refused."""
+    _write(tmp_path, 5.0, elastic_run_id="job-7")  # this process: alive, on this host
+    assert holder_of(tmp_path, elastic_run_id="job-7") is None
+    assert "is in use by another run" in holder_of(tmp_path, elastic_run_id="job-8")
+    assert "is in use by another run" in holder_of(tmp_path)

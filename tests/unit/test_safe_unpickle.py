@@ -47,6 +47,15 @@ def test_a_checkpoint_written_by_torch_reads(tmp_path):
     assert layout.read_common(ckpt) == {"iteration": 3, "config": {"model": {"num_layers": 2}}}
 
 
+def test_the_optimizer_classes_an_offloaded_optimizer_records_load(tmp_path):
+    """megatron-core's HybridDeviceOptimizer keeps its CPU and GPU optimizer classes in its param groups."""
+    from megatron.core import optimizer
+
+    groups = {"cpu_optimizer_cls": optimizer.CPUAdam, "gpu_optimizer_cls": optimizer.Adam}
+    ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3, "param_groups": [groups]})
+    assert layout.read_common(ckpt)["param_groups"] == [groups]
+
+
 def test_a_payload_in_the_common_state_is_refused_before_it_runs(tmp_path):
     ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3, "x": _Payload(tmp_path / "ran")})
     with pytest.raises(CheckpointError) as refused:
