@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from megatron_ext.config.schema import ModelConfig
+from megatron_ext.config.schema import ModelConfig, RecipeConfig, RecomputeGranularity
 
 
 def default_ffn_hidden_size(hidden_size: int) -> int:
@@ -88,14 +88,36 @@ class ModelShape:
     def _norm_parameters_per_layer(self) -> int:
         return 2 * self.hidden_size + (2 * self.kv_channels if self.qk_layernorm else 0)
 
+    def attention_flops_per_token(self, causal: bool = True) -> float:
+        """One layer's score and value matmuls, forward+backward, for one token: 6·(heads·head_dim)·s over the causal
+        half of the score matrix, 12·… over all of it (how torchtitan counts)."""
+        return (6.0 if causal else 12.0) * self.kv_channels * self.num_attention_heads * self.seq_length
+
+    def layer_flops_per_token(self, causal: bool = True, recompute: Optional[RecomputeGranularity] = None) -> float:
+        """One decoder layer's forward+backward FLOPs for one token: 6 × the matmul parameters it goes through
+        (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms
+        excluded) + its attention; with `recompute`, what the backward pass repeats: the whole forward (full) or
+        attention's (selective) — hardware FLOPs, not model FLOPs."""
+        h, d = self.hidden_size, self.kv_channels
+        projections = h * d * (self.num_attention_heads + 2 * self.num_query_groups) + self.num_attention_heads * d * h
+        matmuls = 6.0 * (projections + self.mlp_parameters(active=True))
+        attention = self.attention_flops_per_token(causal)
+        repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
+        return matmuls + attention + repeated
+
+    def output_layer_flops_per_token(self, vocab_size: int) -> float:
+        """The output layer's forward+backward FLOPs for one token (a matmul, tied to the embedding or not)."""
+        return 6.0 * vocab_size * self.hidden_size
+
     def flops_per_token(self, vocab_size: int, causal: bool = True) -> float:
-        """Forward+backward model FLOPs for one token: 6 × the matmul parameters it goes through (the output layer's
-        included, tied or not; embedding lookups and norms excluded; an MoE layer's router and top-k experts) +
-        attention's 6·L·(heads·head_dim)·s causal (12 over the full score matrix)."""
-        h = self.hidden_size
-        norms = self.num_layers * self._norm_parameters_per_layer() + h
-        matmuls = self.num_parameters(vocab_size, active=True) - vocab_size * h - norms
-        if self.tied_embeddings:  # the tied output layer is still a matmul
-            matmuls += vocab_size * h
-        query_width = self.kv_channels * self.num_attention_heads
-        return 6.0 * matmuls + (6.0 if causal else 12.0) * self.num_layers * query_width * self.seq_length
+        """Forward+backward model FLOPs for one token (Megatron-LM's count with `causal`, as
+        ``num_floating_point_operations``): every layer's and the output layer's (embedding lookups excluded)."""
+        return self.num_layers * self.layer_flops_per_token(causal) + self.output_layer_flops_per_token(vocab_size)
+
+
+def model_flops_per_token(cfg: RecipeConfig, vocab_size: int) -> float:
+    """The run's model FLOPs per token: what every MFU — the run log's, the planner's, the plan check's — counts
+    (causal attention, the output layer over the vocabulary padded as the model builds it)."""
+    m = cfg.model
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    return ModelShape.of(m).flops_per_token(padded)

@@ -17,7 +17,11 @@ land on the CPU:
   needs;
 * ``torch.cuda`` streams and events (Megatron-FSDP's side streams for its gathers and reduce-scatters, activation
   offload's copy streams) are stand-ins that run everything in order on the calling thread; ``record_stream`` and
-  NVTX ranges are no-ops.
+  NVTX ranges are no-ops;
+* so Megatron-FSDP's parameter all-gathers, which it issues asynchronously (alone or coalesced) and orders against
+  its bucket frees and reuses through those streams and events, complete before they return: left in flight on
+  gloo's worker threads, a gather wrote into freed memory in 1 of 8 HSDP runs at CP2 (``malloc(): unaligned tcache
+  chunk detected``, aborted in a gloo thread), and in 0 of 24 with them synchronous.
 
 It is applied only when no GPU is present; on a GPU machine :func:`install` does nothing.
 See ``docs/measurements/megatron-core-0.16.1-on-cpu.md`` for the measurements behind each patch (made on 0.16.1;
@@ -181,6 +185,28 @@ def _all_gather_of_uneven_lengths(all_gather):
     return call
 
 
+def _all_gather_into_tensor_completed(all_gather_into_tensor):
+    """``all_gather_into_tensor`` that has finished when it returns, also when asked for ``async_op``."""
+
+    def call(output_tensor, input_tensor, group=None, async_op=False):
+        all_gather_into_tensor(output_tensor, input_tensor, group)
+        return _DoneWork() if async_op else None
+
+    return call
+
+
+def _coalescing_completed(coalescing_manager):
+    """torch's ``_coalescing_manager`` whose collectives have finished when the block ends, also with ``async_ops``
+    (the manager's ``wait()`` then has nothing left to wait for)."""
+
+    @contextlib.contextmanager
+    def manager(group=None, device=None, async_ops=False):
+        with coalescing_manager(group, device, async_ops=False) as coalesced:
+            yield coalesced
+
+    return manager
+
+
 def needed() -> bool:
     """True when there is no usable GPU, i.e. when training runs as a CPU rehearsal."""
     return not torch.cuda.is_available()
@@ -193,6 +219,7 @@ def install() -> bool:
         return False
     if _installed_mode is not None:
         return True
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as fsdp_buffers
     from megatron.core.tensor_parallel import random as mcore_random
 
     # A device object, not the index 0: code inside an intercepted call (the whole backward pass
@@ -208,6 +235,9 @@ def install() -> bool:
     torch.Tensor.record_stream = lambda tensor, stream: None  # one stream: no memory is reused too early
     torch.distributed.all_to_all_single = _all_to_all_single_taking_tensor_splits(torch.distributed.all_to_all_single)
     torch.distributed.all_gather = _all_gather_of_uneven_lengths(torch.distributed.all_gather)
+    torch.distributed.all_gather_into_tensor = _all_gather_into_tensor_completed(
+        torch.distributed.all_gather_into_tensor)
+    fsdp_buffers._coalescing_manager = _coalescing_completed(torch.distributed._coalescing_manager)
     torch.cuda.get_rng_state = _cpu_get_rng_state
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.random.get_rng_state = _cpu_get_rng_state

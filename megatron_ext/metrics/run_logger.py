@@ -25,7 +25,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron_ext.config.schema import RecipeConfig, log_dir
-from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
@@ -157,9 +157,7 @@ class RunLogger:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.train_iters = cfg.train.train_iters
         self.time_left = TimeLeft(cfg.train.train_iters)
-        self.flops_per_step = ModelShape.of(cfg.model).flops_per_token(padded_vocab_size(
-            vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
-        )) * self.tokens_per_step
+        self.flops_per_step = model_flops_per_token(cfg, vocab_size) * self.tokens_per_step
         self.world_size = world_size
         self.peak = peak_tflops(cfg)
         self.straggler_factor, self.straggler_intervals = cfg.logging.straggler_factor, cfg.logging.straggler_intervals

@@ -66,7 +66,7 @@ from megatron_ext.config.schema import (
     data_parallel_size,
     expert_tensor_parallel_size,
 )
-from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.config.shape import ModelShape, model_flops_per_token, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
 from megatron_ext.hardware import GPUS, GPUSpec
@@ -80,8 +80,9 @@ LATENCY_INTER_S = 25e-6  # per collective or p2p message across nodes
 # Calibration of the single-GPU costs, fitted to the eight throughputs measured on one H100 80GB (torch 2.11,
 # megatron-core 0.16.1, no TE; docs/measurements/h100-2026-11-23.md §2-3): the 1.2B benchmark shape
 # (one micro batch per step: eager mbs 1; compiled mbs 1, 2, 4) and configs/llama3_2_1b_1gpu_bf16.yaml (global
-# batch 64: eager and compiled, mbs 2 and 4). With these constants every one is predicted within 4.5 %.
-KERNEL_EFFICIENCY = {"eager": 0.435, "compiled": 0.545}  # of dense BF16 peak, by the full-attention FLOP count
+# batch 64: eager and compiled, mbs 2 and 4). With these constants every one is predicted within 5 %
+# (tests/unit/test_planner.py holds them).
+KERNEL_EFFICIENCY = {"eager": 0.393, "compiled": 0.482}  # of dense BF16 peak, by the model's (causal) FLOP count
 LAYER_OVERHEAD_S = 0.5e-3  # per layer per micro batch: launches and small ops the FLOP count does not see
 GRAD_ACCUMULATE_BYTES = 10  # per parameter per micro batch: fp32 main_grad += bf16 grad (read 4 + 2, write 4)
 # per owned element per step at HBM bandwidth: AdamW over fp32 master weights (11.8 ms), the bf16 copy of the
@@ -213,6 +214,7 @@ class _Shape:
     sp: bool
     tied: bool
     bytes_per_value: int  # params_dtype / activation dtype
+    model: ModelShape  # the whole model's shape, for its FLOP count
     qk_norm: bool = False
     experts: int = 0  # MoE: experts per layer (0: dense)
     expert_ffn: int = 0
@@ -244,7 +246,7 @@ class _Shape:
             vocab=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size),
             seq=m.seq_length, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
             sp=p.sequence_parallel, tied=not m.untie_embeddings_and_output_weights,
-            bytes_per_value=4 if cfg.train.precision == "fp32" else 2, qk_norm=model.qk_layernorm,
+            bytes_per_value=4 if cfg.train.precision == "fp32" else 2, model=model, qk_norm=model.qk_layernorm,
             experts=model.num_experts, expert_ffn=model.expert_ffn_hidden_size, topk=model.router_topk,
             shared_ffn=model.shared_expert_ffn_hidden_size, ep=p.expert_model_parallel_size,
             etp=expert_tensor_parallel_size(cfg),
@@ -615,20 +617,10 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
 
 
 def _flops_per_token(shape: _Shape, layers: int, output_layer: bool, recompute: Optional[str]) -> float:
-    """Forward+backward FLOPs per token plus recompute, attention over the full score matrix
-    (ModelShape.flops_per_token(causal=False)): KERNEL_EFFICIENCY was fitted against that count."""
-    h, d = shape.hidden, shape.head_dim
-    mlp = 3 * shape.ffn * h
-    if shape.experts:  # the router, the top-k experts and the shared experts a token goes through
-        mlp = shape.experts * h + 3 * (shape.topk * shape.expert_ffn + shape.shared_ffn) * h
-    layer_matmul = (2 * shape.heads + 2 * shape.groups) * d * h + mlp  # whole layer, no norms
-    attention = 12.0 * shape.hidden * shape.seq
-    per_layer = 6.0 * layer_matmul + attention
-    if recompute == "full":
-        per_layer += 2.0 * layer_matmul + attention / 3
-    elif recompute == "selective":
-        per_layer += attention / 3
-    return layers * per_layer + (6.0 * shape.vocab * shape.hidden if output_layer else 0.0)
+    """Forward+backward FLOPs per token of `layers` layers (and the output layer) plus recompute: the model's own
+    count (:class:`ModelShape`), on the padded vocabulary as the run log counts it."""
+    output = shape.model.output_layer_flops_per_token(shape.vocab) if output_layer else 0.0
+    return layers * shape.model.layer_flops_per_token(recompute=recompute) + output
 
 
 def _ring(bytes_: float, n: int, bus_gb_s: float, latency: float, factor: float = 1.0) -> float:
@@ -753,7 +745,7 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
         bw, lat = link(tp * cp)
         kv = tokens * 2 * shape.groups * shape.head_dim // tp * d_bytes
         ring = 3 * (cp - 1) * (kv / (bw * 1e9) + lat)  # K/V forward, K/V + dK/dV backward
-        attention = 12.0 * shape.hidden * shape.seq * layout.mbs * shape.seq / (tp * cp) / peak
+        attention = shape.model.attention_flops_per_token() * layout.mbs * shape.seq / (tp * cp) / peak
         # Each of the 2·CP block steps (forward, backward) launches its own kernels and rescales the
         # partial output with the new log-sum-exp: a memory-bound pass over the fp32 output.
         rescale = tokens * shape.heads * shape.head_dim // tp * 4 * 3 / (gpu.hbm_tb_s * 1e12)
@@ -847,7 +839,7 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
             and host_per_node <= HOST_MEMORY_FOR_OFFLOAD * gpu.node_host_memory_gib * GIB)
     time = _step_time(cfg, vocab_size, world_size, gpus_per_node, gpu, mfu or kernel_efficiency(cfg), grad_bytes)
     tokens = cfg.train.global_batch_size * shape.seq
-    model_flops = _flops_per_token(shape, shape.layers, True, None) * tokens
+    model_flops = model_flops_per_token(cfg, vocab_size) * tokens
     mfu_est = model_flops / (time["step"] * world_size * gpu.peak_bf16_tflops * 1e12)
     m = cfg.train.global_batch_size // (layout.mbs * layout.dp)
     return Estimate(layout, memory, peak_stage, time, m, mfu_est, tokens / time["step"] / world_size, fits,
