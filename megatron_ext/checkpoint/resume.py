@@ -48,23 +48,9 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[t
             if old.get(k) != new.get(k) and not k.startswith(_EXPECTED_TO_CHANGE)]
 
 
-def _tensor_shapes(model: dict[str, Any]) -> dict[str, Any]:
-    """The model settings that decide parameter shapes, with their defaults resolved."""
-    shape = ModelShape.of(model)
-    return {
-        "model.num_layers": shape.num_layers,
-        "model.hidden_size": shape.hidden_size,
-        "model.num_attention_heads": shape.num_attention_heads,
-        "model.num_query_groups": shape.num_query_groups,
-        "model.kv_channels": shape.kv_channels,
-        "model.ffn_hidden_size": shape.ffn_hidden_size,
-        "model.untie_embeddings_and_output_weights": model.get("untie_embeddings_and_output_weights"),
-    }
-
-
 def shape_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'key: old → new' for each change that gives the model other parameter shapes than the checkpoint's."""
-    old, new = _tensor_shapes(saved["model"]), _tensor_shapes(current["model"])
+    old, new = ModelShape.of(saved["model"]).parameter_shapes(), ModelShape.of(current["model"]).parameter_shapes()
     changes = [f"{k}: {old[k]} → {new[k]}" for k in old if old[k] != new[k]]
     vocab_old, vocab_new = saved["model"].get("vocab_size"), current["model"].get("vocab_size")
     if vocab_old is not None and vocab_new is not None and vocab_old != vocab_new:

@@ -60,6 +60,7 @@ RANGES: dict[str, Range] = {
     "train.hang_timeout_s": ABOVE_0, "train.skip_nonfinite_steps": AT_LEAST_0,
     "optimizer.lr": AT_LEAST_0, "optimizer.min_lr": AT_LEAST_0, "optimizer.weight_decay": AT_LEAST_0,
     "optimizer.clip_grad": AT_LEAST_0, "optimizer.lr_warmup_iters": AT_LEAST_0, "optimizer.lr_decay_iters": AT_LEAST_1,
+    "optimizer.lr_wsd_decay_iters": AT_LEAST_1,
     "optimizer.adam_beta1": PROBABILITY, "optimizer.adam_beta2": PROBABILITY, "optimizer.adam_eps": ABOVE_0,
     "optimizer.optimizer_offload_fraction": FRACTION,
     "data.num_workers": AT_LEAST_0,

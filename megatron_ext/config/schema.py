@@ -45,6 +45,7 @@ MoEScoreFunction = Literal["softmax", "sigmoid"]
 MoETokenDispatcher = Literal["alltoall", "allgather"]
 MoETokenDropPolicy = Literal["probs", "position"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+WSDDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]  # megatron-core's WSD anneal shapes
 TokenizerType = Literal["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"]  # Megatron-LM's type names
 # How the distributed optimizer's state is written: megatron-core's formats (DistributedOptimizer.sharded_state_dict).
 # fully_reshardable: each TP×PP shard's state all-gathered over DP into every rank's host memory, loadable under any
@@ -205,6 +206,10 @@ class OptimizerSection:
     lr_warmup_iters: int = 0  # linear warm-up steps
     lr_decay_iters: Optional[int] = None  # null = train_iters (or warmup + 1 for runs shorter than warmup)
     lr_decay_style: LRDecayStyle = "cosine"  # megatron-core's schedule after warm-up
+    # WSD (warm-up, stable, decay): the LR holds at optimizer.lr, then anneals to min_lr over the last N of the decay
+    # iterations (required with WSD)
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_style: WSDDecayStyle = "linear"  # the shape of WSD's anneal
     adam_beta1: float = 0.9  # Adam beta1
     adam_beta2: float = 0.95  # Adam beta2
     adam_eps: float = 1e-8  # Adam epsilon

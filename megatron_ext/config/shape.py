@@ -8,7 +8,7 @@ the resume checks and the planner all read a :class:`ModelShape`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from megatron_ext.config.schema import ModelConfig, RecipeConfig, RecomputeGranularity
@@ -23,6 +23,12 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel_s
     """Megatron's rule: the embedding rows are a multiple of make_divisible_by × TP."""
     multiple = make_divisible_by * tensor_parallel_size
     return multiple * math.ceil(vocab_size / multiple)
+
+
+# the model.* key of each ModelShape field named otherwise (tied_embeddings is that key negated)
+_CONFIG_KEY = {"tied_embeddings": "untie_embeddings_and_output_weights", "num_experts": "num_moe_experts",
+               "expert_ffn_hidden_size": "moe_ffn_hidden_size", "router_topk": "moe_router_topk",
+               "shared_expert_ffn_hidden_size": "moe_shared_expert_intermediate_size"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,14 @@ class ModelShape:
             router_topk=m.get("moe_router_topk", ModelConfig.moe_router_topk) if experts else 0,
             shared_expert_ffn_hidden_size=(m.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         )
+
+    def parameter_shapes(self) -> dict[str, Any]:
+        """``model.<key>`` → its resolved value, for every setting that decides the shapes of the parameters (all of
+        the shape's fields but the sequence length and top-k)."""
+        values = {f"model.{_CONFIG_KEY.get(f.name, f.name)}": getattr(self, f.name) for f in fields(self)
+                  if f.name not in ("seq_length", "router_topk")}
+        values["model.untie_embeddings_and_output_weights"] = not values["model.untie_embeddings_and_output_weights"]
+        return values
 
     @property
     def is_moe(self) -> bool:

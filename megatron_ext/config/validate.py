@@ -219,6 +219,12 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     _validate_activation_offload(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
+    decay_iters = o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1)
+    require(o.lr_decay_style != "WSD" or o.lr_wsd_decay_iters is not None, "optimizer.lr_wsd_decay_iters",
+            None, "must be set with optimizer.lr_decay_style=WSD: the anneal's length, e.g. a tenth of the decay")
+    require(o.lr_wsd_decay_iters is None or o.lr_wsd_decay_iters <= decay_iters - o.lr_warmup_iters,
+            "optimizer.lr_wsd_decay_iters", o.lr_wsd_decay_iters,
+            f"must fit in the decay after warm-up ({decay_iters} - {o.lr_warmup_iters} iterations)")
     require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
     require(p.overlap_param_gather is False or p.use_distributed_optimizer,
             "parallel.overlap_param_gather", True, "needs parallel.use_distributed_optimizer=true")

@@ -8,6 +8,7 @@ import importlib.util
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
 from megatron_ext.config.schema import RecipeConfig
@@ -31,6 +32,20 @@ def optimizer_config(cfg: RecipeConfig) -> OptimizerConfig:
         # megatron-core's offload reuses the precision-aware optimizer's path (as Megatron-LM requires it)
         optimizer_cpu_offload=o.optimizer_cpu_offload, use_precision_aware_optimizer=o.optimizer_cpu_offload,
         optimizer_offload_fraction=o.optimizer_offload_fraction,
+    )
+
+
+def build_scheduler(cfg: RecipeConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
+    """megatron-core's LR (and weight-decay) schedule for `cfg`. A resumed run follows the current config's schedule
+    (train_iters raised to go on, say), not the checkpoint's."""
+    o, t = cfg.optimizer, cfg.train
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1),
+        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=max(t.train_iters, 1), wd_incr_style="constant",
+        wsd_decay_steps=o.lr_wsd_decay_iters, lr_wsd_decay_style=o.lr_wsd_decay_style,
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
 
 

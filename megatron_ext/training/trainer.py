@@ -17,7 +17,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
@@ -58,6 +57,7 @@ from megatron_ext.resilience.process_guard import die_with_parent, raise_if_laun
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training.optimizer import (
     build_optimizer,
+    build_scheduler,
     describe_offload,
     offload_stand_ins,
     select_torch_adam_kernel,
@@ -205,15 +205,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model, self.on_gpu)
         if cfg.optimizer.optimizer_cpu_offload:
             self._info(describe_offload(self.optimizer))
-        o, t = cfg.optimizer, cfg.train
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1),
-            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=max(t.train_iters, 1), wd_incr_style="constant",
-            # A resumed run follows the current config's schedule (train_iters raised to go on, say).
-            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
-        )
+        self.scheduler = build_scheduler(cfg, self.optimizer)
         self._wire_schedule_hooks()
         self.startup.mark("model and optimizer")
         # an orphan must not complete a checkpoint (its shards stay without a manifest, which a resume ignores),

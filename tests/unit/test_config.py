@@ -6,11 +6,13 @@ import dataclasses
 import importlib.util
 import os
 import shutil
+from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 
 from megatron_ext.config.kernels import resolve_kernel_options
-from megatron_ext.config.schema import RecipeConfig, config_keys, keys_table, load_config, parse_blend
+from megatron_ext.config.schema import LRDecayStyle, RecipeConfig, config_keys, keys_table, load_config, parse_blend
 from megatron_ext.config.validate import trained_world, validate, validate_layout
 from megatron_ext.data.checks import validate_data
 from megatron_ext.errors import ConfigError
@@ -377,3 +379,32 @@ def test_idle_ranks_cannot_rescue_a_world_smaller_than_one_model_replica():
     cfg = load_config(TINY, ["parallel.allow_idle_ranks=true"])  # TP2 × PP2
     with pytest.raises(ConfigError, match="world size"):
         trained_world(cfg, 3)
+
+
+@pytest.mark.parametrize("style", get_args(LRDecayStyle))
+def test_every_lr_decay_style_that_validates_builds_megatron_cores_schedule(style):
+    """Each accepted schedule builds megatron-core's OptimizerParamScheduler (WSD with its anneal length, which it
+    asserts on) and gives the peak after warm-up and min_lr at the end."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_ext.training.optimizer import build_scheduler
+
+    wsd = ["optimizer.lr_wsd_decay_iters=20"] if style == "WSD" else []
+    cfg = load_config(TINY, [f"optimizer.lr_decay_style={style}", "optimizer.lr_warmup_iters=10",
+                             "optimizer.lr_decay_iters=100", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", *wsd])
+    validate(cfg, 4)
+    group = {"lr": 0.0, "weight_decay": 0.0}
+    scheduler = build_scheduler(cfg, SimpleNamespace(param_groups=[group]))
+    assert isinstance(scheduler, OptimizerParamScheduler)
+    scheduler.step(10)
+    assert group["lr"] == pytest.approx(1e-3)
+    scheduler.step(90)
+    end = {"constant": 1e-3, "inverse-square-root": 1e-3 * (10 / 100) ** 0.5}.get(style, 1e-4)
+    assert group["lr"] == pytest.approx(end)
+
+
+def test_wsd_without_its_anneal_length_is_refused_before_launch():
+    with pytest.raises(ConfigError, match=r"optimizer.lr_wsd_decay_iters=None is invalid: must be set with"):
+        validate(load_config(TINY, ["optimizer.lr_decay_style=WSD"]), 4)
+    with pytest.raises(ConfigError, match=r"optimizer.lr_wsd_decay_iters=200 is invalid: must fit in the decay"):
+        validate(load_config(TINY, ["optimizer.lr_decay_style=WSD", "optimizer.lr_wsd_decay_iters=200"]), 4)

@@ -130,3 +130,20 @@ def test_a_checkpoint_with_the_earlier_pre_mlp_norm_key_loads(monkeypatch, tmp_p
         state = requests()
         compat._load_legacy_keys(state, tmp_path)
         assert keys(state) == expected
+
+
+def test_resuming_into_another_moe_shape_is_refused_by_every_key_that_changes_a_parameter():
+    """The resume check reads ModelShape's parameter-shape settings: the expert count, the experts' and the shared
+    experts' widths and the q/k norms are refused like a dense width; top-k and the sequence length are not."""
+    from megatron_ext.checkpoint.resume import shape_changes
+
+    saved = load_config(ROOT / "configs" / "tiny_moe.yaml").to_dict()
+    for key, value, expected in [("num_moe_experts", 4, "model.num_moe_experts: 8 → 4"),
+                                 ("moe_ffn_hidden_size", 128, "model.moe_ffn_hidden_size: 256 → 128"),
+                                 ("moe_shared_expert_intermediate_size", 256,
+                                  "model.moe_shared_expert_intermediate_size: 0 → 256"),
+                                 ("qk_layernorm", True, "model.qk_layernorm: False → True")]:
+        current = {**saved, "model": {**saved["model"], key: value}}
+        assert shape_changes(saved, current) == [expected], key
+    for key, value in [("moe_router_topk", 1), ("seq_length", 64)]:
+        assert shape_changes(saved, {**saved, "model": {**saved["model"], key: value}}) == [], key
