@@ -374,6 +374,20 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
     )
 
 
+def pipeline_stage_layers(cfg: RecipeConfig) -> list[int]:
+    """Decoder layers on each pipeline stage, as megatron-core splits them: parallel.num_layers_in_first/last_
+    pipeline_stage where set, the rest evenly over the other stages."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, first, last = p.pipeline_model_parallel_size, p.num_layers_in_first_pipeline_stage, \
+        p.num_layers_in_last_pipeline_stage
+    if pp == 1:
+        return [layers]
+    middle = pp - (first is not None) - (last is not None)
+    rest = (layers - (first or 0) - (last or 0)) // middle if middle else 0
+    return [first if i == 0 and first is not None else last if i == pp - 1 and last is not None else rest
+            for i in range(pp)]
+
+
 def expert_tensor_parallel_size(cfg: RecipeConfig) -> int:
     """ETP as megatron-core builds it: parallel.expert_tensor_parallel_size, or TP where it is null."""
     p = cfg.parallel

@@ -16,7 +16,7 @@ import collections
 import dataclasses
 from typing import Optional
 
-from megatron_ext.config.schema import RecipeConfig, data_parallel_size
+from megatron_ext.config.schema import RecipeConfig, data_parallel_size, pipeline_stage_layers
 from megatron_ext.hardware import GPUS
 from megatron_ext.planner.layouts import GIB, estimate, model_vocab_size
 
@@ -35,17 +35,6 @@ class Machine:
     gpus_per_node: int
 
 
-def stage_layers(cfg: RecipeConfig) -> list[int]:
-    """Decoder layers on each pipeline stage (with parallel.num_layers_in_first/last_pipeline_stage)."""
-    p, layers = cfg.parallel, cfg.model.num_layers
-    pp, first, last = p.pipeline_model_parallel_size, p.num_layers_in_first_pipeline_stage, \
-        p.num_layers_in_last_pipeline_stage
-    middle = pp - (first is not None) - (last is not None)
-    rest = (layers - (first or 0) - (last or 0)) // middle if middle else 0
-    return [first if i == 0 and first is not None else last if i == pp - 1 and last is not None else rest
-            for i in range(pp)]
-
-
 def stage_imbalance(cfg: RecipeConfig, stage_compute: dict[int, float]) -> Optional[str]:
     """A sentence when the stages' compute per step differs by more than IMBALANCE, with the layers to move off the
     last stage when that is the slow one and moving them helps."""
@@ -57,7 +46,7 @@ def stage_imbalance(cfg: RecipeConfig, stage_compute: dict[int, float]) -> Optio
         return None
     text = (f"pipeline stages are unbalanced: stage {slow} computes {ratio:.1f}× stage {fast} per step, and the "
             f"others wait for it")
-    pp, layers = len(stage_compute), stage_layers(cfg)
+    pp, layers = len(stage_compute), pipeline_stage_layers(cfg)
     if slow != pp - 1:
         return text
     per_layer = sum(stage_compute[s] for s in range(pp - 1)) / sum(layers[:-1])

@@ -3,9 +3,10 @@
 
 Measured: megatron-core's regions (:mod:`megatron_ext.metrics.step_time`), per step, averaged over the log intervals
 after the first and over the ranks of each pipeline stage. Planned: :mod:`megatron_ext.planner.layouts`' step-time
-components grouped the same way — compute is FLOPs plus the per-micro-batch overhead plus TP and CP communication
-(megatron-core times those inside its forward and backward compute regions, so they are not told apart here),
-pipeline is the p2p transfers plus the bubble, grad sync the exposed DP reduce and gather, optimizer the step.
+components grouped the same way — compute is FLOPs plus the per-micro-batch overhead plus TP, CP and MoE
+all-to-all communication (megatron-core times those inside its forward and backward compute regions, so they are
+not told apart here), pipeline is the p2p transfers plus the bubble, grad sync the exposed DP reduce and gather,
+optimizer the step (with an offloaded optimizer, the host's part of it too, which runs inside it).
 
 On a GPU every part is compared with the planner's seconds for that GPU. In CPU rehearsal those seconds say nothing
 about this machine; what carries over is the pipeline's cost *relative to compute*, set by the layout alone — the
@@ -13,7 +14,7 @@ bubble is (p−1)/(v·m) of the compute — so the pipeline is planned from the 
 compared, and the other parts are shown measured only.
 
 A part disagrees when measured and planned differ by more than ``AGREEMENT_FACTOR`` either way and one of them is at
-least ``MIN_SHARE`` of the step. Why 2×: the planner's compute terms are fitted to H100 throughputs within 4.5 %, but
+least ``MIN_SHARE`` of the step. Why 2×: the planner's compute terms are fitted to H100 throughputs within 5 %, but
 its communication terms use nominal bus bandwidths and an assumed overlap (2/3 of a micro batch's backward hides the
 DP reduce) that no multi-GPU measurement has calibrated yet, and a measured bubble includes stage imbalances the
 planner does not model: tens of percent off is expected from those, a factor of two is not — it points at something
@@ -35,12 +36,12 @@ from megatron_ext.planner.layouts import GIB, NON_TORCH_RESERVE_GIB, estimate, m
 AGREEMENT_FACTOR = 2.0
 MIN_SHARE = 0.05
 MEMORY_TOLERANCE = 0.15
-# The planner's step-time components in each measured part of the step.
+# The planner's step-time components in each measured part of the step: every one of them, once.
 PLANNED_PARTS: dict[str, tuple[str, ...]] = {
-    "compute": ("compute", "overhead", "tp_comm", "cp_comm"),
+    "compute": ("compute", "overhead", "tp_comm", "cp_comm", "moe_comm"),
     "pipeline": ("pp_p2p", "pp_bubble"),
     "grad_sync": ("dp_comm",),
-    "optimizer": ("optimizer",),
+    "optimizer": ("optimizer", "offload"),
 }
 
 

@@ -65,6 +65,7 @@ from megatron_ext.config.schema import (
     ShardingStrategy,
     data_parallel_size,
     expert_tensor_parallel_size,
+    pipeline_stage_layers,
 )
 from megatron_ext.config.shape import ModelShape, model_flops_per_token, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
@@ -121,6 +122,9 @@ class Layout:
     offload: float = 0.0
     ep: int = 1  # MoE: experts split over this many ranks
     etp: Optional[int] = None  # MoE: each expert's matrices split over this many ranks; None = TP
+    # uneven pipeline stages: the first's and the last's decoder layers (the rest split evenly); None = even
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     def overrides(self) -> dict[str, Any]:
         """The config values of this layout, as ``section.key`` → value."""
@@ -139,6 +143,8 @@ class Layout:
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,
+            "parallel.num_layers_in_first_pipeline_stage": self.first_stage_layers,
+            "parallel.num_layers_in_last_pipeline_stage": self.last_stage_layers,
             "parallel.context_parallel_size": self.cp,
             "parallel.sequence_parallel": self.sp,
             "parallel.use_distributed_optimizer": self.distopt,
@@ -147,7 +153,7 @@ class Layout:
         }
 
     def apply(self, cfg: RecipeConfig) -> RecipeConfig:
-        """A copy of `cfg` with this layout (even pipeline split; param gather overlap needs distopt)."""
+        """A copy of `cfg` with this layout (param gather overlap needs distopt)."""
         p = dataclasses.replace(
             cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
@@ -158,7 +164,8 @@ class Layout:
             overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt and self.sharding is None,
             num_distributed_optimizer_instances=self.replicas,
             outer_dp_sharding_strategy=cfg.parallel.outer_dp_sharding_strategy if self.replicas > 1 else "no_shard",
-            num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.last_stage_layers,
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
         )
         t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
@@ -178,10 +185,13 @@ class Layout:
                    p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
                    p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None,
                    p.num_distributed_optimizer_instances, offload_fraction(cfg), p.expert_model_parallel_size,
-                   p.expert_tensor_parallel_size)
+                   p.expert_tensor_parallel_size, p.num_layers_in_first_pipeline_stage,
+                   p.num_layers_in_last_pipeline_stage)
 
     def label(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp else ""
+        vpp += f" first{self.first_stage_layers}" if self.first_stage_layers is not None else ""
+        vpp += f" last{self.last_stage_layers}" if self.last_stage_layers is not None else ""
         return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} DP{self.dp}"
                 f"{' SP' if self.sp else ''}{' distopt' if self.distopt else ''}"
                 f"{f' ZeRO-{ZERO_LEVEL[self.sharding]}' if self.sharding else ''}"
@@ -292,10 +302,11 @@ def model_vocab_size(cfg: RecipeConfig) -> int:
 # Parameters, gradient buffers, optimizer state
 
 
-def _stage_chunks(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int) -> list[tuple[int, bool, bool]]:
-    """(layers, holds the embedding, holds the output layer) for each model chunk of a stage."""
-    v = vpp or 1
-    per_chunk = shape.layers // (pp * v)
+def _stage_chunks(stages: tuple[int, ...], vpp: Optional[int], pp_rank: int) -> list[tuple[int, bool, bool]]:
+    """(layers, holds the embedding, holds the output layer) for each model chunk of a stage; `stages`: each
+    stage's decoder layers (:func:`pipeline_stage_layers`)."""
+    v, pp = vpp or 1, len(stages)
+    per_chunk = stages[pp_rank] // v
     return [(per_chunk, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == v - 1) for c in range(v)]
 
 
@@ -367,18 +378,18 @@ def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_static(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
+def _stage_static(shape: _Shape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
                   overlap_grad_reduce: bool, experts: bool = False) -> tuple[int, int, tuple[int, ...]]:
     """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage; with
     `experts`, of its expert buffers instead, over expert-DP ranks (`dp` is then the expert-DP size)."""
     dp_cp = dp if experts else dp * shape.cp
     param_elems = grad_elems = 0
     owned = [0] * dp_cp
-    for c, (layers, pre, post) in enumerate(_stage_chunks(shape, pp, vpp, pp_rank)):
+    for c, (layers, pre, post) in enumerate(_stage_chunks(stages, vpp, pp_rank)):
         if experts:
             params = [(n, False) for _ in range(layers) for n in shape.expert_params()]
         else:
-            params = _chunk_params(shape, pp, layers, pre, post)
+            params = _chunk_params(shape, len(stages), layers, pre, post)
         bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
         buckets = _ddp_buckets(params, dp_cp, distopt, max(40_000_000, 1_000_000 * dp) if bucketed else None)
         numel = buckets[-1][1] if buckets else 0
@@ -392,10 +403,11 @@ def _stage_static(shape: _Shape, pp: int, vpp: Optional[int], pp_rank: int, dp: 
     return param_elems, grad_elems, tuple(owned)
 
 
-def _expert_static(shape: _Shape, world_size: int, pp: int, vpp: Optional[int], pp_rank: int, distopt: bool,
-                   overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
+def _expert_static(shape: _Shape, world_size: int, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int,
+                   distopt: bool, overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
     """:func:`_stage_static` of the stage's expert buffers, over the expert-DP ranks of `world_size`."""
-    return _stage_static(shape, pp, vpp, pp_rank, shape.expert_dp(world_size, pp), distopt, overlap_grad_reduce,
+    return _stage_static(shape, stages, vpp, pp_rank, shape.expert_dp(world_size, len(stages)), distopt,
+                         overlap_grad_reduce,
                          experts=True)
 
 
@@ -433,13 +445,13 @@ def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_ra
                                                  p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy)
         owned = shard
     else:
-        pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-        params, grads, dense_owned = _stage_static(shape, pp, vpp, pp_rank, dp, p.use_distributed_optimizer,
+        stages, vpp = tuple(pipeline_stage_layers(cfg)), p.virtual_pipeline_model_parallel_size
+        params, grads, dense_owned = _stage_static(shape, stages, vpp, pp_rank, dp, p.use_distributed_optimizer,
                                                    p.overlap_grad_reduce)
         owned = dense_owned[dp_cp_rank]
         if shape.experts:
             expert_params, expert_grads, expert_owned = _expert_static(
-                shape, world_size, pp, vpp, pp_rank, p.use_distributed_optimizer, p.overlap_grad_reduce)
+                shape, world_size, stages, vpp, pp_rank, p.use_distributed_optimizer, p.overlap_grad_reduce)
             params, grads, owned = params + expert_params, grads + expert_grads, owned + expert_owned[expert_dp_rank]
     return {"params": params * shape.bytes_per_value, "grads": grads * 4,
             "optimizer": owned * _optimizer_bytes_per_element(shape)}
@@ -593,7 +605,7 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     dp = world_size // (shape.tp * pp * shape.cp)
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    chunks = _stage_chunks(shape, pp, vpp, pp_rank)
+    chunks = _stage_chunks(tuple(pipeline_stage_layers(cfg)), vpp, pp_rank)
     n = microbatches_in_flight(pp, vpp, m, pp_rank)
     layers = chunks[0][0]
     body = chunk_activation_bytes(cfg, vocab_size, layers, False, False, fused_norm)
@@ -659,13 +671,13 @@ class Estimate:
 def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int,
                   grad_bytes: int) -> dict[str, float]:
     """Peak bytes on one pipeline stage (worst DP×CP rank), by category."""
-    layout, shape = Layout.of(cfg, world_size), _Shape.of(cfg, vocab_size)
+    layout, shape, stages = Layout.of(cfg, world_size), _Shape.of(cfg, vocab_size), tuple(pipeline_stage_layers(cfg))
     d_bytes = shape.bytes_per_value
-    params, grads, owned = _stage_static(shape, layout.pp, layout.vpp, pp_rank, layout.dp, layout.distopt,
+    params, grads, owned = _stage_static(shape, stages, layout.vpp, pp_rank, layout.dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
     if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
         expert_params, expert_grads, expert_owned = _expert_static(
-            shape, world_size, layout.pp, layout.vpp, pp_rank, layout.distopt, cfg.parallel.overlap_grad_reduce)
+            shape, world_size, stages, layout.vpp, pp_rank, layout.distopt, cfg.parallel.overlap_grad_reduce)
         params, grads, owned = params + expert_params, grads + expert_grads, (max(owned) + max(expert_owned),)
     gathered = 0
     if layout.sharding:
@@ -681,7 +693,7 @@ def _stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: 
         buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
     if layout.sharding:  # gathered layers, and one layer's unsharded gradients before their reduce-scatter
         buffers += (gathered + sum(shape.layer_params())) * d_bytes
-    if _stage_chunks(shape, layout.pp, layout.vpp, pp_rank)[-1][2]:
+    if _stage_chunks(stages, layout.vpp, pp_rank)[-1][2]:
         buffers += _output_loss_bytes(cfg, shape, tokens)[1]
     if cfg.data.reset_attention_mask:  # document ids and FlexAttention's block mask, per micro batch
         buffers += block_mask_bytes(layout.mbs, shape.seq)
@@ -731,9 +743,10 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
                                                                                  LATENCY_INTER_S)
 
     peak = gpu.peak_bf16_tflops * 1e12 * mfu
-    layers = shape.layers // pp
-    # the last stage (layers + output layer) is the slowest; one micro batch through it, fwd + bwd
-    flops = _flops_per_token(shape, layers, True, layout.recompute) * layout.mbs * shape.seq
+    # one micro batch through the slowest stage (its layers, the last's with the output layer), fwd + bwd
+    stages = tuple(pipeline_stage_layers(cfg))
+    flops, layers = max((_flops_per_token(shape, n, r == pp - 1, layout.recompute), n) for r, n in enumerate(stages))
+    flops *= layout.mbs * shape.seq
     compute = flops / (tp * cp) / peak
 
     bw, lat = link(tp)
@@ -768,10 +781,10 @@ def _step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_nod
         p2p = v * 2 * (sent / (bw * 1e9) + lat)
 
     # Grads are reduced over DP×CP: distopt = reduce-scatter + param all-gather, else all-reduce.
-    params, grads, owned = _stage_static(shape, pp, layout.vpp, 0, dp, layout.distopt,
+    params, grads, owned = _stage_static(shape, stages, layout.vpp, 0, dp, layout.distopt,
                                          cfg.parallel.overlap_grad_reduce)
     expert_dp = shape.expert_dp(world_size, pp)
-    expert_params, expert_grads, expert_owned = _expert_static(shape, world_size, pp, layout.vpp, 0, layout.distopt,
+    expert_params, expert_grads, expert_owned = _expert_static(shape, world_size, stages, layout.vpp, 0, layout.distopt,
                                                                cfg.parallel.overlap_grad_reduce)
     # What a micro batch costs besides its FLOPs: why small micro batches are slow (measured mbs 1 → 4: 1.45×)
     overhead = (params + expert_params) * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
@@ -877,9 +890,27 @@ def _expert_layouts(cfg: RecipeConfig, stage_ranks: int, tp: int) -> list[tuple[
     return [(ep, etp) for ep in _divisors(math.gcd(experts, stage_ranks)) for etp in etps]
 
 
+def _pipeline_splits(layers: int, pp: int) -> list[tuple[Optional[int], Optional[int]]]:
+    """(first, last) stage layer counts the search tries at `pp` stages: the even split where the layers divide,
+    else near-even ones — the middle stages k = ⌊layers/pp⌋ or ⌈layers/pp⌉ each, the rest halved between the first
+    and last stage with the last (which also runs the output layer and loss) never holding more, at most k + 1
+    (126 layers at PP 8: 15 + 6 × 16 + 15). At PP 2 only the last is set (megatron-core refuses both there)."""
+    if layers % pp == 0:
+        return [(None, None)]
+    splits: list[tuple[Optional[int], Optional[int]]] = []
+    for k in sorted({layers // pp, -(-layers // pp)}):
+        rest = layers - (pp - 2) * k
+        last = rest // 2
+        first = rest - last
+        if 1 <= last <= first <= k + 1:
+            splits.append((None, last) if pp == 2 else (first, last))
+    return list(dict.fromkeys(splits))
+
+
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                       micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
-    """Every layout `validate_layout` accepts, with TP inside one node and an even pipeline split; with the
+    """Every layout `validate_layout` accepts, with TP inside one node and the pipeline split evenly or near-evenly
+    (:func:`_pipeline_splits`; virtual stages only with an even split); with the
     distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1); for an MoE model, every EP and
     expert TP too. Without optimizer offload, whatever `cfg` sets: like recompute, it is the search's to choose
     (:func:`plan`)."""
@@ -887,18 +918,19 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
     layers = cfg.model.num_layers
     for tp in _divisors(gpn):
         for pp in _divisors(world_size // tp):
-            vpps: list[Optional[int]] = [None]
-            if pp > 1:
-                vpps += [v for v in _divisors(layers // pp) if v > 1] if layers % pp == 0 else []
+            splits: list[tuple[Optional[int], tuple[Optional[int], Optional[int]]]] = [
+                (None, split) for split in _pipeline_splits(layers, pp)]
+            if pp > 1 and layers % pp == 0:
+                splits += [(v, (None, None)) for v in _divisors(layers // pp) if v > 1]
             for cp in _divisors(world_size // (tp * pp)):
                 dp = world_size // (tp * pp * cp)
-                choices = itertools.product(vpps, [False, True] if tp > 1 else [False], _DATA_PARALLEL_SHARDINGS,
+                choices = itertools.product(splits, [False, True] if tp > 1 else [False], _DATA_PARALLEL_SHARDINGS,
                                             (None, "selective", "full"), micro_batch_sizes,
                                             _expert_layouts(cfg, world_size // pp, tp))
-                for vpp, sp, (distopt, sharding), recompute, mbs, (ep, etp) in choices:
+                for (vpp, (first, last)), sp, (distopt, sharding), recompute, mbs, (ep, etp) in choices:
                     for replicas in _hsdp_replicas(sharding, tp, cp, dp, gpn):
                         layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding, replicas,
-                                        ep=ep, etp=etp)
+                                        ep=ep, etp=etp, first_stage_layers=first, last_stage_layers=last)
                         try:
                             validate_layout(layout.apply(cfg), world_size, te_available=True, fp8_capable=True)
                         except ConfigError:

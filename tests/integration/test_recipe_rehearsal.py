@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import math
 
-from megatron_ext.config.schema import load_config
+from megatron_ext.config.schema import load_config, pipeline_stage_layers
 from tests.launch import ROOT, read_scalars, run_pretrain
 
-RECIPE = ROOT / "configs" / "llama3_1_405b_48gpu_bf16.yaml"
+RECIPE = ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml"
 
 
 def test_405b_first_and_last_pipeline_stages_train_at_reduced_width(tmp_path):
     cfg = load_config(RECIPE)
-    m, p = cfg.model, cfg.parallel
-    stage_layers = m.num_layers // p.pipeline_model_parallel_size  # 21 of 126 on each of PP6's stages
+    m = cfg.model
+    stage_layers = pipeline_stage_layers(cfg)[0]  # 11 of 126 on PP10's first and last stages
+    assert pipeline_stage_layers(cfg)[-1] == stage_layers
     # 1/128 of the width with the recipe's head/group ratio; the full vocabulary (its embedding and output layer are
-    # what make the first and last stages the largest); TP2 stands in for TP8 (the same TP rules, 4 processes).
+    # what make the first and last stages the largest); TP2 stands in for TP4 (the same TP rules, 4 processes).
     heads, groups = m.num_attention_heads // 8, m.num_query_groups
     tb = tmp_path / "tb"
     run = run_pretrain(4, [
@@ -25,6 +26,7 @@ def test_405b_first_and_last_pipeline_stages_train_at_reduced_width(tmp_path):
         f"model.num_attention_heads={heads}", f"model.num_query_groups={groups}",
         f"model.ffn_hidden_size={m.ffn_hidden_size // 128}", "model.seq_length=128",
         "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+        "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null",
         "train.global_batch_size=4", "train.train_iters=2", "train.eval_interval=1000", "train.eval_iters=1",
         "data.mock=true", "data.blend=null", "logging.log_interval=1", f"logging.tensorboard_dir={tb}",
     ], config=RECIPE)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.hardware import GPUS, PEAK_BF16_TFLOPS, peak_bf16_tflops
-from tests.launch import TINY
+from tests.launch import ROOT, TINY
 
 
 def flops_per_token(cfg, vocab_size: int, causal: bool = True) -> float:
@@ -114,7 +116,8 @@ def test_each_bottleneck_rule_gives_its_advice_with_the_planners_gain_once_and_a
 
 
 def test_unbalanced_stages_are_told_from_the_bubble_and_the_layers_to_move_are_named():
-    from megatron_ext.metrics.advice import stage_imbalance, stage_layers
+    from megatron_ext.config.schema import pipeline_stage_layers
+    from megatron_ext.metrics.advice import stage_imbalance
 
     pp2 = load_config(TINY)  # 4 layers on 2 stages
     assert stage_imbalance(pp2, {0: 1.0, 1: 1.2}) is None
@@ -128,7 +131,7 @@ def test_unbalanced_stages_are_told_from_the_bubble_and_the_layers_to_move_are_n
     assert stage_imbalance(pp2, {0: 3.0, 1: 2.0}).endswith("and the others wait for it")  # not the last stage
     pp4 = load_config(TINY, ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=4",
                              "model.num_layers=16", "parallel.num_layers_in_last_pipeline_stage=4"])
-    assert stage_layers(pp4) == [4, 4, 4, 4]
+    assert pipeline_stage_layers(pp4) == [4, 4, 4, 4]
     # 2.4 layers' worth on the last stage → 3 layers off it, one onto each other stage: max(1 + 2.4, 5) = 5 from 6.4
     assert "num_layers_in_last_pipeline_stage=1 moves 3 off it (about 28% faster steps)" in \
         stage_imbalance(pp4, {0: 4.0, 1: 4.0, 2: 4.0, 3: 6.4})
@@ -271,3 +274,18 @@ def test_on_a_gpu_step_metrics_wait_for_the_device_only_on_logging_steps(monkeyp
     assert _QueuedEvent.clock["synchronisations"] == 1 and logged == [False, False, True]
     # three steps of 1 s compute, 2 s of the schedule around it and 1 s optimizer; the discarded region not counted
     assert (taken[0]["compute"], taken[0]["schedule"], taken[0]["optimizer"]) == (3.0, 6.0, 3.0), taken
+
+
+def test_the_plan_check_compares_every_part_the_planner_estimates():
+    """Each of the planner's step-time components (an MoE model's all-to-all and an offloaded optimizer's host step
+    included) falls in exactly one measured part, so the planned total is the planner's step."""
+    from megatron_ext.metrics.plan_check import PLANNED_PARTS, planned_parts
+    from megatron_ext.planner.layouts import estimate, model_vocab_size
+
+    components = [c for part in PLANNED_PARTS.values() for c in part]
+    moe = load_config(ROOT / "configs" / "tiny_moe.yaml", ["optimizer.optimizer_cpu_offload=true",
+                                                           "train.precision=bf16"])
+    time = estimate(moe, 8, 8, GPUS["h100-80gb"], model_vocab_size(moe)).time
+    assert sorted(components) == sorted(set(time) - {"step"}) and time["moe_comm"] > 0 and time["offload"] > 0
+    planned = planned_parts(moe, 8, 8, "h100-80gb", on_gpu=True, slowest_compute_s=1.0)
+    assert sum(planned.values()) == pytest.approx(time["step"])

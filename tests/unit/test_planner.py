@@ -71,6 +71,7 @@ def test_best_layout_gives_config_values_the_recipe_accepts():
     best = best_layout(cfg, 8, 8, "h100-80gb")
     assert set(best) == {"parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                          "parallel.virtual_pipeline_model_parallel_size", "parallel.context_parallel_size",
+                         "parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage",
                          "parallel.sequence_parallel", "parallel.use_distributed_optimizer",
                          "parallel.use_megatron_fsdp", "parallel.num_distributed_optimizer_instances",
                          "optimizer.optimizer_cpu_offload",
@@ -355,16 +356,16 @@ def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes():
 
 
 def test_offloaded_optimizer_state_must_fit_in_the_nodes_host_memory():
-    """The 405B shape fits on 48 H100s only with all of its optimizer state in host memory (1029 GiB a node): on
+    """The 405B shape fits on 40 H100s only with all of its optimizer state in host memory (1235 GiB a node): on
     nodes of 1 TiB (75 % of it for offload) it does not."""
     import dataclasses
 
-    cfg = load_config(ROOT / "configs" / "llama3_1_405b_48gpu_bf16.yaml")
-    best = plan(cfg, 48, 8, "h100-80gb")[0]
+    cfg = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml")
+    best = plan(cfg, 40, 8, "h100-80gb")[0]
     assert best.fits and best.layout.offload == 1.0
     assert 1000 * GIB < 8 * best.memory["host"] < 0.75 * 2048 * GIB
     small_nodes = dataclasses.replace(GPUS["h100-80gb"], node_host_memory_gib=1024.0)
-    assert not any(e.fits for e in plan(cfg, 48, 8, small_nodes))
+    assert not any(e.fits for e in plan(cfg, 40, 8, small_nodes))
 
 
 def test_moe_layouts_search_ep_and_expert_tp_and_split_the_experts_memory():
@@ -382,3 +383,34 @@ def test_moe_layouts_search_ep_and_expert_tp_and_split_the_experts_memory():
     assert by_ep[0].time["moe_comm"] == 0
     text = explain(by_ep[-1], 8, GPUS["h100-80gb"])
     assert "EP8 puts 1/8 of each layer's experts on a GPU" in text and "expert-DP=1" in text
+
+
+def test_uneven_pipeline_stages_are_searched_and_modelled_as_the_model_builds_them():
+    """126 layers (the 405B shape) plan at PP 4, 8 and 16 with near-even stages; the planner's per-stage memory
+    and its slowest stage follow the split megatron-core builds (config.schema.pipeline_stage_layers)."""
+    assert planner._pipeline_splits(126, 8) == [(15, 15)]  # 15 + 6 × 16 + 15
+    assert planner._pipeline_splits(126, 16) == [(7, 7)]
+    assert planner._pipeline_splits(126, 4) == [(32, 32), (31, 31)]
+    assert planner._pipeline_splits(127, 2) == [(None, 63)]  # at PP 2 only the last is set
+    assert planner._pipeline_splits(32, 4) == [(None, None)]
+    cfg = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml")
+    pps = {(layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+           for layout in planner.candidate_layouts(cfg, 128, 8, micro_batch_sizes=(1,))}
+    assert {(4, 32, 32), (4, 31, 31), (8, 15, 15), (16, 7, 7)} <= pps
+    uneven = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml",
+                         ["parallel.tensor_model_parallel_size=8", "parallel.pipeline_model_parallel_size=8",
+                          "parallel.virtual_pipeline_model_parallel_size=null", "parallel.context_parallel_size=1",
+                          "parallel.num_layers_in_first_pipeline_stage=15",
+                          "parallel.num_layers_in_last_pipeline_stage=15"])
+    vocab = planner.model_vocab_size(uneven)
+    shape = planner._Shape.of(uneven, vocab)
+    layer = sum(shape.layer_params())
+    middle, last = (planner.rank_static_bytes(uneven, 128, r, 0, vocab)["params"] // 2 for r in (1, 7))
+    assert middle == 16 * layer and last == 15 * layer + shape.hidden + shape.vocab * shape.hidden // 8
+    e = planner.estimate(uneven, 128, 8, GPUS["h100-80gb"], vocab)
+    recompute, mbs = uneven.train.recompute_granularity, uneven.train.micro_batch_size
+    slowest = max(planner._flops_per_token(shape, 16, False, recompute),
+                  planner._flops_per_token(shape, 15, True, recompute))
+    expected = e.num_microbatches * mbs * uneven.model.seq_length * slowest / 8 / (
+        989e12 * planner.kernel_efficiency(uneven))
+    assert e.time["compute"] == pytest.approx(expected, rel=1e-9)

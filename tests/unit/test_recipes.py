@@ -15,7 +15,7 @@ REAL = [p for p in CONFIGS if not p.name.startswith("tiny")]
 
 def test_there_are_real_model_recipes():
     assert {p.name for p in REAL} >= {"llama3_2_1b_1gpu_bf16.yaml", "llama3_8b_8gpu_bf16.yaml",
-                                      "llama3_70b_64gpu_bf16.yaml", "llama3_1_405b_48gpu_bf16.yaml",
+                                      "llama3_70b_64gpu_bf16.yaml", "llama3_1_405b_40gpu_bf16.yaml",
                                       "mixtral_8x7b_64gpu_bf16.yaml", "qwen3_30b_a3b_16gpu_bf16.yaml"}
 
 
@@ -33,7 +33,7 @@ def test_layout_is_valid_for_its_gpu_count(path):
 
 
 @pytest.mark.parametrize("name, gpus", [("llama3_8b_8gpu_bf16.yaml", 8), ("llama3_70b_64gpu_bf16.yaml", 64),
-                                        ("llama3_1_405b_48gpu_bf16.yaml", 48), ("mixtral_8x7b_64gpu_bf16.yaml", 64),
+                                        ("llama3_1_405b_40gpu_bf16.yaml", 40), ("mixtral_8x7b_64gpu_bf16.yaml", 64),
                                         ("qwen3_30b_a3b_16gpu_bf16.yaml", 16)])
 def test_multi_gpu_recipes_ship_the_planners_best_layout_for_their_gpu_count(name, gpus):
     from megatron_ext.planner.layouts import best_layout
@@ -49,21 +49,23 @@ def test_llama3_vocab_pads_to_a_tp_multiple():
     assert padded_vocab_size(32001, 128, 2) == 32256
 
 
-def test_405b_recipe_runs_on_the_fewest_gpus_that_fit_offloading_and_zero3_takes_over_at_128():
+def test_405b_recipe_runs_on_the_fewest_gpus_that_fit_with_uneven_pipeline_stages():
     """Its GPU count is the smallest (in whole nodes) the planner finds a layout for, with the optimizer state in
-    host memory, which the search tries only when nothing fits without it; 112 GPUs fit without offload; with a
-    power-of-two step of data parallelism the planner reaches for ZeRO-3, which ZeRO-1 could not fit."""
+    host memory, which the search tries only when nothing fits without it, and 126 layers split 11 + 8 × 13 + 11
+    over PP10; 112 GPUs fit without offload (PP14, even); on 128 a deeper uneven pipeline (3 + 30 × 4 + 3) fits
+    without offload or ZeRO-3."""
     from megatron_ext.planner.layouts import plan
 
-    cfg = load_config(ROOT / "configs" / "llama3_1_405b_48gpu_bf16.yaml")
-    assert cfg.recipe.gpus == 48 and cfg.optimizer.optimizer_cpu_offload
-    for fewer in range(8, 48, 8):
+    cfg = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml")
+    assert cfg.recipe.gpus == 40 and cfg.optimizer.optimizer_cpu_offload
+    for fewer in range(8, 40, 8):
         assert not any(e.fits for e in plan(cfg, fewer, 8, "h100-80gb")), fewer
-    best = plan(cfg, 48, 8, "h100-80gb")[0]
+    best = plan(cfg, 40, 8, "h100-80gb")[0]
     assert best.fits and best.layout.offload == 1.0
+    assert (best.layout.pp, best.layout.first_stage_layers, best.layout.last_stage_layers) == (10, 11, 11)
     assert best.without_offload is not None and best.without_offload["total"] > 2 * best.memory["total"]
     best = plan(cfg, 112, 8, "h100-80gb")[0]
     assert best.fits and not best.layout.offload and best.layout.pp == 14
     best = plan(cfg, 128, 8, "h100-80gb")[0]
-    assert best.fits and best.layout.sharding == "optim_grads_params" and best.layout.pp == 1
-    assert best.without_sharding is not None and best.without_sharding["total"] > 4 * best.memory["total"]
+    assert best.fits and not best.layout.offload and best.layout.sharding is None
+    assert (best.layout.pp, best.layout.first_stage_layers, best.layout.last_stage_layers) == (32, 3, 3)
