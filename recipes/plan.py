@@ -14,11 +14,11 @@ from typing import Optional
 from megatron_ext.config.schema import ZERO_LEVEL, load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
-from megatron_ext.metrics.run_logger import format_duration
-from megatron_ext.planner.layouts import (
+from megatron_ext.hardware import GPUS
+from megatron_ext.metrics.units import format_duration
+from megatron_ext.planner import (
     FRAGMENTATION,
     GIB,
-    GPUS,
     Estimate,
     Layout,
     checkpoint_bytes,

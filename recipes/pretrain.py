@@ -97,7 +97,7 @@ def _startup_clock():
 
 def planned_layout(cfg: RecipeConfig, world_size: int, gpus_per_node: int) -> list[str]:
     """parallel.auto=true: the planner's best layout for this world size, as overrides."""
-    from megatron_ext.planner.layouts import best_layout, detect_gpu
+    from megatron_ext.planner import best_layout, detect_gpu
 
     gpu = cfg.parallel.auto_gpu or detect_gpu()
     chosen = best_layout(cfg, world_size, gpus_per_node, gpu)

@@ -10,6 +10,15 @@ from megatron_ext.config.schema import AUTO, RecipeConfig, TrainConfig
 from megatron_ext.config.validate import require, require_packed_sequence_layout
 from megatron_ext.errors import ConfigError
 
+FLEX_BLOCK = 128  # FlexAttention's block size: the block mask holds one entry per FLEX_BLOCK² query×key block
+
+
+def block_mask_bytes(micro_batch_size: int, seq_length: int) -> int:
+    """Device bytes of one micro batch's document ids and FlexAttention block mask (int32 block counts and indices,
+    for the full and the partial blocks, by query and by key)."""
+    blocks = -(-seq_length // FLEX_BLOCK)
+    return micro_batch_size * (4 * seq_length + 4 * 4 * (blocks * blocks + blocks))
+
 
 def uses_transformer_engine(cfg: RecipeConfig, on_gpu: bool, te_available: bool) -> bool:
     """Whether the run builds TransformerEngine's layer spec: model.attention_backend=te, or auto on a GPU where

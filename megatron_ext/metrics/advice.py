@@ -18,7 +18,7 @@ from typing import Optional
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, pipeline_stage_layers
 from megatron_ext.hardware import GPUS
-from megatron_ext.planner.layouts import GIB, estimate, model_vocab_size
+from megatron_ext.planner import GIB, estimate, model_vocab_size
 
 # The share of the step (of the GPU's memory, for "memory": unused at the peak) above which each rule speaks.
 THRESHOLDS = {"pipeline": 0.15, "grad_sync": 0.10, "data": 0.05, "memory": 0.30}

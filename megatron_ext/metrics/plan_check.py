@@ -31,7 +31,7 @@ from typing import Optional
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.hardware import GPUS
 from megatron_ext.metrics.advice import stage_imbalance
-from megatron_ext.planner.layouts import GIB, NON_TORCH_RESERVE_GIB, estimate, model_vocab_size, stage_peak_bytes
+from megatron_ext.planner import GIB, NON_TORCH_RESERVE_GIB, estimate, model_vocab_size, stage_peak_bytes
 
 AGREEMENT_FACTOR = 2.0
 MIN_SHARE = 0.05

@@ -26,6 +26,7 @@ import torch
 
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import model_flops_per_token
+from megatron_ext.metrics.units import format_duration
 from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
@@ -103,21 +104,6 @@ class StartupClock:
     def summary(self) -> str:
         parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.phases)
         return f"{self.last - self.start:.1f} s to the end of the first step: {parts}"
-
-
-def format_duration(seconds: float) -> str:
-    """A time left, to the two largest units that matter: '2 d 3 h', '3 h 12 min', '4 min 10 s', '12 s'."""
-    seconds = max(0, round(seconds))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days} d {hours} h"
-    if hours:
-        return f"{hours} h {minutes} min"
-    if minutes:
-        return f"{minutes} min {secs} s"
-    return f"{secs} s"
 
 
 class TimeLeft:

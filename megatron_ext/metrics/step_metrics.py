@@ -20,7 +20,7 @@ from megatron_ext.metrics.advice import Advisor, Machine
 from megatron_ext.metrics.plan_check import check_against_plan
 from megatron_ext.metrics.run_logger import RunLogger, breakdown_shares
 from megatron_ext.metrics.step_time import PARTS, StepTimers
-from megatron_ext.planner.layouts import detect_gpu
+from megatron_ext.planner import detect_gpu
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
 
 _GATHERED = (*PARTS, "step", "peak_bytes")  # what each rank contributes per log interval

@@ -33,9 +33,9 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_ext.config.kernels import FLEX_BLOCK
 from megatron_ext.config.schema import DataConfig
 
-FLEX_BLOCK = 128  # FlexAttention's block size: the block mask holds one entry per FLEX_BLOCK² query×key block
 # a key is hidden from a query by this score (not -inf): a query row that sees no key in a block the ring attention
 # computes then gets finite garbage whose weight in the log-sum-exp merge is exactly 0, instead of NaN
 MASKED_SCORE = -1e30
@@ -104,13 +104,6 @@ def pack_documents(batch: dict[str, torch.Tensor], documents: torch.Tensor
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
     return {key: value.reshape(1, b * s) for key, value in batch.items()}, packed
-
-
-def block_mask_bytes(micro_batch_size: int, seq_length: int) -> int:
-    """Device bytes of one micro batch's document ids and FlexAttention block mask (int32 block counts and indices,
-    for the full and the partial blocks, by query and by key)."""
-    blocks = -(-seq_length // FLEX_BLOCK)
-    return micro_batch_size * (4 * seq_length + 4 * 4 * (blocks * blocks + blocks))
 
 
 def describe_document_masking(data: DataConfig, on_gpu: bool, context_parallel_size: int, use_te: bool) -> str:

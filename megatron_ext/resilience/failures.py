@@ -149,7 +149,7 @@ def report_failure(exc: BaseException, rank: int, where: str, log_dir: str | Pat
 def out_of_memory_advice(cfg, stage: int, world_size: int, device_bytes: int) -> str:
     """For an out-of-memory error: the rank's stage and micro batch beside the planner's estimate for this layout,
     and the ways out."""
-    from megatron_ext.planner.layouts import GIB, model_vocab_size, stage_peak_bytes
+    from megatron_ext.planner import GIB, model_vocab_size, stage_peak_bytes
 
     t = cfg.train
     estimate = stage_peak_bytes(cfg, model_vocab_size(cfg), world_size, stage) / GIB

@@ -14,7 +14,7 @@ from typing import get_args
 import pytest
 
 from megatron_ext.config.schema import OffloadModule, data_parallel_size, load_config
-from megatron_ext.planner.layouts import model_vocab_size, rank_static_bytes
+from megatron_ext.planner import model_vocab_size, rank_static_bytes
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.launch import TINY, max_relative_difference, read_scalars, run_pretrain
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.planner import layouts as planner
+from megatron_ext import planner
 from tests.launch import ROOT
 
 BF16, FP32 = "train.precision=bf16", "train.precision=fp32"

@@ -55,7 +55,8 @@ def test_a_device_name_finds_its_own_family_and_the_planner_shares_the_peaks():
 
 
 def test_time_left_is_the_recent_median_step_times_the_steps_to_go():
-    from megatron_ext.metrics.run_logger import TimeLeft, format_duration
+    from megatron_ext.metrics.run_logger import TimeLeft
+    from megatron_ext.metrics.units import format_duration
 
     left = TimeLeft(train_iters=50_000, window=3)
     for step_time in (30.0, 3.0, 3.2, 3.1):  # the slow first step has left the window
@@ -139,7 +140,7 @@ def test_unbalanced_stages_are_told_from_the_bubble_and_the_layers_to_move_are_n
 
 def test_the_run_summary_sets_the_measured_breakdown_beside_the_planners_and_names_what_disagrees():
     from megatron_ext.metrics.plan_check import PartCheck, check_against_plan, planned_parts
-    from megatron_ext.planner.layouts import GIB, NON_TORCH_RESERVE_GIB, model_vocab_size, stage_peak_bytes
+    from megatron_ext.planner import GIB, NON_TORCH_RESERVE_GIB, model_vocab_size, stage_peak_bytes
 
     pp2 = load_config(TINY)
     on_cpu = planned_parts(pp2, 4, 4, "h100-80gb", on_gpu=False, slowest_compute_s=2.0)
@@ -280,7 +281,7 @@ def test_the_plan_check_compares_every_part_the_planner_estimates():
     """Each of the planner's step-time components (an MoE model's all-to-all and an offloaded optimizer's host step
     included) falls in exactly one measured part, so the planned total is the planner's step."""
     from megatron_ext.metrics.plan_check import PLANNED_PARTS, planned_parts
-    from megatron_ext.planner.layouts import estimate, model_vocab_size
+    from megatron_ext.planner import estimate, model_vocab_size
 
     components = [c for part in PLANNED_PARTS.values() for c in part]
     moe = load_config(ROOT / "configs" / "tiny_moe.yaml", ["optimizer.optimizer_cpu_offload=true",

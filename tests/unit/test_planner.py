@@ -10,11 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_ext import planner
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.config.validate import validate_layout
-from megatron_ext.planner import layouts as planner
-from megatron_ext.planner.layouts import GIB, GPUS, Layout, best_layout, explain, plan
+from megatron_ext.hardware import GPUS
+from megatron_ext.planner import GIB, Layout, best_layout, explain, plan
+from megatron_ext.planner.static_memory import _ddp_buckets, _owned_elements
 from tests.launch import ROOT
 
 LLAMA3_8B = ROOT / "configs" / "llama3_8b_8gpu_bf16.yaml"
@@ -33,11 +35,11 @@ def _key(e: planner.Estimate) -> tuple:
 def test_ddp_bucket_padding_and_shared_embedding_bucket():
     # reverse order: 100 → [0,100); 3 → 64-aligned [128,131); shared 50 gets its own bucket
     params = [(50, True), (3, False), (100, False)]
-    buckets = planner._ddp_buckets(params, dp_cp=3, distopt=True, bucket_size=None)
+    buckets = _ddp_buckets(params, dp_cp=3, distopt=True, bucket_size=None)
     assert [(s, e) for s, e, _ in buckets] == [(0, 384), (384, 768)]  # ends padded to lcm(3, 128)
     assert buckets[0][2] == [(0, 100), (128, 131)] and buckets[1][2] == [(384, 434)]
-    assert planner._owned_elements(buckets, 3) == [100 + 50, 3, 0]  # each bucket sliced in 3 x 128
-    plain = planner._ddp_buckets(params, dp_cp=3, distopt=False, bucket_size=None)
+    assert _owned_elements(buckets, 3) == [100 + 50, 3, 0]  # each bucket sliced in 3 x 128
+    plain = _ddp_buckets(params, dp_cp=3, distopt=False, bucket_size=None)
     assert [(s, e) for s, e, _ in plain] == [(0, 153)]  # no padding, no split without distopt
 
 
@@ -262,9 +264,9 @@ def test_the_planner_counts_the_runs_flops(recipe):
     (what the run log's MFU divides), and its MFU is those FLOPs over its step time."""
     cfg = load_config(ROOT / "configs" / recipe)
     vocab = cfg.model.vocab_size or 32_000
-    shape = planner._Shape.of(cfg, vocab)
+    shape = planner.RankShape.of(cfg, vocab)
     run_flops = model_flops_per_token(cfg, vocab)
-    assert planner._flops_per_token(shape, shape.layers, True, None) == pytest.approx(run_flops, rel=1e-12)
+    assert planner.stage_flops_per_token(shape, shape.layers, True, None) == pytest.approx(run_flops, rel=1e-12)
     gpus = re.search(r"_(\d+)gpu_", recipe)
     world = int(gpus[1]) if gpus else 8  # the tiny recipes: a node
     e = planner.estimate(cfg, world, 8, GPUS["h100-80gb"], vocab)
@@ -288,10 +290,10 @@ def test_the_readme_recipe_table_gives_each_recipes_checkpoint_size_and_retentio
     README's recipe table states them."""
     import re
 
-    from megatron_ext.planner.layouts import checkpoint_bytes, model_vocab_size
+    from megatron_ext.planner import checkpoint_bytes, model_vocab_size
 
     readme = (ROOT / "README.md").read_text()
-    from megatron_ext.metrics.run_logger import format_duration
+    from megatron_ext.metrics.units import format_duration
 
     rows = re.findall(r"^\| `(configs/[^`]+)` \|.*\| ([\d.,]+) GB \(([^)]+)\) \| ([^|]+) \|$", readme, re.M)
     assert sorted(row[0] for row in rows) == sorted(f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml"))
@@ -388,11 +390,11 @@ def test_moe_layouts_search_ep_and_expert_tp_and_split_the_experts_memory():
 def test_uneven_pipeline_stages_are_searched_and_modelled_as_the_model_builds_them():
     """126 layers (the 405B shape) plan at PP 4, 8 and 16 with near-even stages; the planner's per-stage memory
     and its slowest stage follow the split megatron-core builds (config.schema.pipeline_stage_layers)."""
-    assert planner._pipeline_splits(126, 8) == [(15, 15)]  # 15 + 6 × 16 + 15
-    assert planner._pipeline_splits(126, 16) == [(7, 7)]
-    assert planner._pipeline_splits(126, 4) == [(32, 32), (31, 31)]
-    assert planner._pipeline_splits(127, 2) == [(None, 63)]  # at PP 2 only the last is set
-    assert planner._pipeline_splits(32, 4) == [(None, None)]
+    assert planner.pipeline_splits(126, 8) == [(15, 15)]  # 15 + 6 × 16 + 15
+    assert planner.pipeline_splits(126, 16) == [(7, 7)]
+    assert planner.pipeline_splits(126, 4) == [(32, 32), (31, 31)]
+    assert planner.pipeline_splits(127, 2) == [(None, 63)]  # at PP 2 only the last is set
+    assert planner.pipeline_splits(32, 4) == [(None, None)]
     cfg = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml")
     pps = {(layout.pp, layout.first_stage_layers, layout.last_stage_layers)
            for layout in planner.candidate_layouts(cfg, 128, 8, micro_batch_sizes=(1,))}
@@ -403,14 +405,34 @@ def test_uneven_pipeline_stages_are_searched_and_modelled_as_the_model_builds_th
                           "parallel.num_layers_in_first_pipeline_stage=15",
                           "parallel.num_layers_in_last_pipeline_stage=15"])
     vocab = planner.model_vocab_size(uneven)
-    shape = planner._Shape.of(uneven, vocab)
+    shape = planner.RankShape.of(uneven, vocab)
     layer = sum(shape.layer_params())
     middle, last = (planner.rank_static_bytes(uneven, 128, r, 0, vocab)["params"] // 2 for r in (1, 7))
     assert middle == 16 * layer and last == 15 * layer + shape.hidden + shape.vocab * shape.hidden // 8
     e = planner.estimate(uneven, 128, 8, GPUS["h100-80gb"], vocab)
     recompute, mbs = uneven.train.recompute_granularity, uneven.train.micro_batch_size
-    slowest = max(planner._flops_per_token(shape, 16, False, recompute),
-                  planner._flops_per_token(shape, 15, True, recompute))
+    slowest = max(planner.stage_flops_per_token(shape, 16, False, recompute),
+                  planner.stage_flops_per_token(shape, 15, True, recompute))
     expected = e.num_microbatches * mbs * uneven.model.seq_length * slowest / 8 / (
         989e12 * planner.kernel_efficiency(uneven))
     assert e.time["compute"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_planner_and_its_command_run_where_torch_and_megatron_core_cannot_be_imported():
+    """Planning is arithmetic on the config: `python -m recipes.plan` runs on a laptop or a login node without
+    torch, megatron-core or numpy (their imports fail in this process)."""
+    import subprocess
+    import sys
+
+    blocked = ("import importlib.abc, runpy, sys\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path, target=None):\n"
+               "        if name.split('.')[0] in ('torch', 'megatron', 'numpy', 'transformer_engine'):\n"
+               "            raise ImportError('blocked: ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "sys.argv = ['recipes.plan', '--config', 'configs/llama3_8b_8gpu_bf16.yaml', '--gpus', '8',\n"
+               "            '--gpu', 'h100-80gb', '--json']\n"
+               "runpy.run_module('recipes.plan', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)

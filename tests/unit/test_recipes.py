@@ -36,7 +36,7 @@ def test_layout_is_valid_for_its_gpu_count(path):
                                         ("llama3_1_405b_40gpu_bf16.yaml", 40), ("mixtral_8x7b_64gpu_bf16.yaml", 64),
                                         ("qwen3_30b_a3b_16gpu_bf16.yaml", 16)])
 def test_multi_gpu_recipes_ship_the_planners_best_layout_for_their_gpu_count(name, gpus):
-    from megatron_ext.planner.layouts import best_layout
+    from megatron_ext.planner import best_layout
 
     cfg = load_config(ROOT / "configs" / name)
     best = [f"{k}={'null' if v is None else v}" for k, v in best_layout(cfg, gpus, 8, "h100-80gb").items()]
@@ -54,7 +54,7 @@ def test_405b_recipe_runs_on_the_fewest_gpus_that_fit_with_uneven_pipeline_stage
     host memory, which the search tries only when nothing fits without it, and 126 layers split 11 + 8 × 13 + 11
     over PP10; 112 GPUs fit without offload (PP14, even); on 128 a deeper uneven pipeline (3 + 30 × 4 + 3) fits
     without offload or ZeRO-3."""
-    from megatron_ext.planner.layouts import plan
+    from megatron_ext.planner import plan
 
     cfg = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml")
     assert cfg.recipe.gpus == 40 and cfg.optimizer.optimizer_cpu_offload

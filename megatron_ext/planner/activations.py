@@ -1,0 +1,161 @@
+"""Activation bytes per layer, chunk and pipeline stage under (interleaved) 1F1B, with recompute, activation
+offload and the output layer's logits."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron_ext.config.schema import RecipeConfig, pipeline_stage_layers
+from megatron_ext.planner.layout import RankShape
+from megatron_ext.planner.static_memory import stage_chunks
+
+
+def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
+    """Bytes one decoder layer saves for backward per micro batch on one rank (flash attention).
+
+    Per token with t = TP, D = activation bytes, Hq = heads·head_dim, Hkv = groups·head_dim, f = FFN:
+    sequence-parallel part (÷t with SP, else replicated): two norms (each its input in D + fp32
+    rstd when fused; torch's composite CPU RMSNorm keeps an fp32 input copy, the fp32 normalized
+    tensor and rstd) and the inputs of linear_qkv and linear_fc1 (h·D each);
+    tensor-parallel part (÷t): the fused QKV output (v is a view of it), RoPE'd q and k, the
+    attention output (shared with linear_proj's input), fc1's output (2f), silu's output, the
+    ``x_linear + offset`` copy and fc2's input (f each) = D·(3Hq + 3Hkv + 5f), plus the fp32
+    log-sum-exp per head. No s² term: flash kernels (TE, cuDNN, and torch's CPU SDPA) keep none.
+    RoPE keeps cos/sin for q and k: 4·(s/CP)·head_dim·D per micro batch.
+    Selective recompute re-runs core attention from q, k, v: only the log-sum-exp goes (with flash
+    attention there is no s² score matrix for it to save).
+    Full recompute keeps only the layer input (h·D per token, ÷t with SP).
+    """
+    m = cfg.model
+    shape = RankShape.of(cfg, 1)
+    d_bytes = shape.bytes_per_value
+    tokens = cfg.train.micro_batch_size * m.seq_length // shape.cp
+    seq_shard = shape.tp if shape.sp else 1
+    h, t = shape.hidden, shape.tp
+    if cfg.train.recompute_granularity == "full":
+        return tokens // seq_shard * h * d_bytes
+    norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
+    seq_part = tokens // seq_shard * (2 * norm + 2 * h * d_bytes)
+    hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
+    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + (0 if shape.experts else 5 * shape.ffn)) // t
+    if shape.qk_norm:  # each head's query and key normed as the layer norms are, with an fp32 rstd per head
+        per_channel = d_bytes if fused_norm else 2 * 4
+        tp_part += tokens * ((hq + hkv) * per_channel + (shape.heads + shape.groups) * 4) // t
+    if shape.experts:
+        tp_part += _moe_activation_bytes(shape, tokens // seq_shard)
+    # selective: the checkpoint keeps q, k, v (and megatron's int32 mask-type tensor) instead of the lse
+    lse = 4 if cfg.train.recompute_granularity == "selective" else tokens * 4 * shape.heads // t
+    rope = 4 * (m.seq_length // shape.cp) * shape.head_dim * d_bytes
+    return seq_part + tp_part + lse + rope
+
+
+def _expert_tokens(shape: RankShape, sequence_tokens: int) -> int:
+    """Token-expert assignments one rank's experts compute per micro batch under balanced routing: the
+    `sequence_tokens` of each of the EP×ETP ranks, top-k each, spread over the EP ranks (ETP ranks see them all)."""
+    return sequence_tokens * shape.etp * shape.topk
+
+
+def _moe_activation_bytes(shape: RankShape, sequence_tokens: int) -> int:
+    """What an MoE layer's MLP saves per micro batch on one rank, for `sequence_tokens` tokens (÷TP with SP): the
+    router's fp32 logits and scores and its routing map (per expert), its top-k scores and indices (per choice);
+    then per token-expert assignment its permuted input, its sort index and fp32 weight, and the expert's SwiGLU
+    tensors (fc1 output 2f, silu, the gated product, fc2 input: 5f/ETP); and the shared experts' SwiGLU tensors of
+    the whole TP group's tokens."""
+    d_bytes, f = shape.bytes_per_value, shape.expert_ffn
+    router = sequence_tokens * (shape.experts * (4 + 4 + 1) + shape.topk * (8 + 8 + 4))
+    experts = _expert_tokens(shape, sequence_tokens) * (d_bytes * (shape.hidden + 5 * f // shape.etp) + 8 + 4)
+    shared = sequence_tokens * (shape.tp if shape.sp else 1) * d_bytes * 5 * shape.shared_ffn // shape.tp
+    return router + experts + shared
+
+
+def offloaded_layer_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
+    """Device bytes train.offload_modules moves to host memory per decoder layer and micro batch (megatron-core's
+    fine-grained offload copies what autograd saves inside each named module), in :func:`layer_activation_bytes`'
+    terms: each norm its saved input (and rstd), qkv_linear its input; core_attn the RoPE'd q and k, v (a view that
+    keeps the whole fused QKV output) and the log-sum-exp; its output only with attn_proj, whose input it is."""
+    modules = set(cfg.train.offload_modules)
+    if not modules or cfg.train.recompute_granularity == "full":
+        return 0
+    shape = RankShape.of(cfg, 1)
+    d_bytes, h, t = shape.bytes_per_value, shape.hidden, shape.tp
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
+    seq_shard = t if shape.sp else 1
+    norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
+    hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
+    per_token = {"attn_norm": norm // seq_shard, "mlp_norm": norm // seq_shard, "qkv_linear": h * d_bytes / seq_shard,
+                 "core_attn": d_bytes * (2 * hq + 3 * hkv) / t + 4 * shape.heads / t, "attn_proj": d_bytes * hq / t}
+    return int(tokens * sum(per_token[m] for m in modules))
+
+
+def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: int, pre: bool, post: bool,
+                           fused_norm: bool = True) -> int:
+    """Bytes one model chunk saves for backward per micro batch: its layers, embedding and loss."""
+    shape = RankShape.of(cfg, vocab_size)
+    d_bytes, h = shape.bytes_per_value, shape.hidden
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
+    seq_shard = shape.tp if shape.sp else 1
+    total = layers * layer_activation_bytes(cfg, fused_norm)
+    if cfg.train.recompute_granularity == "full" and layers:
+        total += 4 * cfg.model.seq_length * shape.head_dim  # fp32 rotary table, shared by the layers
+    if pre:  # token ids (int64), and the out-of-shard mask of the vocab-parallel embedding
+        total += tokens * 8 + (tokens if shape.tp > 1 else 0)
+    if post:
+        norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
+        total += tokens // seq_shard * (norm + h * d_bytes)  # final norm, output layer input
+        total += output_loss_bytes(cfg, shape, tokens)[0]
+        total += tokens * (1 + 8 + 4)  # CE target mask and masked targets, the loss mask
+    return total
+
+
+def output_loss_bytes(cfg: RecipeConfig, shape: RankShape, tokens: int) -> tuple[int, int]:
+    """Bytes the output layer + loss of one micro batch keep for backward, and its transient working set.
+
+    megatron-core: the vocab-parallel CE keeps an fp32 softmax; the logits, then their gradient, are the
+    working set. liger-kernel's fused linear cross-entropy (train.fused_linear_cross_entropy) computes the
+    gradients in the forward pass and keeps them (input's in the activation dtype, the output weight's cast
+    back from its fp32 accumulator); its working set is one chunk of logits — ``next_pow2(tokens /
+    ceil(vocab / hidden))`` tokens wide, its chunking rule — and the fp32 weight-gradient accumulator."""
+    d_bytes, h, vocab = shape.bytes_per_value, shape.hidden, shape.vocab
+    if not cfg.train.fused_linear_cross_entropy:
+        return tokens * vocab // shape.tp * 4, tokens * vocab // shape.tp * d_bytes
+    chunk = min(2 ** math.ceil(math.log2(-(-tokens // -(-vocab // h)))), tokens)
+    return tokens * h * d_bytes + vocab * h * d_bytes, chunk * vocab * d_bytes + vocab * h * 4
+
+
+def microbatches_in_flight(pp: int, vpp: Optional[int], num_microbatches: int, pp_rank: int) -> int:
+    """Chunk-micro-batches whose activations a stage holds at its peak (megatron's warmup + 1)."""
+    if pp == 1:
+        return 1
+    if not vpp:
+        return min(pp - pp_rank, num_microbatches)
+    total = num_microbatches * vpp
+    warmup = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp
+    return total if warmup >= total else warmup + 1
+
+
+def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int,
+                           fused_norm: bool = True) -> int:
+    """Activations a pipeline stage holds at its peak under (interleaved) 1F1B."""
+    p = cfg.parallel
+    shape = RankShape.of(cfg, vocab_size)
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    dp = world_size // (shape.tp * pp * shape.cp)
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    chunks = stage_chunks(tuple(pipeline_stage_layers(cfg)), vpp, pp_rank)
+    n = microbatches_in_flight(pp, vpp, m, pp_rank)
+    layers = chunks[0][0]
+    body = chunk_activation_bytes(cfg, vocab_size, layers, False, False, fused_norm)
+    total = n * body
+    # Activation offload keeps two layers' saved tensors on the device: megatron-core's last group of each
+    # module (not offloaded, so its reload cannot stall the backward pass) and the one being copied.
+    total -= max(n * layers - 2, 0) * offloaded_layer_bytes(cfg, fused_norm)
+    if any(pre for _, pre, _ in chunks):  # chunk 0 holds at most ceil(n / vpp) of the in-flight ones
+        total += -(-n // len(chunks)) * (chunk_activation_bytes(cfg, vocab_size, 0, True, False, fused_norm))
+    if any(post for *_, post in chunks):  # the loss chunk runs its backward right after its forward
+        total += chunk_activation_bytes(cfg, vocab_size, 0, False, True, fused_norm)
+    # deallocate_pipeline_outputs is off: every in-flight output sent downstream stays allocated.
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
+    sent = n - (1 if pp_rank == pp - 1 else 0) if pp > 1 else 0
+    total += sent * tokens // (shape.tp if shape.sp else 1) * shape.hidden * shape.bytes_per_value
+    return total

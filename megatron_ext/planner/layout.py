@@ -1,0 +1,217 @@
+"""A candidate layout (:class:`Layout`: the parallel sizes and switches the planner varies) and the model's
+dimensions on one rank under it (:class:`RankShape`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_ext.config.schema import (
+    ZERO_LEVEL,
+    RecipeConfig,
+    ShardingStrategy,
+    data_parallel_size,
+    expert_tensor_parallel_size,
+)
+from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.errors import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the parallel sizes and the memory/throughput switches the planner varies."""
+
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    cp: int
+    dp: int
+    sp: bool
+    distopt: bool
+    recompute: Optional[str]
+    mbs: int
+    # Megatron-FSDP's strategy (ZeRO-2/3) on top of the distributed optimizer; None = its DDP (docs/memory.md).
+    sharding: Optional[ShardingStrategy] = None
+    # HSDP under Megatron-FSDP: shard within this many groups of DP×CP ranks, replicated across them
+    replicas: int = 1
+    # optimizer.optimizer_offload_fraction under optimizer.optimizer_cpu_offload; 0 = no offload
+    offload: float = 0.0
+    ep: int = 1  # MoE: experts split over this many ranks
+    etp: Optional[int] = None  # MoE: each expert's matrices split over this many ranks; None = TP
+    # uneven pipeline stages: the first's and the last's decoder layers (the rest split evenly); None = even
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The config values of this layout, as ``section.key`` → value."""
+        # Megatron-FSDP overlaps its own gathers and reduce-scatters (megatron-core's overlap flags are refused).
+        memory = ({"parallel.data_parallel_sharding_strategy": self.sharding, "parallel.overlap_grad_reduce": False,
+                   "parallel.overlap_param_gather": False} if self.sharding else {})
+        # the planner's HSDP replicates across its groups (it does not search outer sharding)
+        memory.update({"parallel.num_distributed_optimizer_instances": self.replicas,
+                       "parallel.outer_dp_sharding_strategy": "no_shard",
+                       "optimizer.optimizer_cpu_offload": self.offload > 0})
+        if self.offload:
+            memory["optimizer.optimizer_offload_fraction"] = self.offload
+        experts = {"parallel.expert_model_parallel_size": self.ep, "parallel.expert_tensor_parallel_size": self.etp}
+        return {"parallel.use_megatron_fsdp": self.sharding is not None, **memory,
+            **(experts if self.ep > 1 or self.etp is not None else {}),
+            "parallel.tensor_model_parallel_size": self.tp,
+            "parallel.pipeline_model_parallel_size": self.pp,
+            "parallel.virtual_pipeline_model_parallel_size": self.vpp,
+            "parallel.num_layers_in_first_pipeline_stage": self.first_stage_layers,
+            "parallel.num_layers_in_last_pipeline_stage": self.last_stage_layers,
+            "parallel.context_parallel_size": self.cp,
+            "parallel.sequence_parallel": self.sp,
+            "parallel.use_distributed_optimizer": self.distopt,
+            "train.micro_batch_size": self.mbs,
+            "train.recompute_granularity": self.recompute,
+        }
+
+    def apply(self, cfg: RecipeConfig) -> RecipeConfig:
+        """A copy of `cfg` with this layout (param gather overlap needs distopt)."""
+        p = dataclasses.replace(
+            cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+            sequence_parallel=self.sp, use_distributed_optimizer=self.distopt,
+            use_megatron_fsdp=self.sharding is not None,
+            data_parallel_sharding_strategy=self.sharding or cfg.parallel.data_parallel_sharding_strategy,
+            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and self.sharding is None,
+            overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt and self.sharding is None,
+            num_distributed_optimizer_instances=self.replicas,
+            outer_dp_sharding_strategy=cfg.parallel.outer_dp_sharding_strategy if self.replicas > 1 else "no_shard",
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.last_stage_layers,
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+        )
+        t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
+        o = cfg.optimizer
+        if self.offload or o.optimizer_cpu_offload:
+            o = dataclasses.replace(o, optimizer_cpu_offload=self.offload > 0,
+                                    optimizer_offload_fraction=self.offload or o.optimizer_offload_fraction)
+        return dataclasses.replace(cfg, parallel=p, train=t, optimizer=o)
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, world_size: int) -> "Layout":
+        """The layout `cfg` already specifies."""
+        p = cfg.parallel
+        dp = data_parallel_size(cfg, world_size)
+        return cls(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                   p.virtual_pipeline_model_parallel_size, p.context_parallel_size, dp, p.sequence_parallel,
+                   p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
+                   p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None,
+                   p.num_distributed_optimizer_instances, offload_fraction(cfg), p.expert_model_parallel_size,
+                   p.expert_tensor_parallel_size, p.num_layers_in_first_pipeline_stage,
+                   p.num_layers_in_last_pipeline_stage)
+
+    def label(self) -> str:
+        vpp = f" VPP{self.vpp}" if self.vpp else ""
+        vpp += f" first{self.first_stage_layers}" if self.first_stage_layers is not None else ""
+        vpp += f" last{self.last_stage_layers}" if self.last_stage_layers is not None else ""
+        return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} DP{self.dp}"
+                f"{' SP' if self.sp else ''}{' distopt' if self.distopt else ''}"
+                f"{f' ZeRO-{ZERO_LEVEL[self.sharding]}' if self.sharding else ''}"
+                f"{f' HSDP{self.replicas}' if self.replicas > 1 else ''}"
+                f"{f' offload{self.offload:.0%}' if self.offload else ''}"
+                f"{f' EP{self.ep}' if self.ep > 1 else ''}{f' ETP{self.etp}' if self.etp is not None else ''}"
+                f" mbs{self.mbs} recompute={self.recompute or 'none'}")
+
+
+def offload_fraction(cfg: RecipeConfig) -> float:
+    """The fraction of each rank's optimizer state `cfg` keeps in host memory (0 without offload)."""
+    o = cfg.optimizer
+    return o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """Per-rank tensor dimensions of the model under one layout."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int  # padded
+    seq: int
+    tp: int
+    cp: int
+    sp: bool
+    tied: bool
+    bytes_per_value: int  # params_dtype / activation dtype
+    model: ModelShape  # the whole model's shape, for its FLOP count
+    qk_norm: bool = False
+    experts: int = 0  # MoE: experts per layer (0: dense)
+    expert_ffn: int = 0
+    topk: int = 0
+    shared_ffn: int = 0  # the shared experts' width (0: none)
+    ep: int = 1
+    etp: int = 1  # expert TP
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, vocab_size: int) -> "RankShape":
+        m, p = cfg.model, cfg.parallel
+        # by value: a search asks for the shape of each candidate layout many times over (and config sections are
+        # mutable, so not by identity)
+        key = (tuple(vars(m).values()), p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
+               p.expert_model_parallel_size, p.expert_tensor_parallel_size, cfg.train.precision, vocab_size)
+        if key not in _SHAPES:
+            if len(_SHAPES) >= 4096:
+                _SHAPES.clear()
+            _SHAPES[key] = cls._of(cfg, vocab_size)
+        return _SHAPES[key]
+
+    @classmethod
+    def _of(cls, cfg: RecipeConfig, vocab_size: int) -> "RankShape":
+        m, p = cfg.model, cfg.parallel
+        model = ModelShape.of(m)
+        return cls(
+            layers=model.num_layers, hidden=model.hidden_size, heads=model.num_attention_heads,
+            groups=model.num_query_groups, head_dim=model.kv_channels, ffn=model.ffn_hidden_size,
+            vocab=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size),
+            seq=m.seq_length, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+            sp=p.sequence_parallel, tied=not m.untie_embeddings_and_output_weights,
+            bytes_per_value=4 if cfg.train.precision == "fp32" else 2, model=model, qk_norm=model.qk_layernorm,
+            experts=model.num_experts, expert_ffn=model.expert_ffn_hidden_size, topk=model.router_topk,
+            shared_ffn=model.shared_expert_ffn_hidden_size, ep=p.expert_model_parallel_size,
+            etp=expert_tensor_parallel_size(cfg),
+        )
+
+    def layer_params(self) -> list[int]:
+        """One decoder layer's parameter sizes on a TP rank, in ``named_parameters`` order, its experts left out
+        (:meth:`expert_params`): an MoE layer's MLP is its router (whole on every rank) and shared experts."""
+        h, d, t = self.hidden, self.head_dim, self.tp
+        attention = [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t]
+        attention += [d, d] if self.qk_norm else []
+        if not self.experts:
+            return [*attention, h, 2 * self.ffn * h // t, self.ffn * h // t]
+        shared = [2 * self.shared_ffn * h // t, self.shared_ffn * h // t] if self.shared_ffn else []
+        return [*attention, h, self.experts * h, *shared]
+
+    def expert_params(self) -> list[int]:
+        """One MoE layer's expert parameters on an EP×ETP rank (its experts' fc1 and fc2), in ``named_parameters``
+        order; megatron-core keeps them in buffers of their own, reduced and sharded over expert-DP."""
+        f, h = self.expert_ffn, self.hidden
+        return [n for _ in range(self.experts // self.ep) for n in (2 * f * h // self.etp, f * h // self.etp)]
+
+    def expert_dp(self, world_size: int, pp: int) -> int:
+        """The expert-data-parallel size: the ranks of a pipeline stage regrouped as ETP × EP × expert-DP."""
+        return world_size // (pp * self.ep * self.etp)
+
+
+_SHAPES: dict[tuple, RankShape] = {}
+
+
+def model_vocab_size(cfg: RecipeConfig) -> int:
+    """The unpadded vocabulary: ``model.vocab_size``, else the tokenizer's."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.tokenizer_model:
+        from megatron_ext.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type).vocab_size
+    raise ConfigError("model.vocab_size=None is invalid for planning: set it or data.tokenizer_model")

@@ -1,0 +1,186 @@
+"""Parameters, gradient buffers and optimizer state per rank, as megatron-core 0.19.2's DDP (its buckets and
+padding), distributed optimizer and Megatron-FSDP allocate them; checkpoint sizes."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+from megatron_ext.config.schema import (
+    OuterShardingStrategy,
+    RecipeConfig,
+    ShardingStrategy,
+    data_parallel_size,
+    pipeline_stage_layers,
+)
+from megatron_ext.config.shape import ModelShape
+from megatron_ext.planner.layout import RankShape
+
+
+def stage_chunks(stages: tuple[int, ...], vpp: Optional[int], pp_rank: int) -> list[tuple[int, bool, bool]]:
+    """(layers, holds the embedding, holds the output layer) for each model chunk of a stage; `stages`: each
+    stage's decoder layers (:func:`pipeline_stage_layers`)."""
+    v, pp = vpp or 1, len(stages)
+    per_chunk = stages[pp_rank] // v
+    return [(per_chunk, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == v - 1) for c in range(v)]
+
+
+def chunk_params(shape: RankShape, pp: int, layers: int, pre: bool, post: bool) -> list[tuple[int, bool]]:
+    """(numel, is a shared embedding copy) per parameter of one chunk, in ``named_parameters`` order."""
+    embedding = shape.vocab * shape.hidden // shape.tp
+    params: list[tuple[int, bool]] = []
+    if pre:  # a tied embedding on a stage without the output layer is kept in sync with the last stage
+        params.append((embedding, shape.tied and pp > 1 and not post))
+    params += [(n, False) for _ in range(layers) for n in shape.layer_params()]
+    if post:
+        params.append((shape.hidden, False))  # final norm
+        if not shape.tied or not pre:  # the tied copy on the last stage when PP > 1
+            params.append((embedding, shape.tied))
+    return params
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _ddp_buckets(params: list[tuple[int, bool]], dp_cp: int, distopt: bool, bucket_size: Optional[int]
+                 ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """megatron-core's grad buffer layout: (start, end, param index ranges) per bucket.
+
+    Parameters are laid out in reverse order (the order backward produces their grads).
+    """
+    buckets: list[tuple[int, int, list[tuple[int, int]]]] = []
+    bucket_start, start, members = 0, 0, []
+    end_multiple = math.lcm(dp_cp, 128)
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, members
+        padded = _round_up(end, end_multiple) if distopt else end
+        buckets.append((bucket_start, padded, members))
+        bucket_start, members = padded, []
+        return padded
+
+    end = 0
+    for numel, shared in reversed(params):
+        if distopt:
+            start = _round_up(start, 64)  # 128-byte aligned parameters
+        own_bucket = shared and distopt
+        if own_bucket and members:
+            start = close(start)
+        end = start + numel
+        members.append((start, end))
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if members:
+        close(end)
+    return buckets
+
+
+def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp: int) -> list[int]:
+    """Parameter elements (padding excluded) in each DP×CP rank's slice of every bucket."""
+    owned = [0] * dp_cp
+    for start, end, members in buckets:
+        size = (end - start) // dp_cp
+        if size == 0:
+            continue
+        for a, b in members:
+            for r in range((a - start) // size, (b - 1 - start) // size + 1):
+                lo, hi = start + r * size, start + (r + 1) * size
+                owned[r] += min(b, hi) - max(a, lo)
+    return owned
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
+                  overlap_grad_reduce: bool, experts: bool = False) -> tuple[int, int, tuple[int, ...]]:
+    """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage; with
+    `experts`, of its expert buffers instead, over expert-DP ranks (`dp` is then the expert-DP size)."""
+    dp_cp = dp if experts else dp * shape.cp
+    param_elems = grad_elems = 0
+    owned = [0] * dp_cp
+    for c, (layers, pre, post) in enumerate(stage_chunks(stages, vpp, pp_rank)):
+        if experts:
+            params = [(n, False) for _ in range(layers) for n in shape.expert_params()]
+        else:
+            params = chunk_params(shape, len(stages), layers, pre, post)
+        bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
+        buckets = _ddp_buckets(params, dp_cp, distopt, max(40_000_000, 1_000_000 * dp) if bucketed else None)
+        numel = buckets[-1][1] if buckets else 0
+        unpadded = sum(n for n, _ in params)
+        grad_elems += numel
+        param_elems += numel if distopt else unpadded
+        if distopt:
+            owned = [a + b for a, b in zip(owned, _owned_elements(buckets, dp_cp))]
+        else:
+            owned = [a + unpadded for a in owned]
+    return param_elems, grad_elems, tuple(owned)
+
+
+def expert_static(shape: RankShape, world_size: int, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int,
+                   distopt: bool, overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
+    """:func:`stage_static` of the stage's expert buffers, over the expert-DP ranks of `world_size`."""
+    return stage_static(shape, stages, vpp, pp_rank, shape.expert_dp(world_size, len(stages)), distopt,
+                         overlap_grad_reduce,
+                         experts=True)
+
+
+def model_elements(shape: RankShape) -> int:
+    """Parameter elements of one TP rank's part of the whole model (PP 1)."""
+    return sum(n for n, _ in chunk_params(shape, 1, shape.layers, True, True))
+
+
+def sharded_static(shape: RankShape, dp_cp: int, sharding: ShardingStrategy, replicas: int = 1,
+                   outer: OuterShardingStrategy = "no_shard") -> tuple[int, int, int, int]:
+    """Megatron-FSDP at PP 1: (parameter elements held, fp32 gradient elements held, optimizer-owned elements,
+    parameter elements unsharded at once). Each rank holds 1/(DP×CP) of the gradients (and, optim_grads_params,
+    of the parameters, two decoder layers of which are gathered at a time: the one computing and the one
+    prefetched). Under HSDP the sharding is over one of the `replicas` groups, DP×CP/replicas ranks; with the
+    optimizer sharded across them too (outer optim) only the optimizer's part is 1/(DP×CP): Megatron-FSDP keeps
+    the group's parameter and gradient shards whole. Bucket padding (under 1 % on the tiny model) is left out."""
+    whole = model_elements(shape)
+    shard = -(-whole // (dp_cp // replicas))
+    owned = -(-whole // dp_cp) if outer == "optim" and replicas > 1 else shard
+    if sharding == "optim_grads_params":
+        return shard, shard, owned, 2 * sum(shape.layer_params())
+    return whole, shard, owned, 0
+
+
+def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,
+                      vocab_size: int, expert_dp_rank: int = 0) -> dict[str, int]:
+    """Bytes of parameters, grad buffers and optimizer state on one rank (fp32 grad buffers, as ``wrap_with_ddp``
+    configures them): exact under DDP (an MoE model's expert buffers included), without Megatron-FSDP's bucket
+    padding under it."""
+    p = cfg.parallel
+    shape = RankShape.of(cfg, vocab_size)
+    dp = data_parallel_size(cfg, world_size)
+    if p.use_megatron_fsdp:
+        params, grads, shard, _ = sharded_static(shape, dp * shape.cp, p.data_parallel_sharding_strategy,
+                                                 p.num_distributed_optimizer_instances, p.outer_dp_sharding_strategy)
+        owned = shard
+    else:
+        stages, vpp = tuple(pipeline_stage_layers(cfg)), p.virtual_pipeline_model_parallel_size
+        params, grads, dense_owned = stage_static(shape, stages, vpp, pp_rank, dp, p.use_distributed_optimizer,
+                                                   p.overlap_grad_reduce)
+        owned = dense_owned[dp_cp_rank]
+        if shape.experts:
+            expert_params, expert_grads, expert_owned = expert_static(
+                shape, world_size, stages, vpp, pp_rank, p.use_distributed_optimizer, p.overlap_grad_reduce)
+            params, grads, owned = params + expert_params, grads + expert_grads, owned + expert_owned[expert_dp_rank]
+    return {"params": params * shape.bytes_per_value, "grads": grads * 4,
+            "optimizer": owned * optimizer_bytes_per_element(shape)}
+
+
+def optimizer_bytes_per_element(shape: RankShape) -> int:
+    """Adam's two fp32 moments, plus an fp32 main copy for bf16 params (fp32 ones are optimized in place)."""
+    return 8 + (4 if shape.bytes_per_value == 2 else 0)
+
+
+def checkpoint_bytes(cfg: RecipeConfig, vocab_size: int) -> int:
+    """One training checkpoint on disk: every parameter once (padded vocabulary) and its optimizer state, whatever
+    the layout (dist_checkpointing writes each shard once; the few KB of common state aside)."""
+    shape = RankShape.of(cfg, vocab_size)
+    params = ModelShape.of(cfg.model).num_parameters(shape.vocab)
+    return params * (shape.bytes_per_value + optimizer_bytes_per_element(shape))
