@@ -19,6 +19,16 @@ EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's
 EXIT_STORAGE = 6  # disk full, quota or permission denied on a path: not a node fault, so not requeued elsewhere
 # The errno values that make an OSError a storage error (EXIT_STORAGE)
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def exit_codes_shell() -> str:
+    """The exit codes above as the shell file the SLURM templates source (launch/exit_codes.sh): one table, written
+    here and checked by tests/unit/test_failures.py, so a shell script never holds a copy that can drift."""
+    lines = ["# shellcheck shell=bash", "# megatron_ext/errors.py's exit codes, generated from it: python -c 'from megatron_ext.errors import",
+             "# exit_codes_shell; print(exit_codes_shell(), end=\"\")' > launch/exit_codes.sh",
+             "# shellcheck disable=SC2034  # sourced: the scripts that source it use these"]
+    lines += [f"{name}={value}" for name, value in globals().items() if name.startswith("EXIT_")]
+    return "\n".join(lines) + "\n"
 # recipes.launch stopped by Ctrl-C or SIGTERM exits 128 + the signal's number (130, 143) once its ranks have
 # checkpointed at their next step boundary; its last line names that checkpoint.
 

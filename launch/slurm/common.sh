@@ -54,10 +54,8 @@
 # leave out from its line "training failed: rank R on NODE ..." (docs/slurm.md has the whole table).
 
 # megatron_ext/errors.py's exit codes (srun passes on the launcher's).
-EXIT_USER_ERROR=2
-EXIT_DIVERGED=3
-EXIT_HUNG=4
-EXIT_STORAGE=6
+# shellcheck source=launch/exit_codes.sh
+source launch/exit_codes.sh
 
 _log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }
 

@@ -24,7 +24,7 @@ from megatron_ext.errors import (
 from megatron_ext.resilience.divergence import LossSpikeDetector
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
-from tests.launch import TINY, read_scalars
+from tests.launch import ROOT, TINY, read_scalars
 
 
 def test_report_failure_logs_the_traceback_and_says_it_once(tmp_path, capsys, monkeypatch):
@@ -149,18 +149,6 @@ def test_the_peer_reference_is_the_median_of_the_stages_other_units():
         assert got == pytest.approx(want)
 
 
-def test_the_slurm_scripts_exit_codes_are_the_recipes():
-    """launch/slurm/common.sh repeats megatron_ext/errors.py's exit codes (bash cannot import them): they agree."""
-    import re
-
-    from megatron_ext import errors
-    from tests.launch import ROOT
-
-    script = (ROOT / "launch" / "slurm" / "common.sh").read_text()
-    named = dict(re.findall(r"^(EXIT_[A-Z_]+)=(\d+)$", script, flags=re.M))
-    assert named and all(int(code) == getattr(errors, name) for name, code in named.items()), named
-
-
 def test_a_full_disk_at_close_does_not_hide_the_failure_being_reported(tmp_path, caplog):
     """TensorBoard's writer re-raises ENOSPC from close(), which the failure path calls: it is a warning there."""
     from megatron_ext.metrics.run_logger import RunLogger
@@ -175,3 +163,13 @@ def test_a_full_disk_at_close_does_not_hide_the_failure_being_reported(tmp_path,
     with caplog.at_level("WARNING", logger="megatron_ext"):
         logger.close(failed=True)
     assert "could not write their last records (OSError: [Errno 28] No space left on device" in caplog.text
+
+
+def test_the_shell_scripts_source_the_exit_codes_errors_py_defines():
+    """launch/exit_codes.sh is errors.py's table, regenerated (the command is in its header) whenever a code
+    changes; the SLURM body sources it instead of holding its own copy."""
+    from megatron_ext.errors import exit_codes_shell
+
+    assert (ROOT / "launch" / "exit_codes.sh").read_text() == exit_codes_shell()
+    common = (ROOT / "launch" / "slurm" / "common.sh").read_text()
+    assert "source launch/exit_codes.sh" in common and "EXIT_HUNG=" not in common
