@@ -374,6 +374,11 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
     )
 
 
+def microbatches_per_step(cfg: RecipeConfig, world_size: int) -> int:
+    """Micro batches each data-parallel rank runs per training step (the pipeline schedule's m)."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))
+
+
 def pipeline_stage_layers(cfg: RecipeConfig) -> list[int]:
     """Decoder layers on each pipeline stage, as megatron-core splits them: parallel.num_layers_in_first/last_
     pipeline_stage where set, the rest evenly over the other stages."""

@@ -16,7 +16,12 @@ import collections
 import dataclasses
 from typing import Optional
 
-from megatron_ext.config.schema import RecipeConfig, data_parallel_size, pipeline_stage_layers
+from megatron_ext.config.schema import (
+    RecipeConfig,
+    data_parallel_size,
+    microbatches_per_step,
+    pipeline_stage_layers,
+)
 from megatron_ext.hardware import GPUS
 from megatron_ext.planner import GIB, estimate, model_vocab_size
 
@@ -75,7 +80,7 @@ def _with(cfg: RecipeConfig, parallel: Optional[dict] = None, train: Optional[di
 def _pipeline(cfg: RecipeConfig, world_size: int, share: float, stage_compute: dict[int, float]) -> str:
     p, t = cfg.parallel, cfg.train
     pp, v = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
-    m = t.global_batch_size // (t.micro_batch_size * data_parallel_size(cfg, world_size))
+    m = microbatches_per_step(cfg, world_size)
     bubble = (pp - 1) / (v * m)
     text = f"pipeline sends, receives and waits take {100 * share:.0f}% of the step (above " \
            f"{100 * THRESHOLDS['pipeline']:.0f}%)"

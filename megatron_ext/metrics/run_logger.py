@@ -26,9 +26,9 @@ import torch
 
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import model_flops_per_token
-from megatron_ext.metrics.units import format_duration
 from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.metrics.step_time import PARTS
+from megatron_ext.metrics.units import format_duration
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")

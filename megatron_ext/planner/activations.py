@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron_ext.config.schema import RecipeConfig, pipeline_stage_layers
+from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.planner.layout import RankShape
 from megatron_ext.planner.static_memory import stage_chunks
 
@@ -140,8 +140,7 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
     p = cfg.parallel
     shape = RankShape.of(cfg, vocab_size)
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    dp = world_size // (shape.tp * pp * shape.cp)
-    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    m = microbatches_per_step(cfg, world_size)
     chunks = stage_chunks(tuple(pipeline_stage_layers(cfg)), vpp, pp_rank)
     n = microbatches_in_flight(pp, vpp, m, pp_rank)
     layers = chunks[0][0]

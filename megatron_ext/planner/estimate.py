@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_ext.config.kernels import block_mask_bytes
-from megatron_ext.config.schema import RecipeConfig, pipeline_stage_layers
+from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.activations import layer_activation_bytes, output_loss_bytes, stage_activation_bytes
@@ -118,6 +118,6 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     tokens = cfg.train.global_batch_size * shape.seq
     model_flops = model_flops_per_token(cfg, vocab_size) * tokens
     mfu_est = model_flops / (time["step"] * world_size * gpu.peak_bf16_tflops * 1e12)
-    m = cfg.train.global_batch_size // (layout.mbs * layout.dp)
+    m = microbatches_per_step(cfg, world_size)
     return Estimate(layout, memory, peak_stage, time, m, mfu_est, tokens / time["step"] / world_size, fits,
                     gpu.memory_gib * GIB)

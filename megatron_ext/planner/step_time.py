@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_ext.config.kernels import compiles_layers
-from megatron_ext.config.schema import RecipeConfig, pipeline_stage_layers
+from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.layout import Layout, RankShape
 from megatron_ext.planner.static_memory import expert_static, model_elements, stage_static
@@ -63,7 +63,7 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
     layout, shape = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size)
     tp, pp, cp, dp, v = layout.tp, layout.pp, layout.cp, layout.dp, layout.vpp or 1
     d_bytes = shape.bytes_per_value
-    m = cfg.train.global_batch_size // (layout.mbs * dp)
+    m = microbatches_per_step(cfg, world_size)
     tokens = layout.mbs * shape.seq // cp  # per CP rank per micro batch
 
     def link(span: int) -> tuple[float, float]:

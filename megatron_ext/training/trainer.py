@@ -24,7 +24,7 @@ from tqdm import tqdm
 from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.checkpoint.resume import load_weights_before_sharding
-from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir
+from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir, microbatches_per_step
 from megatron_ext.data.checks import blend_prefixes
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
 from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions
@@ -280,8 +280,7 @@ class Trainer:
 
     @property
     def num_microbatches(self) -> int:
-        t = self.cfg.train
-        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        return microbatches_per_step(self.cfg, self.world_size)
 
     def _iterators(self, dataset, consumed_samples: int, timed: bool = False) -> list[Iterator] | Iterator:
         """One iterator per model chunk: the interleaved schedule reads each chunk's data separately. `timed`: the
