@@ -27,6 +27,11 @@ PATCHED = [
     # CPU rehearsal: OptimizerConfig's TE version check, which fails without TE
     Patched("megatron.core.optimizer.optimizer_config.OptimizerConfig.__post_init__", "8d06c93753e45143",
             "distributed/cpu_backend.py"),
+    # CPU rehearsal: Megatron-FSDP's parameter all-gathers (alone and coalesced) complete before they return
+    Patched("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.AllGatherPipeline."
+            "async_bucket_gather", "4a9f0dac8eef8af9", "distributed/cpu_backend.py"),
+    Patched("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.AllGatherPipeline."
+            "all_gather_params", "4530f38ae3143f84", "distributed/cpu_backend.py"),
     # CPU rehearsal: offload of host tensors
     Patched("megatron.core.pipeline_parallel.fine_grained_activation_offload.ChunkOffloadHandler."
             "_can_manage_tensor_for_offload", "20d546c67b80fbf7", "model/activation_offload.py"),
