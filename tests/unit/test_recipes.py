@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_ext.config.schema import data_parallel_size, load_config
@@ -69,3 +71,18 @@ def test_405b_recipe_runs_on_the_fewest_gpus_that_fit_with_uneven_pipeline_stage
     best = plan(cfg, 128, 8, "h100-80gb")[0]
     assert best.fits and not best.layout.offload and best.layout.sharding is None
     assert (best.layout.pp, best.layout.first_stage_layers, best.layout.last_stage_layers) == (32, 3, 3)
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if " s/step, " in p.read_text()], ids=lambda p: p.stem)
+def test_the_step_time_and_memory_a_recipe_states_are_the_planners(path):
+    """A recipe's header states the planner's estimate for its own layout on H100 80GB ("N s/step, M of 80 GiB"),
+    to the digits it gives: when the planner changes, this names the comments to regenerate."""
+    from megatron_ext.hardware import GPUS
+    from megatron_ext.planner import GIB, estimate, model_vocab_size
+
+    stated = re.search(r"([\d.]+) s/step, ([\d.]+) of 80 GiB", path.read_text())
+    cfg = load_config(path)
+    e = estimate(cfg, cfg.recipe.gpus, 8, GPUS["h100-80gb"], model_vocab_size(cfg))
+    for text, value in ((stated[1], e.time["step"]), (stated[2], e.memory["total"] / GIB)):
+        digits = len(text.split(".")[1]) if "." in text else 0
+        assert float(text) == round(value, digits), (path.name, text, value)
