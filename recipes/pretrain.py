@@ -133,10 +133,16 @@ def load_and_validate(config: str, overrides: list[str], world_size: int,
 
 
 def fitting_world(cfg: RecipeConfig, world_size: int) -> TrainedWorld:
-    """:func:`trained_world` with what this machine has (TransformerEngine, FP8)."""
+    """:func:`trained_world` with what this machine has (a GPU, TransformerEngine, FP8), after the kernels and
+    offloads it cannot run are refused."""
+    import torch
+
+    from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run
     from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
 
-    return trained_world(cfg, world_size, te_available=transformer_engine_available(), fp8_capable=gpu_has_fp8())
+    te_available = transformer_engine_available()
+    refuse_what_this_machine_cannot_run(cfg, torch.cuda.is_available(), te_available)
+    return trained_world(cfg, world_size, te_available=te_available, fp8_capable=gpu_has_fp8())
 
 
 def idle_ranks_line(world_size: int, world: TrainedWorld, cfg: RecipeConfig) -> str:

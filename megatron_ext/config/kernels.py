@@ -27,6 +27,23 @@ def uses_transformer_engine(cfg: RecipeConfig, on_gpu: bool, te_available: bool)
     return backend == "te" or (backend == AUTO and on_gpu and te_available)
 
 
+def refuse_what_this_machine_cannot_run(cfg: RecipeConfig, on_gpu: bool, te_available: bool) -> None:
+    """Before any process starts (the launcher) and before any process group exists (each rank): the kernels and the
+    offloads `cfg` asks for against this machine — a GPU or CPU rehearsal, TransformerEngine or not. Raises
+    ConfigError."""
+    resolve_kernel_options(cfg, on_gpu, uses_transformer_engine(cfg, on_gpu, te_available))
+    o, t = cfg.optimizer, cfg.train
+    if o.optimizer_cpu_offload:
+        require(not on_gpu or te_available, "optimizer.optimizer_cpu_offload", True, "megatron-core's offload on a "
+                "GPU is not verified here without TransformerEngine: use the NGC container")
+        require(on_gpu or o.optimizer_offload_fraction == 1.0, "optimizer.optimizer_offload_fraction",
+                o.optimizer_offload_fraction, "in CPU rehearsal only 1.0 (all of the state on the host) rehearses "
+                "faithfully without a GPU")
+    require(not (t.offload_modules and on_gpu and not te_available), "train.offload_modules",
+            list(t.offload_modules), "megatron-core's activation offload needs TransformerEngine on a GPU (the NGC "
+            "container) — or set train.offload_modules=[]")
+
+
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
     """`cfg` with model.attention_backend, model.moe_grouped_gemm, train.compile and train.fused_cross_entropy
     `auto` decided for this machine and layer spec (`use_te`: :func:`uses_transformer_engine`): the backend te or

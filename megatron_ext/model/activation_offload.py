@@ -9,13 +9,11 @@ moved, read from megatron-core's offload manager after the first step.
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import torch
 
 from megatron_ext.config.schema import RecipeConfig
-from megatron_ext.errors import ConfigError
 
 MIB = 2**20
 NOTHING_OFFLOADED = "none: every saved tensor is below train.min_offloaded_tensor_size"
@@ -28,11 +26,7 @@ def prepare(cfg: RecipeConfig, on_gpu: bool) -> None:
     are the ones offloaded (to more host memory)."""
     if not cfg.train.offload_modules:
         return
-    if on_gpu:
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise ConfigError(f"train.offload_modules={list(cfg.train.offload_modules)} is invalid here: "
-                              "megatron-core's activation offload needs TransformerEngine on a GPU (the NGC "
-                              "container) — or set train.offload_modules=[]")
+    if on_gpu:  # TransformerEngine's own cpu_offload (config.kernels refused a GPU run without it)
         return
     from megatron.core.extensions import transformer_engine as te_extension
     from megatron.core.pipeline_parallel import fine_grained_activation_offload

@@ -4,7 +4,6 @@ HybridDeviceOptimizer, with CPU rehearsal's stand-ins), the torch AdamW kernel, 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -13,7 +12,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed import cpu_backend
-from megatron_ext.errors import ConfigError
 from megatron_ext.model.llama import PARAMETER_DTYPES
 
 OFFLOADED_BYTES_PER_ELEMENT = 12  # fp32 master weight + two fp32 Adam moments
@@ -59,13 +57,6 @@ def offload_stand_ins(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> co
 
 def build_optimizer(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> MegatronOptimizer:
     """megatron-core's optimizer for the model; with optimizer.optimizer_cpu_offload its HybridDeviceOptimizer."""
-    o = cfg.optimizer
-    if o.optimizer_cpu_offload and on_gpu and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError("optimizer.optimizer_cpu_offload=True is invalid here: megatron-core's offload on a GPU is not "
-                          "verified here without TransformerEngine: use the NGC container")
-    if o.optimizer_cpu_offload and not on_gpu and o.optimizer_offload_fraction != 1.0:
-        raise ConfigError(f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction} is invalid in CPU "
-                          "rehearsal: only 1.0 (all of the state on the host) rehearses faithfully without a GPU")
     with offload_stand_ins(cfg, model_chunks, on_gpu):
         optimizer = get_megatron_optimizer(optimizer_config(cfg), model_chunks)
     if cfg.parallel.outer_dp_sharding_strategy == "optim":

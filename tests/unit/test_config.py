@@ -408,3 +408,29 @@ def test_wsd_without_its_anneal_length_is_refused_before_launch():
         validate(load_config(TINY, ["optimizer.lr_decay_style=WSD"]), 4)
     with pytest.raises(ConfigError, match=r"optimizer.lr_wsd_decay_iters=200 is invalid: must fit in the decay"):
         validate(load_config(TINY, ["optimizer.lr_decay_style=WSD", "optimizer.lr_wsd_decay_iters=200"]), 4)
+
+
+def test_what_this_machine_cannot_run_is_refused_before_any_process_group():
+    """The offloads' machine rules, checked by the launcher and by each rank before its process groups: optimizer
+    and activation offload on a GPU need TransformerEngine; CPU rehearsal offloads all of the optimizer state or
+    none; the kernel rules come with them."""
+    from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run as refuse
+
+    offload = load_config(TINY, ["optimizer.optimizer_cpu_offload=true", "train.precision=bf16"])
+    refuse(offload, on_gpu=False, te_available=False)
+    refuse(offload, on_gpu=True, te_available=True)
+    with pytest.raises(ConfigError, match=r"optimizer.optimizer_cpu_offload=True is invalid: megatron-core's offload "
+                                          r"on a GPU is not verified here without TransformerEngine"):
+        refuse(offload, on_gpu=True, te_available=False)
+    half = load_config(TINY, ["optimizer.optimizer_cpu_offload=true", "train.precision=bf16",
+                              "optimizer.optimizer_offload_fraction=0.5"])
+    refuse(half, on_gpu=True, te_available=True)
+    with pytest.raises(ConfigError, match=r"optimizer.optimizer_offload_fraction=0.5 is invalid: in CPU rehearsal"):
+        refuse(half, on_gpu=False, te_available=False)
+    activations = load_config(TINY, ["train.offload_modules=[core_attn]"])
+    refuse(activations, on_gpu=False, te_available=False)
+    with pytest.raises(ConfigError, match=r"train.offload_modules=\['core_attn'\] is invalid: megatron-core's "
+                                          r"activation offload needs TransformerEngine on a GPU"):
+        refuse(activations, on_gpu=True, te_available=False)
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs=True is invalid: CUDA graphs need a GPU"):
+        refuse(load_config(TINY, ["train.cuda_graphs=true"]), on_gpu=False, te_available=False)
