@@ -191,8 +191,9 @@ class TrainConfig:
     cuda_graphs: bool = False
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
-    # No finished step for this long (after the first): stacks to the rank logs, stopped ranks named, job ends
-    # (exit 4) for SLURM to requeue. Below parallel.distributed_timeout_minutes, so it fires first; null = off
+    # No finished step (or evaluation batch) for this long (after the first step): stacks to the rank logs, stopped
+    # ranks named, job ends (exit 4) for SLURM to requeue. Below parallel.distributed_timeout_minutes, so it fires
+    # first; null = off. A recipe's is at least twice its planned step time (tests/unit/test_recipes.py)
     hang_timeout_s: Optional[float] = 300.0
     skip_nonfinite_steps: int = 0  # skip up to N steps with a non-finite loss/gradient before stopping
 

@@ -347,6 +347,7 @@ class Trainer:
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
+            self.watchdog.step_done(self.iteration)  # an evaluation batch is progress: a long evaluation is no hang
         self.metrics.discard()  # evaluation's forward passes are not part of a training step
         return _global_mean_loss(losses)[0]
 
