@@ -15,8 +15,9 @@
 #   TENSORBOARD_DIR   default $RUN_DIR/tensorboard
 #                     (per-rank tracebacks and hang stacks go to $RUN_DIR/logs/rank-N.log)
 #   CONTAINER_IMAGE   run the step in this image with pyxis/enroot (srun --container-image)
-#   CONTAINER_MOUNTS  extra mounts, comma separated src:dst (the repository is always mounted
-#                     at its own path, so paths are the same inside and outside the container)
+#   CONTAINER_MOUNTS  extra mounts, comma separated src:dst (the repository, and RUN_DIR, CHECKPOINT_DIR and
+#                     TENSORBOARD_DIR where they lie outside it, are always mounted at their own paths, so paths
+#                     are the same inside and outside the container and checkpoints land on the shared file system)
 #   RDZV_HOST         multi-node: address of the first node for the rendezvous; default its
 #                     NodeAddr in slurm.conf (usually its hostname)
 #   RDZV_PORT         multi-node: rendezvous port; default 20000 + job id % 20000
@@ -56,6 +57,19 @@
 # megatron_ext/errors.py's exit codes (srun passes on the launcher's).
 # shellcheck source=launch/exit_codes.sh
 source launch/exit_codes.sh
+
+# The --container-mounts of a step: the repository and each of the given directories outside it at their own paths
+# (a checkpoint directory on Lustre, say, which the container would otherwise hide: the checkpoints would land in
+# the container's own file system and vanish with it), then CONTAINER_MOUNTS.
+_container_mounts() {
+    local mounts="$PWD:$PWD" dir
+    for dir in "$@"; do
+        dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
+        [[ $dir == "$PWD" || $dir == "$PWD"/* ]] || mounts+=",$dir:$dir"
+    done
+    [[ -n ${CONTAINER_MOUNTS:-} ]] && mounts+=",$CONTAINER_MOUNTS"
+    echo "$mounts"
+}
 
 _log() { echo "[$(date +%H:%M:%S) slurm job ${SLURM_JOB_ID:-?}] $*"; }
 
@@ -169,8 +183,8 @@ slurm_pretrain() {
     # srun no longer inherits the batch job's --cpus-per-task (Slurm >= 22.05).
     [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
-        local mounts="$PWD:$PWD"
-        [[ -n ${CONTAINER_MOUNTS:-} ]] && mounts+=",$CONTAINER_MOUNTS"
+        local mounts
+        mounts=$(_container_mounts "$run_dir" "$ckpt_dir" "$tb_dir")
         srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
                     --container-workdir="$PWD")
         python=${python:-python}

@@ -173,3 +173,17 @@ def test_the_shell_scripts_source_the_exit_codes_errors_py_defines():
     assert (ROOT / "launch" / "exit_codes.sh").read_text() == exit_codes_shell()
     common = (ROOT / "launch" / "slurm" / "common.sh").read_text()
     assert "source launch/exit_codes.sh" in common and "EXIT_HUNG=" not in common
+
+
+def test_a_container_step_mounts_the_run_and_checkpoint_directories_outside_the_checkout(tmp_path):
+    """Under pyxis a checkpoint directory outside the checkout (on Lustre, say) is mounted at its own path, so the
+    checkpoints land on the shared file system, not in the container's; directories inside the checkout are
+    covered by its mount; CONTAINER_MOUNTS comes last."""
+    import subprocess
+
+    script = (f"source launch/slurm/common.sh; CONTAINER_MOUNTS=/data:/data _container_mounts "
+              f"{tmp_path / 'run'} {tmp_path / 'lustre' / 'ckpt'} {ROOT / 'launch'}")
+    mounts = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert mounts.strip().split(",") == [f"{ROOT}:{ROOT}", f"{tmp_path / 'run'}:{tmp_path / 'run'}",
+                                         f"{tmp_path / 'lustre' / 'ckpt'}:{tmp_path / 'lustre' / 'ckpt'}",
+                                         "/data:/data"]
