@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,14 @@ def test_a_recipes_hang_timeout_outlasts_its_planned_step_twice(path):
     cfg = load_config(path)
     step = estimate(cfg, cfg.recipe.gpus, 8, GPUS["h100-80gb"], model_vocab_size(cfg)).time["step"]
     assert cfg.train.hang_timeout_s is None or cfg.train.hang_timeout_s >= 2 * step, (path.name, step)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_a_recipe_keeps_one_run_directory(path):
+    """Checkpoints, TensorBoard events, rank logs, profiles and W&B files of one run sit in one directory."""
+    from megatron_ext.config.schema import log_dir, profile_dir
+
+    cfg = load_config(path)
+    run = {Path(cfg.checkpoint.save).parent, Path(cfg.logging.tensorboard_dir).parent, Path(log_dir(cfg)).parent,
+           profile_dir(cfg).parent}
+    assert len(run) == 1, run
