@@ -170,6 +170,8 @@ class RunLogger:
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_per_sec": self.tokens_per_step / step_time,
+            # what Megatron-Bridge and torchtitan report
+            "train/tokens_per_sec_per_gpu": self.tokens_per_step / step_time / self.world_size,
             "train/step_time_s": step_time,
             "progress/fraction_done": iteration / max(self.train_iters, 1),
             "progress/hours_left": self.time_left.seconds(iteration) / 3600,
@@ -198,7 +200,8 @@ class RunLogger:
                     + (f"loss scale {loss_scale:,.0f} | " if loss_scale is not None else "")
                     + "".join(f"{tag.split('/', 1)[1].replace('_', ' ')} {value:.4f} | "
                               for tag, value in (extra or {}).items() if tag.count("/") == 1) +
-                    f"{scalars['train/tokens_per_sec']:,.0f} tok/s | {step_time * 1000:.0f} ms")
+                    f"{scalars['train/tokens_per_sec']:,.0f} tok/s ({scalars['train/tokens_per_sec_per_gpu']:,.0f} "
+                    f"per {'GPU' if torch.cuda.is_available() else 'process'}) | {step_time * 1000:.0f} ms")
             if "train/tflops_per_gpu" in scalars:
                 line += f" | {scalars['train/tflops_per_gpu']:.1f} TFLOP/s/GPU"
                 if "train/mfu" in scalars:

@@ -57,10 +57,13 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
 
 
 def test_tensorboard_has_one_value_per_step_for_every_train_tag(runs):
-    for tag in ("train/lm_loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/step_time_s"):
+    for tag in ("train/lm_loss", "train/lr", "train/grad_norm", "train/tokens_per_sec",
+                "train/tokens_per_sec_per_gpu", "train/step_time_s"):
         values = read_scalars(runs["full"], tag)
         assert sorted(values) == list(range(1, STEPS + 1)), tag
         assert all(v >= 0 for v in values.values())
+    total, per_gpu = (read_scalars(runs["full"], f"train/tokens_per_sec{per}") for per in ("", "_per_gpu"))
+    assert all(per_gpu[k] == pytest.approx(total[k] / 4) for k in total)  # the peers' figure: 4 processes
     val = read_scalars(runs["full"], "val/lm_loss")
     assert list(val) == [STEPS] and 0 < val[STEPS] < 9
 
