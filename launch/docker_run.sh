@@ -13,6 +13,8 @@
 #   CHECKPOINT_DIR   optional: also mounted at /checkpoints, e.g. a parallel file system; point
 #                    the recipe at it with checkpoint.save=/checkpoints/NAME (a run resumes from it)
 #   TENSORBOARD_DIR  optional: also mounted at /tensorboard; use logging.tensorboard_dir=/tensorboard/NAME
+#   MOUNT_CHECKOUT   1: mount this checkout over the image's copy of the code, so edited configs and code run
+#                    without a rebuild (the image's Python packages stay); default 0: the code baked into the image
 #   GPUS             docker --gpus value (default all; e.g. '"device=0,1"')
 #   DOCKER_ARGS      extra docker run arguments, space separated (e.g. for InfiniBand:
 #                    "--network=host --device=/dev/infiniband --cap-add=IPC_LOCK")
@@ -43,6 +45,9 @@ args=(
     --volume "$(cd "$data_dir" && pwd):$workdir/data"
     --volume "$(cd "$runs_dir" && pwd):$workdir/runs"
 )
+if [[ ${MOUNT_CHECKOUT:-0} == 1 ]]; then
+    args+=(--volume "$PWD:$workdir")
+fi
 if [[ -n ${CHECKPOINT_DIR:-} ]]; then
     mkdir -p "$CHECKPOINT_DIR"
     args+=(--volume "$(cd "$CHECKPOINT_DIR" && pwd):/checkpoints")
@@ -51,11 +56,11 @@ if [[ -n ${TENSORBOARD_DIR:-} ]]; then
     mkdir -p "$TENSORBOARD_DIR"
     args+=(--volume "$(cd "$TENSORBOARD_DIR" && pwd):/tensorboard")
 fi
-# Settings from the host reach the ranks: NCCL_DEBUG, NCCL_SOCKET_IFNAME, ..., and NPROC for
-# launch/torchrun.sh.
+# Settings from the host reach the ranks: NCCL_DEBUG, NCCL_SOCKET_IFNAME, ..., W&B's (WANDB_API_KEY, WANDB_MODE, ...)
+# and NPROC for launch/torchrun.sh.
 while IFS= read -r name; do
     args+=(--env "$name")
-done < <(compgen -e | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_DISTRIBUTED_|PET_|NPROC$|OMP_NUM_THREADS$|CUDA_VISIBLE_DEVICES$)' || true)
+done < <(compgen -e | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_DISTRIBUTED_|PET_|WANDB_|NPROC$|OMP_NUM_THREADS$|CUDA_VISIBLE_DEVICES$)' || true)
 # An interactive terminal only when there is one (not under nohup, cron or CI).
 if [[ -t 0 && -t 1 ]]; then
     args+=(--interactive --tty)

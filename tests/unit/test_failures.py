@@ -187,3 +187,26 @@ def test_a_container_step_mounts_the_run_and_checkpoint_directories_outside_the_
     assert mounts.strip().split(",") == [f"{ROOT}:{ROOT}", f"{tmp_path / 'run'}:{tmp_path / 'run'}",
                                          f"{tmp_path / 'lustre' / 'ckpt'}:{tmp_path / 'lustre' / 'ckpt'}",
                                          "/data:/data"]
+
+
+def test_docker_run_forwards_wandb_and_can_mount_the_checkout_over_the_images_code(tmp_path):
+    """launch/docker_run.sh with a stand-in `docker` that prints its arguments: W&B's settings reach the container,
+    and MOUNT_CHECKOUT=1 puts this checkout over the image's copy of the code (edited configs run without a
+    rebuild); by default the image's code is used."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "docker").write_text('#!/bin/sh\necho "$@"\n')
+    (fake / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "WANDB_MODE": "offline",
+           "DATA_DIR": str(tmp_path / "data"), "RUNS_DIR": str(tmp_path / "runs")}
+
+    def docker_args(extra: dict[str, str]) -> list[str]:
+        return subprocess.run(["bash", "launch/docker_run.sh", "true"], cwd=ROOT, capture_output=True, text=True,
+                              check=True, env={**env, **extra}).stdout.split()
+
+    plain, mounted = docker_args({}), docker_args({"MOUNT_CHECKOUT": "1"})
+    assert "WANDB_MODE" in plain and f"{ROOT}:/workspace/megatron-recipes" not in plain
+    assert f"{ROOT}:/workspace/megatron-recipes" in mounted
