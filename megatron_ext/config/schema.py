@@ -4,7 +4,7 @@ plus ``section.key=value`` overrides into it.
 Field names follow megatron-core's own (``TransformerConfig``, ``OptimizerConfig``, parallel_state). Enum-like
 keys are ``Literal`` types, so OmegaConf rejects a value outside them when the config loads, naming the allowed
 ones. The comment on (or directly above) each field is its help: ``python -m recipes.pretrain --list-keys`` prints
-it, and the README's key table is that output. Cross-field rules live in :mod:`megatron_ext.config.validate`.
+it, and docs/config-keys.md is that output. Cross-field rules live in :mod:`megatron_ext.config.validate`.
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def parse_blend(blend: Optional[list[Any]], key: str) -> Optional[tuple[list[str
 
 
 # ---------------------------------------------------------------------------------------------
-# The key reference (--list-keys, the README's table), read from this schema
+# The key reference (--list-keys, docs/config-keys.md), read from this schema
 
 
 @dataclass(frozen=True)

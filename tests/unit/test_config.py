@@ -334,11 +334,11 @@ def test_cuda_graphs_are_refused_where_they_cannot_run_and_turn_compile_auto_off
     assert resolve_kernel_options(load_config(TINY, one_gpu[1:]), on_gpu=True, use_te=False).train.compile is True
 
 
-def test_readme_key_table_is_the_schema_and_every_key_has_help():
-    """The README's key reference is `python -m recipes.pretrain --list-keys`, and that covers every key."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_key_reference_is_the_schema_and_every_key_has_help():
+    """docs/config-keys.md is `python -m recipes.pretrain --list-keys`, and that covers every key."""
+    readme = (ROOT / "docs" / "config-keys.md").read_text()
     table = readme.split("<!-- config-keys:begin -->\n")[1].split("<!-- config-keys:end -->")[0]
-    assert table == keys_table(), "README key table is stale: python -m recipes.pretrain --list-keys"
+    assert table == keys_table(), "docs/config-keys.md is stale: python -m recipes.pretrain --list-keys"
     keys = list(config_keys())
     assert len(keys) == sum(len(dataclasses.fields(s.default_factory)) for s in dataclasses.fields(RecipeConfig))
     assert not [k.key for k in keys if not k.help], "keys without a help comment in megatron_ext/config/schema.py"
