@@ -33,3 +33,25 @@ def test_without_a_gpu_it_says_so_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpu-check: no GPU here")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_step_passes_only_with_its_evidence_not_by_skipping(tmp_path):
+    """Exit 0 is not enough: pytest exits 0 when every test skips (no TE, no liger on this GPU), the doctor when a
+    check skips, a benchmark or profile run that wrote nothing; each is INCOMPLETE, naming what is missing."""
+    step = {s.name: s for s in gpu_check.steps(tmp_path)}
+    status = gpu_check.step_status
+    skipped = ("SKIPPED [1] tests/integration/test_liger.py:28: liger-kernel's kernels are Triton\n"
+               "3 passed, 1 skipped in 12.0s\n")
+    assert status(step["gpu-tests"], 0, skipped, tmp_path).startswith("INCOMPLETE (1 skipped: tests/integration/")
+    assert status(step["gpu-tests"], 0, "7 passed in 40.1s\n", tmp_path) == "PASS"
+    assert status(step["gpu-tests"], 1, "1 failed, 6 passed\n", tmp_path) == "FAIL (exit 1)"
+    assert status(step["gpu-tests"], None, "", tmp_path) == "TIMEOUT"
+    doctor = "PASS  GPU: 1× H100\nSKIP  TransformerEngine: not installed: local layers\n"
+    assert status(step["doctor"], 0, doctor, tmp_path) == "INCOMPLETE (1 skipped: TransformerEngine)"
+    assert status(step["benchmark"], 0, "", tmp_path).startswith("INCOMPLETE (no benchmark/benchmark.json under")
+    (tmp_path / "benchmark").mkdir()
+    (tmp_path / "benchmark" / "benchmark.json").write_text("{}")
+    assert status(step["benchmark"], 0, "", tmp_path) == "PASS"
+    assert status(step["fused-linear-ce"], 0, "run x: finished at iteration 20\n", tmp_path) == "PASS"
+    assert status(step["fused-linear-ce"], 0, "step 3/20\n", tmp_path).startswith("INCOMPLETE")
+    assert status(step["profile"], 0, "", tmp_path).startswith("INCOMPLETE (no profile/profile/rank-0.iter_4-5.json")
