@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megatron_ext.checkpoint import layout, manifest, save_load
-from megatron_ext.config.schema import RecipeConfig, resume_dir
+from megatron_ext.config.schema import RecipeConfig, lr_decay_iterations, resume_dir
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import CheckpointError
 
@@ -77,7 +77,7 @@ def _check_config(ckpt_dir: Path, saved: dict[str, Any], cfg: RecipeConfig) -> N
               + "; ".join(f"{key}: {old!r} → {new!r}" for key, old, new in differences))
     o = cfg.optimizer
     _info(f"LR schedule follows the current config: warmup {o.lr_warmup_iters}, {o.lr_decay_style} decay "
-          f"over {o.lr_decay_iters or cfg.train.train_iters} iterations from {o.lr} to {o.min_lr}")
+          f"over {lr_decay_iterations(cfg)} iterations from {o.lr} to {o.min_lr}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -375,6 +375,13 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
     )
 
 
+def lr_decay_iterations(cfg: RecipeConfig) -> int:
+    """The iterations the LR schedule decays over: optimizer.lr_decay_iters, else train.train_iters (at least one past
+    the warm-up, which megatron-core's scheduler needs)."""
+    o = cfg.optimizer
+    return o.lr_decay_iters or max(cfg.train.train_iters, o.lr_warmup_iters + 1)
+
+
 def microbatches_per_step(cfg: RecipeConfig, world_size: int) -> int:
     """Micro batches each data-parallel rank runs per training step (the pipeline schedule's m)."""
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))

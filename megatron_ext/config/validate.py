@@ -14,7 +14,13 @@ import importlib.util
 import typing
 from typing import Any, Optional
 
-from megatron_ext.config.schema import RecipeConfig, allowed_values, expert_tensor_parallel_size, shown_value
+from megatron_ext.config.schema import (
+    RecipeConfig,
+    allowed_values,
+    expert_tensor_parallel_size,
+    lr_decay_iterations,
+    shown_value,
+)
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConfigError
 
@@ -219,7 +225,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     _validate_activation_offload(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
-    decay_iters = o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1)
+    decay_iters = lr_decay_iterations(cfg)
     require(o.lr_decay_style != "WSD" or o.lr_wsd_decay_iters is not None, "optimizer.lr_wsd_decay_iters",
             None, "must be set with optimizer.lr_decay_style=WSD: the anneal's length, e.g. a tenth of the decay")
     require(o.lr_wsd_decay_iters is None or o.lr_wsd_decay_iters <= decay_iters - o.lr_warmup_iters,

@@ -10,7 +10,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import RecipeConfig, lr_decay_iterations
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.model.llama import PARAMETER_DTYPES
 
@@ -39,7 +39,7 @@ def build_scheduler(cfg: RecipeConfig, optimizer: MegatronOptimizer) -> Optimize
     o, t = cfg.optimizer, cfg.train
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=o.lr_decay_iters or max(t.train_iters, o.lr_warmup_iters + 1),
+        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=lr_decay_iterations(cfg),
         lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=max(t.train_iters, 1), wd_incr_style="constant",
         wsd_decay_steps=o.lr_wsd_decay_iters, lr_wsd_decay_style=o.lr_wsd_decay_style,
