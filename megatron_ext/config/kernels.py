@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+from typing import Mapping
 
-from megatron_ext.config.schema import AUTO, RecipeConfig, TrainConfig
+from megatron_ext.config.schema import AUTO, RecipeConfig
 from megatron_ext.config.validate import require, require_packed_sequence_layout
 from megatron_ext.errors import ConfigError
 
@@ -31,7 +33,10 @@ def refuse_what_this_machine_cannot_run(cfg: RecipeConfig, on_gpu: bool, te_avai
     """Before any process starts (the launcher) and before any process group exists (each rank): the kernels and the
     offloads `cfg` asks for against this machine — a GPU or CPU rehearsal, TransformerEngine or not. Raises
     ConfigError."""
-    resolve_kernel_options(cfg, on_gpu, uses_transformer_engine(cfg, on_gpu, te_available))
+    use_te = uses_transformer_engine(cfg, on_gpu, te_available)
+    resolve_kernel_options(cfg, on_gpu, use_te)
+    if use_te:
+        refuse_conflicting_te_attention_variables(cfg.model.te_attention_kernel, os.environ)
     o, t = cfg.optimizer, cfg.train
     if o.optimizer_cpu_offload:
         require(not on_gpu or te_available, "optimizer.optimizer_cpu_offload", True, "megatron-core's offload on a "
@@ -44,11 +49,33 @@ def refuse_what_this_machine_cannot_run(cfg: RecipeConfig, on_gpu: bool, te_avai
             "container) — or set train.offload_modules=[]")
 
 
+# The NVTE_*_ATTN values megatron-core sets for each model.te_attention_kernel (and asserts on, mid start-up, when
+# the environment already holds others)
+TE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+TE_ATTENTION_VALUES: dict[str, tuple[str, str, str]] = {
+    "auto": ("1", "1", "1"), "flash": ("1", "0", "0"), "fused": ("0", "1", "0"), "unfused": ("0", "0", "1")}
+
+
+def refuse_conflicting_te_attention_variables(kernel: str, environ: Mapping[str, str]) -> None:
+    """TE's usual switches (NVTE_FUSED_ATTN=0 ...) in the environment against model.te_attention_kernel: one line
+    naming the key value that means the same, before megatron-core's assertion inside the model build."""
+    def agrees(values: tuple[str, str, str]) -> bool:
+        return all(environ.get(name) in (None, value) for name, value in zip(TE_ATTENTION_VARIABLES, values))
+
+    if agrees(TE_ATTENTION_VALUES[kernel]):
+        return
+    set_ = " ".join(f"{name}={environ[name]}" for name in TE_ATTENTION_VARIABLES if name in environ)
+    meaning = [k for k, values in TE_ATTENTION_VALUES.items() if agrees(values)]
+    raise ConfigError(f"model.te_attention_kernel={kernel} is invalid: the environment sets {set_}, which "
+                      f"megatron-core refuses with it — unset the NVTE_*_ATTN variables and set "
+                      f"model.te_attention_kernel={' or '.join(meaning) or 'flash, fused or unfused'}")
+
+
 def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> RecipeConfig:
     """`cfg` with model.attention_backend, model.moe_grouped_gemm, train.compile and train.fused_cross_entropy
     `auto` decided for this machine and layer spec (`use_te`: :func:`uses_transformer_engine`): the backend te or
-    local, the experts' grouped GEMM where TE's layers are built, compile on for local layers on a GPU (off under
-    CUDA graphs), fused cross-entropy on in bf16 (off where the fused linear cross-entropy computes the loss)
+    local, the experts' grouped GEMM where TE's layers are built, compile on for local dense layers on a GPU (off
+    under CUDA graphs), fused cross-entropy on in bf16 (off where the fused linear cross-entropy computes the loss)
     (docs/performance.md). Raises ConfigError for kernels this machine or spec cannot run."""
     t = cfg.train
     if use_te and cfg.data.reset_attention_mask:
@@ -66,10 +93,13 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
         require(not use_te, "train.cuda_graphs", True, "captures megatron-core's local layers; TransformerEngine's "
                 "graphs (cuda_graph_impl=transformer_engine) are not wired here — set model.attention_backend=local")
     m = cfg.model
+    require(m.te_attention_kernel == AUTO or use_te, "model.te_attention_kernel", m.te_attention_kernel,
+            "chooses TransformerEngine's attention kernel, and this run builds megatron-core's local layers: set it "
+            "auto")
     require(m.moe_grouped_gemm is not True or use_te, "model.moe_grouped_gemm", True, "the grouped GEMM is "
             "TransformerEngine's (TEGroupedMLP), and this machine builds megatron-core's local layers: set it auto")
     grouped_gemm = use_te and m.num_moe_experts is not None if m.moe_grouped_gemm == AUTO else m.moe_grouped_gemm
-    compile_ = compiles_layers(t, on_gpu, use_te)
+    compile_ = compiles_layers(cfg, on_gpu, use_te)
     fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
                 else t.fused_cross_entropy)
     model = dataclasses.replace(m, attention_backend="te" if use_te else "local", moe_grouped_gemm=grouped_gemm)
@@ -87,7 +117,11 @@ def _require_liger(key: str, on_gpu: bool, module: str) -> None:
         raise ConfigError(f"{key}=True needs liger-kernel: pip install liger-kernel==0.8.5 ({e})")
 
 
-def compiles_layers(train: TrainConfig, on_gpu: bool, use_te: bool) -> bool:
-    """train.compile for this machine: `auto` compiles megatron-core's local layers on a GPU, never
-    TransformerEngine's (they bring their own fused kernels) nor layers captured in CUDA graphs."""
-    return (on_gpu and not use_te and not train.cuda_graphs) if train.compile == AUTO else train.compile
+def compiles_layers(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> bool:
+    """train.compile for this machine: `auto` compiles megatron-core's local dense layers on a GPU, never
+    TransformerEngine's (they bring their own fused kernels), layers captured in CUDA graphs, nor MoE layers
+    (inductor failed on megatron-core's MoE layer, Qwen3-MoE and Mixtral shapes, on an H100 on 2026-11-26:
+    docs/measurements/h100-2026-11-26.md)."""
+    if cfg.train.compile != AUTO:
+        return cfg.train.compile
+    return on_gpu and not use_te and not cfg.train.cuda_graphs and cfg.model.num_moe_experts is None

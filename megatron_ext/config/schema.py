@@ -30,6 +30,7 @@ from megatron_ext.errors import ConfigError
 AUTO = "auto"  # a kernel option decided for the machine it runs on (config.kernels.resolve_kernel_options)
 AutoBool = Literal[True, False, "auto"]
 AttentionBackend = Literal["auto", "te", "local"]
+TEAttentionKernel = Literal["auto", "flash", "fused", "unfused"]  # megatron-core's AttnBackend, TE's kernel
 Precision = Literal["fp32", "bf16", "fp16"]
 ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # megatron-core's ZeRO-1/2/3 names
 ZERO_LEVEL: dict[str, int] = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
@@ -89,6 +90,10 @@ class ModelConfig:
     # auto: TransformerEngine when importable; te; local: megatron-core's local layers (SDPA; ring attention
     # under CP)
     attention_backend: AttentionBackend = "auto"
+    # TE's attention kernel under its layer spec: auto (TE picks; cuDNN fused where it runs); flash; fused (cuDNN);
+    # unfused (plain PyTorch) — the way around a cuDNN that the TE build does not match. Not NVTE_*_ATTN variables:
+    # megatron-core refuses those unless they agree with this key
+    te_attention_kernel: TEAttentionKernel = "auto"
     # Mixture-of-Experts (docs/moe.md): every decoder layer's MLP becomes this many experts and a router; null = dense
     num_moe_experts: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None  # each expert's SwiGLU width; null = ffn_hidden_size
@@ -176,8 +181,8 @@ class TrainConfig:
     fused_swiglu: bool = False  # megatron-core's fused SwiGLU (bias_activation_fusion, torch.compile'd)
     # megatron-core's fused vocab-parallel cross-entropy (TE's with TE); auto = on in bf16 (its only precision)
     fused_cross_entropy: AutoBool = AUTO
-    # torch.compile every transformer layer (local layer spec); auto = on for local layers on a GPU, off on CPU
-    # and with TransformerEngine (measured on an H100: +13-20 % tokens/s, docs/performance.md)
+    # torch.compile every transformer layer (local layer spec); auto = on for local dense layers on a GPU, off on
+    # CPU, with TransformerEngine and for MoE layers (inductor failed on them on an H100) (measured on an H100: +13-20 % tokens/s, docs/performance.md)
     compile: AutoBool = AUTO
     # liger-kernel's Triton RMSNorm, SwiGLU and vocab-parallel cross-entropy through its megatron-core adapter
     # (local layer spec on a GPU; `pip install liger-kernel==0.8.5`). Refused on CPU and with TE. Unmeasured.

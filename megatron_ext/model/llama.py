@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_ext.config.schema import RecipeConfig
@@ -177,6 +178,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         bias_activation_fusion=cfg.train.fused_swiglu or cfg.train.liger_kernels,
         cross_entropy_loss_fusion=cfg.train.fused_cross_entropy,
         cross_entropy_fusion_impl="te" if use_te else "native",
+        attention_backend=AttnBackend[m.te_attention_kernel] if use_te else AttnBackend.auto,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -198,8 +200,9 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
     the recipe config, so a flag lost on the way shows): layer spec, attention, precision/FP8, kernels."""
     if use_te:
         spec = "TransformerEngine"
-        attention = "TE DotProductAttention" + (" with TE's context parallelism" if config.context_parallel_size > 1
-                                                else "")
+        attention = "TE DotProductAttention" + (
+            f" ({config.attention_backend.name} kernel)" if config.attention_backend != AttnBackend.auto else "") + (
+            " with TE's context parallelism" if config.context_parallel_size > 1 else "")
     else:
         spec = "megatron-core local"
         attention = "ring attention over CP" if config.context_parallel_size > 1 else "torch SDPA"

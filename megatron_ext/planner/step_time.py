@@ -49,7 +49,7 @@ def compiled_layers(cfg: RecipeConfig) -> bool:
     """Whether the recipe runs `cfg` with compiled layers on a GPU, as its start-up resolves train.compile. The
     layer spec is TransformerEngine's only for model.attention_backend=te: the efficiencies were calibrated without
     TE, so `auto` is planned as local layers. Graphed eager layers are planned at the eager efficiency."""
-    return compiles_layers(cfg.train, on_gpu=True, use_te=cfg.model.attention_backend == "te")
+    return compiles_layers(cfg, on_gpu=True, use_te=cfg.model.attention_backend == "te")
 
 
 def kernel_efficiency(cfg: RecipeConfig) -> float:

@@ -81,13 +81,23 @@ def _classify(exc: BaseException) -> tuple[str, int, str]:
     return type(exc).__name__, EXIT_FAILED, ""
 
 
+SUMMARY_CHARS = 300
+
+
 def _summary(exc: BaseException) -> str:
-    """The exception's own message: whole for this project's errors (written to be read), else its first line."""
+    """The exception's own message: whole for this project's errors (written to be read), else its first line.
+
+    A first line that only introduces its cause (inductor's "backend='inductor' raised:") is said with the cause's
+    line; a line too long keeps its head and its tail, where CUDA and cuDNN put the status code."""
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, RecipeError):
         return text
-    first = text.splitlines()[0]
-    return first if len(first) <= 300 else first[:297] + "..."
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    if len(first) <= SUMMARY_CHARS:
+        return first
+    tail = SUMMARY_CHARS // 3
+    return f"{first[:SUMMARY_CHARS - tail - 5]} ... {first[-tail:]}"
 
 
 def write_rank_log(log_dir: str | Path, rank: int, where: str, body: str) -> Optional[Path]:

@@ -164,6 +164,36 @@ def test_compile_is_for_the_local_layer_spec():
     validate_layout(tiny("train.compile=true"), 4, te_available=False)
 
 
+
+def test_compile_auto_leaves_moe_layers_eager_on_a_gpu():
+    """inductor failed on megatron-core's MoE layer on an H100 (docs/measurements/h100-2026-11-26.md): `auto`
+    compiles dense local layers only; an explicit true is the user's choice."""
+    moe = load_config(ROOT / "configs" / "tiny_moe.yaml")
+    assert resolve_kernel_options(moe, on_gpu=True, use_te=False).train.compile is False
+    forced = load_config(ROOT / "configs" / "tiny_moe.yaml", ["train.compile=true"])
+    assert resolve_kernel_options(forced, on_gpu=True, use_te=False).train.compile is True
+
+
+def test_tes_attention_kernel_is_a_key_and_the_nvte_variables_that_contradict_it_are_one_line(monkeypatch):
+    """On an H100 whose cuDNN did not match the TE build, TE's fused attention failed and NVTE_FUSED_ATTN=0 tripped
+    megatron-core's assertion inside the model build (docs/measurements/h100-2026-11-26.md)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run
+    from megatron_ext.model.llama import transformer_config
+
+    unfused = tiny("model.te_attention_kernel=unfused")
+    assert transformer_config(unfused, on_gpu=False, use_te=True).attention_backend == AttnBackend.unfused
+    assert transformer_config(tiny(), on_gpu=False, use_te=True).attention_backend == AttnBackend.auto
+    with pytest.raises(ConfigError, match="model.te_attention_kernel='unfused' is invalid: chooses TransformerEngine"):
+        refuse_what_this_machine_cannot_run(unfused, on_gpu=True, te_available=False)
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    refuse_what_this_machine_cannot_run(unfused, on_gpu=True, te_available=True)
+    refuse_what_this_machine_cannot_run(tiny(), on_gpu=True, te_available=False)  # local layers: TE reads nothing
+    with pytest.raises(ConfigError, match=r"model.te_attention_kernel=auto is invalid: the environment sets "
+                                          r"NVTE_FUSED_ATTN=0, .* set model.te_attention_kernel=flash or unfused$"):
+        refuse_what_this_machine_cannot_run(tiny(), on_gpu=True, te_available=True)
+
 @pytest.mark.parametrize("on_gpu, use_te, precision, compiled, fused_ce", [
     (True, False, "bf16", True, True),  # a bare GPU: compiled local layers (measured +13-20 % on an H100)
     (True, True, "bf16", False, True),  # TransformerEngine layers bring their own kernels

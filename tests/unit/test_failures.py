@@ -64,6 +64,23 @@ def test_each_error_says_its_kind_and_exits_with_its_code(exc, kind, code, tmp_p
     assert capsys.readouterr().err.startswith(f"[rank 0, start-up] {kind}: {exc}")
 
 
+def test_a_message_that_introduces_its_cause_or_runs_long_keeps_what_says_why(tmp_path, capsys, monkeypatch):
+    """Both as an H100 printed them (2026-11-26): inductor's first line names no cause, and a cuDNN error's status
+    code sits at the end of a 500-character line."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    inductor = RuntimeError("backend='inductor' raised:\nRuntimeError: Triton Error [CUDA]: out of resource\n\n"
+                            "Set TORCH_LOGS for more")
+    report_failure(inductor, 0, "iteration 1", tmp_path)
+    assert capsys.readouterr().err.splitlines()[0] == ("[rank 0, iteration 1] RuntimeError: backend='inductor' "
+                                                       "raised: RuntimeError: Triton Error [CUDA]: out of resource")
+    cudnn = RuntimeError("fused_attn_f16_arbitrary_seqlen.cu:934 cuDNN Error: " + "x" * 400 +
+                         " and code: CUDNN_STATUS_BAD_PARAM.")
+    report_failure(cudnn, 0, "iteration 1", tmp_path)
+    line = capsys.readouterr().err.splitlines()[0]
+    assert "fused_attn_f16_arbitrary_seqlen.cu:934" in line and line.endswith("code: CUDNN_STATUS_BAD_PARAM.")
+    assert len(line) < 340
+
+
 def test_advice_carried_by_an_error_is_printed_on_its_own_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     report_failure(CheckpointError("ckpt/iter_0000004 is corrupt", advice="resume from iter_0000002"), 0,
