@@ -24,6 +24,7 @@ from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_co
 from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.agent import Agent, agent
 from megatron_ext.resilience.failures import rank_log
+from megatron_ext.resilience.run_record import NodeRecord, forget, node_record_path, write_node_end
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
 
 
@@ -106,13 +107,13 @@ def _node() -> str:
 
 def _stopped_by(received: signal.Signals, save: str | None) -> str:
     """The line after a stop on a signal: where the run can resume from, read from what the ranks left."""
-    from megatron_ext.checkpoint.layout import iteration_dir, latest_iteration
+    from megatron_ext.checkpoint.layout import iteration_dir, latest_iteration, progress_path
     from megatron_ext.resilience.elastic import read_progress
 
     if save is None:
         return f"stopped by {received.name}: checkpoint.save is not set, nothing was saved"
     saved = latest_iteration(save)
-    reached = read_progress(save)  # at most a second behind the last step
+    reached = read_progress(progress_path(save))  # at most a second behind the last step
     if saved is not None and (reached is None or saved >= reached.iteration):
         return (f"stopped by {received.name} at iteration {saved}; checkpoint saved in {iteration_dir(save, saved)}; "
                 "resume with the same command")
@@ -164,22 +165,29 @@ def main(argv: list[str] | None = None) -> int:
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
+    node = _node()
+    forget(node_record_path(log_dir(cfg), node))
     try:
         chosen.run(args)
     except chosen.processes.SignalException as e:
         received = getattr(e, "received", e.sigval)
         print(_stopped_by(received, cfg.checkpoint.save), file=sys.stderr, flush=True)
+        write_node_end(log_dir(cfg), NodeRecord(node, "signalled", 128 + int(received)))
         return 128 + int(received)
     except chosen.child_failed as e:
         rank, failure = _root_cause(e.failures)
         others = len(e.failures) - 1
-        # "failed" names the node whose rank failed by itself (the SLURM templates leave it out of a requeue);
-        # "stopped" a node whose ranks only followed a failure elsewhere
-        verb = "stopped" if _is_consequence(failure) else "failed"
-        print(f"training {verb}: rank {rank} on {_node()} {_describe(failure.exitcode)} first"
-              + (f" ({others} other rank{'s' if others > 1 else ''} stopped with it)" if others else "")
+        # "failed": a rank of this node failed by itself (the SLURM templates leave the node out of a requeue);
+        # "stopped": this node's ranks only followed a failure elsewhere
+        followed = _is_consequence(failure)
+        print(f"training {'stopped' if followed else 'failed'}: rank {rank} on {node} {_describe(failure.exitcode)} "
+              "first" + (f" ({others} other rank{'s' if others > 1 else ''} stopped with it)" if others else "")
               + f"; its log: {rank_log(log_dir(cfg), rank)}", file=sys.stderr, flush=True)
-        return failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
+        code = failure.exitcode if failure.exitcode > 0 else EXIT_FAILED
+        write_node_end(log_dir(cfg), NodeRecord(node, "followed" if followed else "failed", code,
+                                                None if followed else rank))
+        return code
+    write_node_end(log_dir(cfg), NodeRecord(node, "finished", 0))
     return 0
 
 

@@ -15,6 +15,12 @@ from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.metrics.run_logger import perplexity
 from megatron_ext.resilience.failures import fatal_signal_stacks_logged
 from megatron_ext.resilience.process_guard import guard_training_rank
+from megatron_ext.resilience.run_record import (
+    TrainingRecord,
+    forget,
+    training_record_path,
+    write_training_end,
+)
 
 
 def _setup_logging() -> None:
@@ -218,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.training.trainer import RunFailed, pretrain
 
+    if rank == 0:
+        forget(training_record_path(log_dir(cfg)))
     try:
         with fatal_signal_stacks_logged(log_dir(cfg), rank):
             result = pretrain(cfg, startup)
@@ -225,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now(e.exit_code)
     # One summary per run: under torchrun's agent a signal stop is a membership change (the agent restarts the
     # workers) or the launcher's stop (its last line says where to resume)
-    if rank == 0 and not (result.stopped_by_signal and "TORCHELASTIC_RUN_ID" in os.environ):
-        print(_summary(cfg, result), flush=True)
+    if rank == 0:
+        ended = "exit signal" if result.stopped_by_signal else "exit interval" if result.stopped_early else "finished"
+        write_training_end(log_dir(cfg), TrainingRecord(ended, result.iteration))
+        if not (result.stopped_by_signal and "TORCHELASTIC_RUN_ID" in os.environ):
+            print(_summary(cfg, result), flush=True)
     return 0
 
 

@@ -49,10 +49,10 @@
 #   once: the ranks checkpoint and stop the same way, but the script does not requeue (a
 #   cancelled job stays cancelled; a pre-empted one is requeued by SLURM itself when the
 #   cluster's PreemptMode says so).
-# Whether the run stopped early on a signal is read from the training log ("stopped cleanly
-# after iteration N (exit signal)", printed by megatron_ext/training/trainer.py): a clean stop exits 0, as
-# a finished run does. A hang or failure is read from the exit code, which recipes.launch passes on; the node to
-# leave out from its line "training failed: rank R on NODE ..." (docs/slurm.md has the whole table).
+# Whether the run stopped early on a signal, finished, or which node's rank failed is read from the records rank 0
+# and each node's launcher write in $RUN_DIR/logs/run-result/ (megatron_ext/resilience/run_record.py), not from
+# console text: a clean stop exits 0, as a finished run does. A hang or failure is read from the exit code, which
+# recipes.launch passes on (docs/slurm.md has the whole table).
 
 # megatron_ext/errors.py's exit codes (srun passes on the launcher's).
 # shellcheck source=launch/exit_codes.sh
@@ -139,6 +139,14 @@ _requeue_after_failure() {
     _requeue "$exclude"
 }
 
+# The run's verdict as shell assignments (ENDED, ITERATION, FAILED_NODES), read by a standard-library module: the
+# host's python3 when the ranks run in a container. Empty values when no record could be read.
+_run_record() {
+    local py=$PYTHON
+    [[ -n ${CONTAINER_IMAGE:-} ]] && py=python3
+    "$py" -m megatron_ext.resilience.run_record "$1" 2>/dev/null || echo 'ENDED="" ITERATION="" FAILED_NODES=""'
+}
+
 slurm_pretrain() {
     : "${SLURM_JOB_ID:?run this through sbatch}"
     # First: SIGUSR1's default action would end this script.
@@ -210,6 +218,7 @@ slurm_pretrain() {
         _log "resuming from $ckpt_dir (iteration $(cat "$ckpt_dir/latest_checkpointed_iteration.txt"))"
     fi
 
+    rm -rf "$run_dir/logs/run-result"  # this attempt's records only
     # In the background: bash runs a trap only between commands, and `wait` is interruptible.
     srun "${srun_args[@]}" bash launch/slurm/torchrun_node.sh --config "$CONFIG" "${overrides[@]}" &
     local srun_pid=$! rc=0
@@ -219,8 +228,11 @@ slurm_pretrain() {
         kill -0 "$srun_pid" 2>/dev/null || break
     done
 
-    if grep -q "stopped cleanly after iteration [0-9]* (exit signal)" "$log"; then
-        _log "training checkpointed and stopped early on a signal (srun exit $rc)"
+    # How the run ended, from the records its ranks and launchers wrote (megatron_ext/resilience/run_record.py)
+    local ENDED="" ITERATION="" FAILED_NODES=""
+    eval "$(_run_record "$run_dir/logs")"
+    if [[ $ENDED == "exit signal" ]]; then
+        _log "training checkpointed and stopped early on a signal after iteration $ITERATION (srun exit $rc)"
         if ((_term_seen == 0)) && [[ ${REQUEUE_ON_SIGNAL:-1} == 1 ]]; then
             _log "requeueing: the next attempt resumes from $ckpt_dir"
             _requeue "" || return 1
@@ -232,7 +244,7 @@ slurm_pretrain() {
         return 0
     fi
     # elastic: a node's task ended (the node was lost) while the others finished the run (rank 0's summary line)
-    if [[ -n $elastic ]] && grep -Eq "^run .*: finished at iteration [0-9]+$" "$log"; then
+    if [[ -n $elastic && $ENDED == finished ]]; then
         _log "training finished on the nodes left (srun exit $rc: a node's task ended on the way)"
         return 0
     fi
@@ -254,9 +266,7 @@ slurm_pretrain() {
         return "$rc"
     fi
     if [[ ${REQUEUE_ON_FAILURE:-1} == 1 ]]; then
-        local failed_nodes
-        failed_nodes=$(sed -n 's/.*training failed: rank [0-9]* on \([^ ]*\) .*/\1/p' "$log" | sort -u | paste -sd, -)
-        _requeue_after_failure "a rank failed${failed_nodes:+ on $failed_nodes}" "$failed_nodes" || return "$rc"
+        _requeue_after_failure "a rank failed${FAILED_NODES:+ on $FAILED_NODES}" "$FAILED_NODES" || return "$rc"
         return 0
     fi
     return "$rc"

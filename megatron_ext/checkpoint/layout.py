@@ -21,6 +21,7 @@ COMMON_STATE = "common.pt"  # non-sharded state (iteration, config, content, ...
 DIST_METADATA = "metadata.json"  # dist_checkpointing's own; present once its shards are written
 DCP_METADATA = ".metadata"  # torch DCP's, also inside dist_checkpointing's; alone in an fsdp_dtensor checkpoint
 RUN_LOCK = "run.lock"  # held by the run writing into this directory (checkpoint.run_lock)
+PROGRESS = "progress.json"  # the iteration the run reached, when and on which world (resilience.elastic)
 # `content` in a checkpoint's common state: a training run's full state, or model weights only
 # (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
 TRAINING_STATE = "training_state"
@@ -55,6 +56,11 @@ def read_common(ckpt_dir: Path) -> dict[str, Any]:
                               "damaged; resume an older one or set it aside") from None
     raise CheckpointError(f"neither {ckpt_dir / COMMON_STATE} nor {ckpt_dir / DIST_METADATA} found: {ckpt_dir} is "
                           "not a checkpoint of this recipe")
+
+
+def progress_path(root: Optional[str | Path]) -> Optional[Path]:
+    """Where the run training into checkpoint directory `root` records its progress (None: no checkpoint.save)."""
+    return Path(root) / PROGRESS if root else None
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:

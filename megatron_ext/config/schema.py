@@ -380,6 +380,12 @@ def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
     )
 
 
+def expert_data_parallel_size(world_size: int, pp: int, ep: int, etp: int) -> int:
+    """megatron-core's expert layers regroup the ranks of a pipeline stage as ETP × EP × expert-DP: the ranks that
+    reduce (and, with the distributed optimizer, shard) each expert's gradients."""
+    return world_size // (pp * ep * etp)
+
+
 def lr_decay_iterations(cfg: RecipeConfig) -> int:
     """The iterations the LR schedule decays over: optimizer.lr_decay_iters, else train.train_iters (at least one past
     the warm-up, which megatron-core's scheduler needs)."""

@@ -18,7 +18,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig
+from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig, expert_data_parallel_size
 from megatron_ext.distributed import cpu_backend
 
 
@@ -241,7 +241,8 @@ def describe_layout(chunks: list[GPTModel]) -> str:
              + (f" (VPP{len(chunks)})" if len(chunks) > 1 else "")]
     if "EP" in me["groups"]:
         ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-        lines.append(f"  expert layers: world={world} = ETP{etp} × EP{ep} × expert-DP{world // (ep * etp * pp)} "
+        lines.append(f"  expert layers: world={world} = ETP{etp} × EP{ep} × "
+                     f"expert-DP{expert_data_parallel_size(world, pp, ep, etp)} "
                      f"× PP{pp}")
     for name in me["groups"]:
         groups = sorted({tuple(r["groups"][name]) for r in everyone})

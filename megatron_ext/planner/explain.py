@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_ext.config.schema import ZERO_LEVEL
+from megatron_ext.config.schema import ZERO_LEVEL, expert_data_parallel_size
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.estimate import FRAGMENTATION, Estimate
 from megatron_ext.planner.layout import GIB
@@ -27,7 +27,7 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
                      "beyond what attention hides.")
     if L.ep > 1 or L.etp is not None:
         etp = L.tp if L.etp is None else L.etp
-        expert_dp = L.tp * L.cp * L.dp // (L.ep * etp)
+        expert_dp = expert_data_parallel_size(L.tp * L.cp * L.dp * L.pp, L.pp, L.ep, etp)
         parts.append(f"EP{L.ep} puts 1/{L.ep} of each layer's experts on a GPU"
                      + (f", each expert's matrices split over ETP{etp}" if etp > 1 else ", each expert whole")
                      + f"; the tokens' all-to-all dispatch and combine cost {t['moe_comm']:.2f} s, and the experts' "

@@ -12,6 +12,7 @@ from megatron_ext.config.schema import (
     RecipeConfig,
     ShardingStrategy,
     data_parallel_size,
+    expert_data_parallel_size,
     expert_tensor_parallel_size,
 )
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
@@ -200,7 +201,7 @@ class RankShape:
 
     def expert_dp(self, world_size: int, pp: int) -> int:
         """The expert-data-parallel size: the ranks of a pipeline stage regrouped as ETP × EP × expert-DP."""
-        return world_size // (pp * self.ep * self.etp)
+        return expert_data_parallel_size(world_size, pp, self.ep, self.etp)
 
 
 _SHAPES: dict[tuple, RankShape] = {}

@@ -1,7 +1,8 @@
 """What a restart changed and cost: a relaunch, a SLURM requeue, or torchrun's elastic agent restarting the workers
 on another set of nodes.
 
-Rank 0 records the run's progress beside its checkpoints after its steps (``checkpoint.save/progress.json``: the
+Rank 0 records the run's progress beside its checkpoints after its steps (``checkpoint.save/progress.json``, named by
+``checkpoint.layout.progress_path``: the
 iteration reached, when, and on which world; at most once a second). A (re)started run reads the record its
 predecessor left before writing its own, and after its first step says once what changed and where the time went —
 ``world 4 → 2: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration 6, lost 1 step, recovered in 17.2 s from
@@ -18,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-PROGRESS = "progress.json"
 # Set by recipes.launch in torchrun's agent (its workers inherit its environment): when it decided to restart the
 # workers (a failure, or a node waiting to join), and when the rendezvous of the new world was complete.
 RESTART_DECIDED_AT = "RECIPES_RESTART_DECIDED_AT"
@@ -110,9 +110,8 @@ class Restart:
                 "elastic/down_before_start_s": before_start}
 
 
-def read_progress(save_dir: str | Path) -> Optional[Progress]:
-    """The progress the last run training into `save_dir` recorded (None when there is none, or it is unreadable)."""
-    path = Path(save_dir) / PROGRESS
+def read_progress(path: Path) -> Optional[Progress]:
+    """The progress the last run recorded at `path` (None when there is none, or it is unreadable)."""
     if not path.is_file():
         return None
     try:
@@ -122,22 +121,22 @@ def read_progress(save_dir: str | Path) -> Optional[Progress]:
 
 
 class ProgressRecord:
-    """checkpoint.save/progress.json, written by rank 0 after a step (atomically: a crash leaves the old one), at most
+    """The progress record at `path` (None: the run saves no checkpoints), written by rank 0 after a step (atomically: a crash leaves the old one), at most
     once every WRITE_EVERY_S: a file system round trip per step would cost fast steps on a parallel file system, and
     the lost steps are then counted to within that second."""
 
     WRITE_EVERY_S = 1.0
 
-    def __init__(self, save_dir: Optional[str], rank: int, world_size: int, data_parallel_size: int,
+    def __init__(self, path: Optional[Path], rank: int, world_size: int, data_parallel_size: int,
                  num_microbatches: int):
-        self.path = Path(save_dir) / PROGRESS if save_dir else None
+        self.path = path
         self.writer = self.path is not None and rank == 0
         self.world = (world_size, data_parallel_size, num_microbatches)
         self.written = float("-inf")
 
     def previous(self) -> Optional[Progress]:
         """What the run before this one recorded (None for a first start or an unreadable record)."""
-        return read_progress(self.path.parent) if self.path is not None else None
+        return read_progress(self.path) if self.path is not None else None
 
     def restart(self, resumed_at: int) -> Optional[Restart]:
         """The restart this run is, if a predecessor left a record (call before the first :meth:`step_done`)."""

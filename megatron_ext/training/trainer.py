@@ -22,6 +22,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
 from megatron_ext.checkpoint.compat import megatron_optimizers
+from megatron_ext.checkpoint.layout import progress_path
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.checkpoint.resume import load_weights_before_sharding
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir, microbatches_per_step
@@ -221,7 +222,7 @@ class Trainer:
         # After any load: it restores the kernel flags the checkpoint was saved with.
         select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
         self.startup.mark("checkpoint load")
-        self.progress = ProgressRecord(cfg.checkpoint.save, self.rank, self.world_size, self.dp_size,
+        self.progress = ProgressRecord(progress_path(cfg.checkpoint.save), self.rank, self.world_size, self.dp_size,
                                        self.num_microbatches)
         self.restart = self.progress.restart(self.iteration)
         self._info(f"optimizer: {update_kernel(self.optimizer)}; " + (

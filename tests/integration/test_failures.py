@@ -20,6 +20,7 @@ import pytest
 
 from megatron_ext.checkpoint.layout import complete_iterations, latest_iteration
 from megatron_ext.errors import EXIT_FAILED
+from megatron_ext.resilience.run_record import read_node_ends, verdict
 from tests.launch import ROOT, SMALL_MODEL, pretrain_command, read_scalars, run_env, run_pretrain
 
 
@@ -86,6 +87,9 @@ def test_divergence_stops_at_its_step_once_naming_where_after_the_allowed_skips(
     assert len(skips) == 1 and f"iteration {step - 1}" in skips[0], proc.stdout[-3000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 4, proc.stderr
     assert re.search(r"training failed: rank \d on \S+ exited with code 3", proc.stderr)
+    [node] = read_node_ends(logs)  # what a SLURM template reads: this node's rank failed by itself, exit 3
+    assert (node.outcome, node.exit_code, node.failed_rank in range(4)) == ("failed", 3, True)
+    assert verdict(logs)["ENDED"] == ""  # training did not end
     assert all("Traceback" in (logs / f"rank-{r}.log").read_text() for r in range(4))
     slowest = read_scalars(tb, "perf/slowest_rank")
     assert slowest and set(slowest.values()) <= {0.0, 1.0, 2.0, 3.0}

@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 from megatron_ext.checkpoint.layout import latest_iteration
+from megatron_ext.resilience.run_record import verdict
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import ROOT, SMALL_MODEL, free_ports, max_relative_difference, read_scalars
 
@@ -252,7 +253,7 @@ class Job:
 
     def debug(self) -> str:
         logs = "\n".join(f"--- {path}\n{_head_and_tail(self.text(path))}"
-                         for path in sorted((self.run_dir / "logs").glob("*")))
+                         for path in sorted((self.run_dir / "logs").rglob("*")) if path.is_file())
         return f"--- batch output\n{self.batch_output}\n{logs}\n{self.cluster.logs()}"
 
     def wait_for_log(self, pattern: str, timeout: float = JOB_TIMEOUT) -> None:
@@ -349,6 +350,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_
     assert resumed in second, job.debug()
     assert re.findall(r"step +(\d+)/", second)[0] == str(stop + 1)
     assert f"finished at iteration {STEPS}" in second and "training finished" in job.batch_output
+    assert verdict(job.run_dir / "logs") == {"ENDED": "finished", "ITERATION": str(STEPS), "FAILED_NODES": ""}
     assert (ckpt / f"iter_{stop:07d}").is_dir() and latest_iteration(ckpt) == STEPS
     # Exactly the uninterrupted run's losses, the final one included (CPU, fp32, exact resume).
     for tag in ("train/lm_loss", "train/grad_norm", "train/lr"):

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from megatron_ext.checkpoint.layout import PROGRESS, progress_path
 from megatron_ext.config.schema import load_config
 from megatron_ext.errors import ConfigError
-from megatron_ext.resilience.elastic import PROGRESS, ProgressRecord
+from megatron_ext.resilience.elastic import ProgressRecord
 from recipes.launch import _elastic_worlds
 from tests.launch import TINY
 
@@ -19,13 +20,13 @@ def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_re
 
     clock = itertools.chain([100.0, 100.4, 101.0], itertools.repeat(130.0))
     monkeypatch.setattr(elastic.time, "time", lambda: next(clock))
-    before = ProgressRecord(str(tmp_path), rank=0, world_size=4, data_parallel_size=2, num_microbatches=2)
+    before = ProgressRecord(progress_path(tmp_path), rank=0, world_size=4, data_parallel_size=2, num_microbatches=2)
     assert before.restart(0) is None  # a first start
     before.step_done(5)
     before.step_done(6)  # 0.4 s later: not written
     assert json.loads((tmp_path / PROGRESS).read_text())["iteration"] == 5
     before.step_done(7)  # then a node is lost; the last checkpoint is iteration 6
-    after = ProgressRecord(str(tmp_path), rank=0, world_size=2, data_parallel_size=1, num_microbatches=4)
+    after = ProgressRecord(progress_path(tmp_path), rank=0, world_size=2, data_parallel_size=1, num_microbatches=4)
     restart = after.restart(6)
     assert restart.lost_steps == 1
     startup = [("imports", 2.0), ("checkpoint load", 1.5)]  # this process, from its start at 115.0
@@ -54,10 +55,11 @@ def test_a_restart_on_a_smaller_world_names_the_change_the_lost_steps_and_the_re
 
 
 def test_only_rank_0_writes_and_an_unreadable_record_is_no_restart(tmp_path):
-    ProgressRecord(str(tmp_path), rank=1, world_size=2, data_parallel_size=2, num_microbatches=1).step_done(3)
+    ProgressRecord(progress_path(tmp_path), rank=1, world_size=2, data_parallel_size=2,
+                   num_microbatches=1).step_done(3)
     assert not (tmp_path / PROGRESS).exists()
     (tmp_path / PROGRESS).write_text("{torn")
-    assert ProgressRecord(str(tmp_path), 0, 2, 2, 1).restart(3) is None
+    assert ProgressRecord(progress_path(tmp_path), 0, 2, 2, 1).restart(3) is None
     assert ProgressRecord(None, 0, 2, 2, 1).restart(0) is None  # no checkpoint.save: nothing recorded
 
 
