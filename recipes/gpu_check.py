@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_ext.resilience.run_record import TrainingRecord, read_training_end
+
 ROOT = Path(__file__).resolve().parents[1]
 ONE_GPU_1B = ["--config", "configs/llama3_2_1b_1gpu_bf16.yaml", "data.mock=true", "checkpoint.save=null"]
 
@@ -52,11 +54,13 @@ def files(*patterns: str) -> Evidence:
     return check
 
 
-def finished(iterations: int) -> Evidence:
-    """The run's summary says it reached its last iteration."""
+def finished(iterations: int, logs: str) -> Evidence:
+    """The run's record (under its log directory `logs`, relative to the output directory) says it finished its
+    last iteration."""
     def check(log: str, out: Path) -> Optional[str]:
-        return None if re.search(rf": finished at iteration {iterations}$", log, flags=re.M) else \
-            f"the run did not report 'finished at iteration {iterations}'"
+        record = read_training_end(out / logs)
+        return None if record == TrainingRecord("finished", iterations) else \
+            f"the run did not record finishing iteration {iterations} ({record or 'no record'})"
     return check
 
 
@@ -96,7 +100,8 @@ def steps(out: Path) -> list[Step]:
         Step("fused-linear-ce", [*pretrain, "train.fused_linear_cross_entropy=true", "train.micro_batch_size=6",
                                  "train.global_batch_size=60", "train.train_iters=20",
                                  f"logging.log_dir={out / 'fused-linear-ce' / 'logs'}"], 900,
-             "the fused output layer + loss at a micro batch the unfused loss cannot hold", finished(20)),
+             "the fused output layer + loss at a micro batch the unfused loss cannot hold",
+             finished(20, "fused-linear-ce/logs")),
         Step("profile", [*pretrain, "train.train_iters=6", "train.global_batch_size=8",
                          "logging.profile_steps=[4,5]", "logging.memory_snapshot=true",
                          f"logging.log_dir={out / 'profile' / 'logs'}"], 900,

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint.layout import RUN_LOCK, TRACKER, latest_iteration
-from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, free_ports, pretrain_command, read_scalars, run_env, run_pretrain
+from tests.launch import (
+    ROOT,
+    SINGLE_PROCESS,
+    SMALL_MODEL,
+    free_ports,
+    pretrain_command,
+    read_scalars,
+    run_env,
+    run_pretrain,
+)
 
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:

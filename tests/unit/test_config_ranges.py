@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
-
 import tempfile
+import typing
 
 import pytest
 from hypothesis import given, settings

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_ext import planner
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.data.datasets import _WithDocumentIds, document_ids
 from megatron_ext.errors import ConfigError
 from megatron_ext.model.document_mask import pack_documents, visible
-from megatron_ext import planner
 from tests.launch import ROOT
 
 

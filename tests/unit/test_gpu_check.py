@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from megatron_ext.resilience.run_record import TrainingRecord, write_training_end
 from recipes import gpu_check
 from tests.launch import ROOT
 
@@ -52,6 +53,9 @@ def test_a_step_passes_only_with_its_evidence_not_by_skipping(tmp_path):
     (tmp_path / "benchmark").mkdir()
     (tmp_path / "benchmark" / "benchmark.json").write_text("{}")
     assert status(step["benchmark"], 0, "", tmp_path) == "PASS"
-    assert status(step["fused-linear-ce"], 0, "run x: finished at iteration 20\n", tmp_path) == "PASS"
-    assert status(step["fused-linear-ce"], 0, "step 3/20\n", tmp_path).startswith("INCOMPLETE")
+    assert status(step["fused-linear-ce"], 0, "", tmp_path).startswith("INCOMPLETE (the run did not record")
+    write_training_end(tmp_path / "fused-linear-ce" / "logs", TrainingRecord("exit signal", 12))
+    assert status(step["fused-linear-ce"], 0, "", tmp_path).startswith("INCOMPLETE (the run did not record")
+    write_training_end(tmp_path / "fused-linear-ce" / "logs", TrainingRecord("finished", 20))
+    assert status(step["fused-linear-ce"], 0, "", tmp_path) == "PASS"
     assert status(step["profile"], 0, "", tmp_path).startswith("INCOMPLETE (no profile/profile/rank-0.iter_4-5.json")

