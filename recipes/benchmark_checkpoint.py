@@ -105,6 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from megatron_ext.checkpoint import layout, save_load
+    from megatron_ext.checkpoint.common_state import read_common
     from megatron_ext.config.schema import load_config
     from megatron_ext.training.trainer import Trainer
 
@@ -132,7 +133,7 @@ def _worker(args: argparse.Namespace) -> None:
         with torch.no_grad():
             for tensor in _adam_state_tensors(trainer.optimizer):  # a load that skips one must fail the check
                 tensor.zero_()
-        common = layout.read_common(ckpt_dir)
+        common = read_common(ckpt_dir)
         dist.barrier()
         start = time.perf_counter()
         with _PeakRss() as load_mem:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from megatron_ext.checkpoint import manifest
+from megatron_ext.checkpoint.common_state import CommonState, read_common
 from megatron_ext.checkpoint.layout import (
     COMMON_STATE,
     DCP_METADATA,
@@ -24,14 +25,13 @@ from megatron_ext.checkpoint.layout import (
     has_manifest,
     iteration_dirs,
     latest_iteration,
-    read_common,
 )
 from megatron_ext.config.schema import load_config
 from megatron_ext.errors import CheckpointError, ConfigError
 
 
-def _layout(common: dict[str, Any]) -> str:
-    config = common.get("config", {})
+def _layout(common: CommonState) -> str:
+    config = common.config
     p, t = config.get("parallel", {}), config.get("train", {})
     if not p:
         return "layout unknown"
@@ -41,8 +41,8 @@ def _layout(common: dict[str, Any]) -> str:
             + (f", Megatron-FSDP {p['data_parallel_sharding_strategy']}" if p.get("use_megatron_fsdp") else "")
             + (f" in {p['num_distributed_optimizer_instances']} HSDP groups ({p.get('outer_dp_sharding_strategy')} "
                "across them)" if p.get("num_distributed_optimizer_instances", 1) > 1 else "")
-            + (f", optimizer {common['optimizer_format']}" if p.get("use_distributed_optimizer")
-               and "optimizer_format" in common else ""))
+            + (f", optimizer {common.optimizer_format}" if p.get("use_distributed_optimizer")
+               and common.optimizer_format else ""))
 
 
 def _size(path: Path) -> str:
@@ -98,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.config and newest is not None:
             from megatron_ext.checkpoint.resume import config_differences, shape_changes
 
-            saved, current = read_common(newest).get("config", {}), load_config(args.config, args.overrides).to_dict()
+            saved, current = read_common(newest).config, load_config(args.config, args.overrides).to_dict()
             differences = config_differences(saved, current)
             print(f"\nconfig of {newest.name} → {args.config}" + (" " + " ".join(args.overrides) if args.overrides else "")
                   + ":\n" + ("\n".join(f"  {key}: {old!r} → {new!r}" for key, old, new in differences) or "  no differences"))

@@ -107,6 +107,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     from omegaconf.errors import OmegaConfBaseException
 
     from megatron_ext.checkpoint import fsdp_dtensor, layout, safe_unpickle
+    from megatron_ext.checkpoint.common_state import read_common
     from megatron_ext.errors import CheckpointError
 
     iteration = layout.latest_iteration(root)
@@ -117,13 +118,11 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     if not directory.is_dir():
         raise ConversionError(f"{directory} not found (named by {root / layout.TRACKER})")
     try:
-        common = layout.read_common(directory)
+        common = read_common(directory)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
-    if not isinstance(common.get("config"), dict):
-        raise ConversionError(f"{directory}: the checkpoint holds no run config (common state key 'config')")
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), common["config"]))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), common.config))
     except OmegaConfBaseException as e:
         raise ConversionError(f"{directory}: saved config: {e.full_key}: {e.msg}") from None
     if fsdp_dtensor.holds_format(directory):
@@ -144,8 +143,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
         from megatron_ext.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(path, cfg.data.tokenizer_type).vocab_size
-    return SavedCheckpoint(directory, cfg, vocab, rows,
-                           common.get("content", layout.TRAINING_STATE))
+    return SavedCheckpoint(directory, cfg, vocab, rows, common.content)
 
 
 def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -284,10 +282,9 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     except ConfigError as e:
         raise ConversionError(f"--tensor/pipeline/expert-model-parallel-size for this model: {e}") from None
 
-    from megatron.core import dist_checkpointing  # after the checks: bad inputs fail in a second
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # after the checks: bad inputs fail in a second
 
-    from megatron_ext.checkpoint import layout, manifest
+    from megatron_ext.checkpoint import save_load
 
     # Built at TP1/PP1 with the padded rows the recipe will build at `tensor_parallel`.
     build_cfg = copy.deepcopy(cfg)
@@ -308,12 +305,7 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
                 pending.discard(name)
         if pending:
             raise RuntimeError(f"weight mapping bug: model weights left unset: {sorted(pending)}")
-        target = layout.iteration_dir(staging, 0)
-        target.mkdir()
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 0, "consumed_samples": 0,
-                                 "content": layout.WEIGHTS_ONLY, "config": cfg.to_dict()}, str(target))
-        manifest.write_manifest(target)  # complete, verifiable and kept by retention like a training checkpoint
-        layout.write_tracker(staging, 0)
+        save_load.save_weights_only(staging, model, cfg.to_dict())
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.model")
         elif tokenizer == hf_dir:

@@ -31,6 +31,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
 
 from megatron_ext.checkpoint import compat, safe_unpickle
+from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import COMMON_STATE, DCP_METADATA, DIST_METADATA
 
 FORMAT = "fsdp_dtensor"  # megatron-core's distrib_optim_sharding_type and Megatron-LM's --ckpt-format
@@ -92,14 +93,14 @@ def _agree_on_step_counts(optimizer_state: dict[str, Any]) -> None:
         step.fill_(value.item())
 
 
-def save(model_chunks: list, optimizer: MegatronOptimizer, target: Path, common: dict[str, Any],
+def save(model_chunks: list, optimizer: MegatronOptimizer, target: Path, common: CommonState,
          asynchronous: bool) -> Optional[AsyncRequest]:
     """Collective: write the checkpoint into `target` (rank 0 writes `common`); with `asynchronous` only plan it
     and return the request that writes it (megatron-core's async DCP writer, as torch_dist's async save)."""
     state, own = _dtensor_state(model_chunks, optimizer, is_loading=False)
     _agree_on_step_counts(own["optimizer"])
     if dist.get_rank() == 0:
-        torch.save(common, target / COMMON_STATE)
+        torch.save(common.saved(), target / COMMON_STATE)
     if not asynchronous:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target)))
         return None

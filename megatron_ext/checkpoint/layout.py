@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 from megatron_ext.errors import CheckpointError
 
@@ -27,35 +27,6 @@ PROGRESS = "progress.json"  # the iteration the run reached, when and on which w
 TRAINING_STATE = "training_state"
 WEIGHTS_ONLY = "weights_only"
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(" + re.escape(CORRUPT_SUFFIX) + r")?")
-
-
-def read_common(ckpt_dir: Path) -> dict[str, Any]:
-    """The non-sharded state of a checkpoint (iteration, config, content, ...) in any of its formats: a ``common.pt``
-    (the fsdp_dtensor format's, and dist_checkpointing's before megatron-core 0.17), or the ``common_state`` object
-    inside the torch_dist shards (megatron-core >= 0.17). Read without unpickling code; a file that cannot be read
-    is one CheckpointError naming it."""
-    import torch
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from megatron_ext.checkpoint import safe_unpickle
-
-    safe_unpickle.install()
-    try:
-        with safe_unpickle.refusals_named(ckpt_dir):
-            if (ckpt_dir / COMMON_STATE).is_file():
-                return torch.load(ckpt_dir / COMMON_STATE, map_location="cpu", weights_only=True)
-            if (ckpt_dir / DIST_METADATA).is_file():
-                from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-                return load_common_state_dict(str(ckpt_dir))
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- any unreadable file is the same refusal
-        raise CheckpointError(f"{ckpt_dir}: its common state (iteration, config) cannot be read "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): the checkpoint is "
-                              "damaged; resume an older one or set it aside") from None
-    raise CheckpointError(f"neither {ckpt_dir / COMMON_STATE} nor {ckpt_dir / DIST_METADATA} found: {ckpt_dir} is "
-                          "not a checkpoint of this recipe")
 
 
 def progress_path(root: Optional[str | Path]) -> Optional[Path]:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.checkpoint.common_state import CommonState
+
 DP_RESHARDABLE = "dp_reshardable"
 # Config keys that change the buffers' layout: named in the error as the likely cause.
 _LAYOUT_KEYS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
@@ -54,18 +56,18 @@ def buffer_layouts(model_chunks) -> dict[str, str]:
     return dict(every)
 
 
-def load_problem(ckpt_dir: Path, common: dict[str, Any], model_chunks, current_config: dict[str, Any]
+def load_problem(ckpt_dir: Path, common: CommonState, model_chunks, current_config: dict[str, Any]
                  ) -> Optional[str]:
     """Collective: why `ckpt_dir`'s optimizer state cannot load into this run's buffers (the same on every rank),
     or None when it can."""
-    if common.get("optimizer_format") != DP_RESHARDABLE:
+    if common.optimizer_format != DP_RESHARDABLE:
         return None
-    saved = common.get("buffer_layouts", {}).get(_rank_key())
+    saved = (common.buffer_layouts or {}).get(_rank_key())
     same = [None] * dist.get_world_size()
     dist.all_gather_object(same, saved == _local_signature(model_chunks))
     if all(same):
         return None
-    saved_config = common.get("config", {})
+    saved_config = common.config
 
     def value(config: dict[str, Any], key: str) -> Any:
         section, name = key.split(".")

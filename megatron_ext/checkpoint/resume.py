@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megatron_ext.checkpoint import layout, manifest, save_load
+from megatron_ext.checkpoint.common_state import read_common
 from megatron_ext.config.schema import RecipeConfig, lr_decay_iterations, resume_dir
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import CheckpointError
@@ -97,7 +98,7 @@ def start_point(cfg: RecipeConfig) -> Optional[StartPoint]:
     load = resume_dir(cfg)
     if load and layout.latest_iteration(load) is not None:
         ckpt_dir = layout.iteration_dir(load, save_load.intact_iteration(load))
-        return StartPoint(ckpt_dir, layout.read_common(ckpt_dir).get("content") == layout.WEIGHTS_ONLY)
+        return StartPoint(ckpt_dir, read_common(ckpt_dir).content == layout.WEIGHTS_ONLY)
     pretrained = cfg.checkpoint.pretrained_checkpoint
     if pretrained:
         return StartPoint(layout.iteration_dir(pretrained, save_load.intact_iteration(pretrained)), True)
@@ -137,11 +138,11 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
             optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
         _info(f"loaded weights of {start.ckpt_dir}; training starts at iteration 0")
     elif start is not None:
-        common = layout.read_common(start.ckpt_dir)
+        common = read_common(start.ckpt_dir)
         problem = save_load.format_mismatch(start.ckpt_dir, common, cfg.parallel.use_megatron_fsdp)
         if problem:
             raise CheckpointError(problem)
-        _check_config(start.ckpt_dir, common.get("config", {}), cfg)
+        _check_config(start.ckpt_dir, common.config, cfg)
         position = save_load.load_training_state(start.ckpt_dir, common, model_chunks, optimizer, scheduler,
                                                  cfg.to_dict())
         _info(f"resumed from {load} at iteration {position[0]} ({position[1]} samples consumed)")
@@ -164,7 +165,7 @@ def format_refusal(cfg: RecipeConfig) -> Optional[str]:
         return None
     ckpt_dir = layout.iteration_dir(load, latest)
     try:
-        common = layout.read_common(ckpt_dir)
+        common = read_common(ckpt_dir)
     except Exception:  # noqa: BLE001 -- a damaged checkpoint is the ranks' to report
         return None
     return save_load.format_mismatch(ckpt_dir, common, cfg.parallel.use_megatron_fsdp)

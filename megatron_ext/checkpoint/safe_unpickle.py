@@ -10,8 +10,8 @@ restricted to what a checkpoint of this recipe holds.
   plain Python values, plus the optimizer classes an offloaded optimizer's param groups name).
 
 A refused file is one :class:`CheckpointError` naming it and what it tried to build. The legacy ``common.pt`` is
-read with ``weights_only=True`` where it is read (``layout.read_common``). :func:`install` applies both; it runs when
-``checkpoint.compat`` is imported (every load of a checkpoint's state goes through it) and in ``layout.read_common``.
+read with ``weights_only=True`` where it is read (``common_state.read_common``). :func:`install` applies both; it runs when
+``checkpoint.compat`` is imported (every load of a checkpoint's state goes through it) and in ``common_state.read_common``.
 The trust model is in docs/security.md.
 """
 

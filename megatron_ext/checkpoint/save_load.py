@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, agreed_failure, signals_ignored
+from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import (
     TRACKER,
     TRAINING_STATE,
@@ -89,10 +90,6 @@ class _RankZeroWrite:
 _metadata_write = _RankZeroWrite()
 
 
-# A checkpoint records the optimizer format it was written in (config.schema.OptimizerFormat): loading asks for it.
-_FORMAT_OF_OLDER_CHECKPOINTS = "fully_reshardable"  # written before the format was recorded
-
-
 def _bare(model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The models inside the DDP wrappers: their state's keys must not get "module."."""
     return [chunk.module for chunk in model_chunks]
@@ -127,12 +124,12 @@ def _from_every_rank(value: Any) -> list[Any]:
     return gathered
 
 
-def format_mismatch(ckpt_dir: Path, common: dict[str, Any], use_megatron_fsdp: bool) -> Optional[str]:
+def format_mismatch(ckpt_dir: Path, common: CommonState, use_megatron_fsdp: bool) -> Optional[str]:
     """Why `ckpt_dir` cannot be resumed (or, holding weights only, started from) in a run with(out) Megatron-FSDP, or
     None when it can."""
-    if common.get("content", TRAINING_STATE) == WEIGHTS_ONLY:
+    if common.content == WEIGHTS_ONLY:
         return None  # weights load into either (a Megatron-FSDP run's before it shards them)
-    saved_fsdp = common.get("optimizer_format") == fsdp_dtensor.FORMAT
+    saved_fsdp = common.optimizer_format == fsdp_dtensor.FORMAT
     if saved_fsdp == use_megatron_fsdp:
         return None
     saved, other = (("a Megatron-FSDP run (fsdp_dtensor format)", "true") if saved_fsdp
@@ -198,6 +195,42 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
           f"checkpoint.load={target.parent}")
 
 
+def _new_iteration_dir(root: Path, iteration: int) -> Path:
+    """Collective: an empty iter_XXXXXXX under `root` (one left over from a crashed save of the same iteration is
+    removed first)."""
+    target = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+    dist.barrier()
+    return target
+
+
+def _commit(root: Path, iteration: int, before_commit: Optional[Callable[[], None]] = None) -> None:
+    """Collective, once every rank's shards are written: the manifest, then the tracker — the commit point. Any
+    rank's failure removes the iteration's directory on every rank (:func:`_on_every_rank`)."""
+    target = iteration_dir(root, iteration)
+    _on_every_rank(_metadata_write.raise_kept, target, "writing metadata.json")
+    if before_commit is not None:
+        before_commit()
+    _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")
+    _on_every_rank(lambda: write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
+                   "moving the tracker")
+
+
+def save_weights_only(root: str | Path, model: torch.nn.Module, run_config: dict[str, Any]) -> Path:
+    """Collective: `model`'s weights (a bare GPTModel) as a complete iteration-0 checkpoint of content weights_only,
+    written, verified and committed like a training run's (``recipes.convert import-hf``)."""
+    root = Path(root)
+    target = _new_iteration_dir(root, 0)
+    state = {"model": model.sharded_state_dict(), **CommonState(0, 0, run_config, WEIGHTS_ONLY).saved()}
+    _on_every_rank(lambda: dist_checkpointing.save(state, str(target), _save_strategy()), target,
+                   "writing the shards")
+    _commit(root, 0)
+    return target
+
+
 def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: MegatronOptimizer,
                     scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any],
                     keep_last: Optional[int] = None, keep_every: Optional[int] = None,
@@ -212,37 +245,26 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     if ahead is not None and ahead > iteration:
         raise CheckpointError(f"{root} already holds iteration {ahead}, ahead of this save at {iteration}: "
                               "refusing to move its tracker back")
-    target = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
-        if target.exists():  # left over from a crashed save of the same iteration
-            shutil.rmtree(target)
-        target.mkdir(parents=True)
-    dist.barrier()
-    common = dict(iteration=iteration, consumed_samples=consumed_samples, config=run_config, content=TRAINING_STATE,
-                  optimizer_format=optimizer_format)
+    target = _new_iteration_dir(root, iteration)
     if optimizer_format == fsdp_dtensor.FORMAT:
-        common.update(opt_param_scheduler=scheduler.state_dict(), rng_state=_from_every_rank(local_rng_state()))
+        common = CommonState(iteration, consumed_samples, run_config, TRAINING_STATE, optimizer_format,
+                             scheduler=scheduler.state_dict(), rng=_from_every_rank(local_rng_state()))
 
         def write(asynchronous: bool) -> Optional[AsyncRequest]:
             return fsdp_dtensor.save(model_chunks, optimizer, target, common, asynchronous)
     else:
         state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True,
                                optimizer_format=optimizer_format)
-        state.update(common)
-        if optimizer_format == DP_RESHARDABLE:
-            state["buffer_layouts"] = buffer_layouts(model_chunks)
+        state.update(CommonState(iteration, consumed_samples, run_config, TRAINING_STATE, optimizer_format,
+                                 buffer_layouts=buffer_layouts(model_chunks) if optimizer_format == DP_RESHARDABLE
+                                 else None).saved())
 
         def write(asynchronous: bool) -> Optional[AsyncRequest]:
             return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous,
                                            async_strategy=ASYNC_STRATEGY)
 
     def finish() -> None:
-        _on_every_rank(_metadata_write.raise_kept, target, "writing metadata.json")
-        if before_commit is not None:
-            before_commit()
-        _on_every_rank(lambda: manifest.write_manifest(target), target, "writing the manifest")
-        _on_every_rank(lambda: write_tracker(root, iteration) if dist.get_rank() == 0 else None, target,
-                       "moving the tracker")
+        _commit(root, iteration, before_commit)
         if dist.get_rank() == 0:
             apply_retention(root, iteration, keep_last, keep_every)
         dist.barrier()
@@ -287,16 +309,16 @@ def intact_iteration(root: str | Path) -> int:
         iteration = older[-1]
 
 
-def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, optimizer: MegatronOptimizer,
+def load_training_state(ckpt_dir: Path, common: CommonState, model_chunks, optimizer: MegatronOptimizer,
                         scheduler: OptimizerParamScheduler, current_config: dict[str, Any]) -> tuple[int, int]:
     """Model, optimizer, LR schedule position and RNG of a training checkpoint; returns (iteration, consumed_samples)."""
     # RNG states are saved per (PP, TP) rank; under another TP/PP layout they have no counterpart
     # and stay freshly seeded (they only drive dropout, which the Llama recipes do not use).
-    saved = common.get("config", {}).get("parallel", {})
+    saved = common.config.get("parallel", {})
     problem = load_problem(ckpt_dir, common, model_chunks, current_config)
     if problem:
         raise CheckpointError(problem)
-    if common["optimizer_format"] == fsdp_dtensor.FORMAT:
+    if common.optimizer_format == fsdp_dtensor.FORMAT:
         return _load_fsdp_training_state(ckpt_dir, common, model_chunks, optimizer, scheduler)
     same_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size")) == (
         parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
@@ -304,7 +326,7 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
         log.info(f"resharding {ckpt_dir} from TP{saved.get('tensor_model_parallel_size')}×"
                  f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout,
-                           optimizer_format=common.get("optimizer_format", _FORMAT_OF_OLDER_CHECKPOINTS))
+                           optimizer_format=common.optimizer_format)
     loaded = compat.load_sharded(state, ckpt_dir)
     compat.load_model_chunks(_bare(model_chunks), loaded)
     # no_grad: in fp32 the distributed optimizer's main params are views of the model's leaf params, which
@@ -317,16 +339,16 @@ def load_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, op
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 
-def _load_fsdp_training_state(ckpt_dir: Path, common: dict[str, Any], model_chunks, optimizer: MegatronOptimizer,
+def _load_fsdp_training_state(ckpt_dir: Path, common: CommonState, model_chunks, optimizer: MegatronOptimizer,
                                scheduler: OptimizerParamScheduler) -> tuple[int, int]:
     fsdp_dtensor.load(ckpt_dir, model_chunks, optimizer)
-    scheduler.load_state_dict(common["opt_param_scheduler"])
-    saved_rng = common["rng_state"]
+    scheduler.load_state_dict(common.scheduler)
+    saved_rng = common.rng
     if len(saved_rng) == dist.get_world_size():  # same world: rank r continues rank r's streams
         set_rng_state([saved_rng[dist.get_rank()]])
     elif dist.get_rank() == 0:
         log.info(f"{ckpt_dir} was saved by {len(saved_rng)} ranks: RNG states are not restored")
-    return int(common["iteration"]), int(common["consumed_samples"])
+    return common.iteration, common.consumed_samples
 
 
 def load_weights(ckpt_dir: Path, models: list[torch.nn.Module]) -> None:

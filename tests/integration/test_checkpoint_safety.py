@@ -224,9 +224,9 @@ def test_a_failed_asynchronous_save_is_one_error_exit_2_and_leaves_the_previous_
 
 
 def _optimizer_format(ckpt_dir: Path) -> str:
-    from megatron_ext.checkpoint.layout import read_common
+    from megatron_ext.checkpoint.common_state import read_common
 
-    return read_common(ckpt_dir)["optimizer_format"]
+    return read_common(ckpt_dir).optimizer_format
 
 
 def test_async_saves_resume_exactly_and_the_default_format_reshards_across_dp_only(tmp_path):

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from megatron_ext.checkpoint.layout import TRACKER, iteration_dir, latest_iteration, read_common
+from megatron_ext.checkpoint.common_state import read_common
+from megatron_ext.checkpoint.layout import TRACKER, iteration_dir, latest_iteration
 from tests.conftest import parity_overrides
 from tests.integration.test_training import RESHARD_TOLERANCE
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
@@ -57,7 +58,7 @@ def test_zero3_resume_reproduces_the_uninterrupted_run_exactly(runs):
         assert sorted(resumed) == list(range(1, STEPS + 1)), tag
         assert {k: resumed[k] for k in range(STOP, STEPS + 1)} == {k: full[k] for k in range(STOP, STEPS + 1)}, tag
     common = read_common(iteration_dir(runs["at_stop"], STOP))
-    assert common["optimizer_format"] == "fsdp_dtensor" and common["iteration"] == STOP
+    assert common.optimizer_format == "fsdp_dtensor" and common.iteration == STOP and common.version == 1
 
 
 def test_retention_and_listing_treat_it_as_any_checkpoint(runs):

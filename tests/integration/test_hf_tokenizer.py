@@ -58,11 +58,11 @@ def test_the_recipe_trains_on_it_and_exports_a_model_transformers_runs(unicode_c
 
 
 def _import(hf_dir: Path, output: Path) -> dict:
-    from megatron_ext.checkpoint.layout import read_common
+    from megatron_ext.checkpoint.common_state import read_common
     from recipes import convert
 
     convert.import_hf(hf_dir, output)
-    return read_common(output / "iter_0000000")["config"]["data"]
+    return read_common(output / "iter_0000000").config["data"]
 
 
 def test_import_hf_reads_and_records_a_tokenizer_json(byte_bpe_dir, tmp_path):

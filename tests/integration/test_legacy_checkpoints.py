@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint.layout import COMMON_STATE, iteration_dir, read_common
+from megatron_ext.checkpoint.common_state import read_common
+from megatron_ext.checkpoint.layout import COMMON_STATE, iteration_dir
 from megatron_ext.errors import CheckpointError
 from tests.integration.test_training import RESHARD_TOLERANCE
 from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_scalars, run_env, run_pretrain

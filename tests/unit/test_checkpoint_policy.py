@@ -1,9 +1,11 @@
 """The checkpoint manager's decisions, as pure functions: when a save is due, which optimizer format it writes,
-and which checkpoints retention keeps."""
+which checkpoints retention keeps, and the typed common state every checkpoint holds."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from megatron_ext.checkpoint.layout import MANIFEST, complete_iterations, iteration_dir, iteration_dirs
 from megatron_ext.checkpoint.manager import optimizer_format_for, save_due
@@ -50,11 +52,12 @@ def test_retention_keeps_the_newest_n_every_kth_and_never_partial_or_set_aside_o
 def test_a_checkpoint_resumes_only_in_a_run_of_its_own_data_parallel_kind():
     """fsdp_dtensor training state only under Megatron-FSDP, torch_dist only without it; weights only (an import)
     under either (a Megatron-FSDP run loads them before it shards them)."""
+    from megatron_ext.checkpoint.common_state import CommonState
     from megatron_ext.checkpoint.save_load import format_mismatch
 
     ckpt = Path("iter_0000002")
-    fsdp, zero1 = {"optimizer_format": "fsdp_dtensor"}, {"optimizer_format": "dp_reshardable"}
-    imported = {"content": "weights_only"}
+    fsdp, zero1 = (CommonState(2, 16, {}, optimizer_format=kind) for kind in ("fsdp_dtensor", "dp_reshardable"))
+    imported = CommonState(0, 0, {}, "weights_only")
     assert format_mismatch(ckpt, fsdp, use_megatron_fsdp=True) is None
     assert format_mismatch(ckpt, zero1, use_megatron_fsdp=False) is None
     assert format_mismatch(ckpt, imported, use_megatron_fsdp=False) is None
@@ -77,3 +80,18 @@ def test_retention_that_cannot_delete_warns_and_goes_on(tmp_path, monkeypatch, c
     with caplog.at_level(logging.WARNING):
         assert apply_retention(tmp_path, latest=4, keep_last=2, keep_every=None) == []
     assert "retention could not delete" in caplog.text and "training goes on" in caplog.text
+
+
+def test_the_common_state_round_trips_and_a_malformed_one_is_one_line(tmp_path):
+    from megatron_ext.checkpoint.common_state import VERSION, CommonState
+    from megatron_ext.errors import CheckpointError
+
+    state = CommonState(7, 56, {"model": {}}, optimizer_format="dp_reshardable", buffer_layouts={"pp0-tp0": [1]})
+    assert CommonState.from_saved(tmp_path, state.saved()) == state
+    assert "rng_state" not in state.saved() and state.saved()["common_state_version"] == VERSION
+    with pytest.raises(CheckpointError, match=r"has no int 'iteration' \(found NoneType\)"):
+        CommonState.from_saved(tmp_path, {"config": {}})
+    with pytest.raises(CheckpointError, match=r"content='everything', expected"):
+        CommonState.from_saved(tmp_path, {"iteration": 1, "config": {}, "content": "everything"})
+    with pytest.raises(CheckpointError, match="is a list, not a mapping"):
+        CommonState.from_saved(tmp_path, [1, 2])

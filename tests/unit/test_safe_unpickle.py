@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_ext.checkpoint import layout
+from megatron_ext.checkpoint.common_state import CommonState, read_common
 from megatron_ext.errors import CheckpointError
 
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core's key for the common state (a ShardedObject)
@@ -44,7 +45,9 @@ def _checkpoint(directory: Path, common: object) -> Path:
 
 def test_a_checkpoint_written_by_torch_reads(tmp_path):
     ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3, "config": {"model": {"num_layers": 2}}})
-    assert layout.read_common(ckpt) == {"iteration": 3, "config": {"model": {"num_layers": 2}}}
+    # written before the common state had a version: a training checkpoint in the optimizer format of its day
+    assert read_common(ckpt) == CommonState(3, 0, {"model": {"num_layers": 2}}, "training_state",
+                                            "fully_reshardable", version=0)
 
 
 def test_the_optimizer_classes_an_offloaded_optimizer_records_load(tmp_path):
@@ -52,14 +55,14 @@ def test_the_optimizer_classes_an_offloaded_optimizer_records_load(tmp_path):
     from megatron.core import optimizer
 
     groups = {"cpu_optimizer_cls": optimizer.CPUAdam, "gpu_optimizer_cls": optimizer.Adam}
-    ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3, "param_groups": [groups]})
-    assert layout.read_common(ckpt)["param_groups"] == [groups]
+    ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3, "config": {}, "param_groups": [groups]})
+    assert read_common(ckpt).iteration == 3  # unpickled: a refused class would have raised
 
 
 def test_a_payload_in_the_common_state_is_refused_before_it_runs(tmp_path):
     ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3, "x": _Payload(tmp_path / "ran")})
     with pytest.raises(CheckpointError) as refused:
-        layout.read_common(ckpt)
+        read_common(ckpt)
     assert not (tmp_path / "ran").exists()
     message = str(refused.value)
     assert message.startswith(f"{ckpt}: ") and "refused to unpickle" in message and "\n" not in message, message
@@ -69,7 +72,7 @@ def test_a_payload_in_the_dcp_metadata_is_refused_before_it_runs(tmp_path):
     ckpt = _checkpoint(tmp_path / "iter_0000003", {"iteration": 3})
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "ran")))
     with pytest.raises(CheckpointError) as refused:
-        layout.read_common(ckpt)
+        read_common(ckpt)
     assert not (tmp_path / "ran").exists()
     message = str(refused.value)
     assert message.startswith(f"{ckpt}: refused to unpickle posix.mkdir in .metadata"), message
@@ -81,7 +84,7 @@ def test_a_payload_in_a_legacy_common_pt_is_refused_before_it_runs(tmp_path):
     ckpt.mkdir()
     torch.save({"iteration": 3, "x": _Payload(tmp_path / "ran")}, ckpt / layout.COMMON_STATE)
     with pytest.raises(CheckpointError, match=f"^{ckpt}: refused to unpickle posix.mkdir"):
-        layout.read_common(ckpt)
+        read_common(ckpt)
     assert not (tmp_path / "ran").exists()
 
 
