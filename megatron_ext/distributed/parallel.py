@@ -106,12 +106,10 @@ def gather_from_ranks(values: Sequence[float], device: torch.device) -> list[lis
     return [row.tolist() for row in out]
 
 
-def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: RecipeConfig
-                  ) -> list[DistributedDataParallel] | list[FullyShardedDataParallel]:
-    """megatron-core DDP around each model chunk (grad buckets, optional overlap, distributed optimizer), or its
-    Megatron-FSDP with parallel.use_megatron_fsdp (ZeRO-2/3)."""
+def ddp_config(cfg: RecipeConfig) -> DistributedDataParallelConfig:
+    """megatron-core's DDP (or Megatron-FSDP) configuration for `cfg`'s data parallelism."""
     p = cfg.parallel
-    ddp_config = DistributedDataParallelConfig(
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
@@ -124,28 +122,35 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         outer_dp_sharding_strategy=p.outer_dp_sharding_strategy,
     )
-    if p.use_megatron_fsdp:
-        return _wrap_with_megatron_fsdp(chunks, config, ddp_config)
+
+
+def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: RecipeConfig
+                  ) -> list[DistributedDataParallel] | list[FullyShardedDataParallel]:
+    """megatron-core DDP around each model chunk (grad buckets, optional overlap, distributed optimizer), or its
+    Megatron-FSDP with parallel.use_megatron_fsdp (ZeRO-2/3)."""
+    data_parallel = ddp_config(cfg)
+    if cfg.parallel.use_megatron_fsdp:
+        return _wrap_with_megatron_fsdp(chunks, config, data_parallel)
     return [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+        DistributedDataParallel(config=config, ddp_config=data_parallel, module=chunk,
                                 disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
 
 
 def _wrap_with_megatron_fsdp(chunks: list[GPTModel], config: TransformerConfig,
-                             ddp_config: DistributedDataParallelConfig) -> list[FullyShardedDataParallel]:
+                             data_parallel: DistributedDataParallelConfig) -> list[FullyShardedDataParallel]:
     """Megatron-FSDP around each chunk: optimizer state and gradients (and, under optim_grads_params, the
     parameters, gathered per decoder layer) sharded over DP×CP."""
     if torch.cuda.is_available():
-        return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+        return [FullyShardedDataParallel(config=config, ddp_config=data_parallel, module=chunk) for chunk in chunks]
     # CPU rehearsal: on the CPU on purpose, which Megatron-FSDP would warn about on every rank
     fsdp_log = logging.getLogger(megatron_fsdp.__name__)
     level = fsdp_log.level
     fsdp_log.setLevel(logging.ERROR)
     try:
         with cpu_backend.integer_current_device():
-            return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+            return [FullyShardedDataParallel(config=config, ddp_config=data_parallel, module=chunk,
                                              device=torch.device("cpu")) for chunk in chunks]
     finally:
         fsdp_log.setLevel(level)

@@ -433,6 +433,58 @@ def test_every_lr_decay_style_that_validates_builds_megatron_cores_schedule(styl
     assert group["lr"] == pytest.approx(end)
 
 
+def _enum_values() -> list[tuple[str, object]]:
+    """Every value a Literal-typed key admits (booleans and null aside), as (section.key, value)."""
+    import typing
+
+    from megatron_ext.config.schema import allowed_values
+
+    pairs = []
+    for section in dataclasses.fields(RecipeConfig):
+        hints = typing.get_type_hints(section.default_factory)
+        for f in dataclasses.fields(section.default_factory):
+            pairs += [(f"{section.name}.{f.name}", v) for v in allowed_values(hints[f.name])
+                      if v is not None and not isinstance(v, bool)]
+    return pairs
+
+
+@pytest.mark.parametrize("key, value", _enum_values(), ids=lambda x: str(x))
+def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, value):
+    """A value `validate` accepts (with and without TE's layers) is one megatron-core accepts too: its
+    TransformerConfig, OptimizerConfig, DDP config and LR schedule are built from it without training (their own
+    __post_init__ checks and asserts run), so a rejected value is caught before launch, not inside Trainer."""
+    from megatron_ext.distributed.parallel import ddp_config
+    from megatron_ext.model.llama import transformer_config
+    from megatron_ext.training.optimizer import build_scheduler, optimizer_config
+
+    base = ROOT / "configs" / "tiny_moe.yaml" if ".moe_" in key else TINY
+    built = 0
+    for use_te in (False, True):
+        try:
+            cfg = load_config(base, [f"{key}={value}", *_COMPANIONS.get(key, [])])
+            validate(cfg, 4, te_available=use_te, fp8_capable=True)
+            cfg = resolve_kernel_options(cfg, on_gpu=True, use_te=use_te)
+        except ConfigError:
+            continue  # refused before launch, with one line
+        transformer_config(cfg, on_gpu=False, use_te=use_te)
+        optimizer_config(cfg)
+        ddp_config(cfg)
+        build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}]))
+        built += 1
+    assert built, f"{key}={value} is refused in every setting tried: give it its companion keys in _COMPANIONS"
+
+
+# Keys whose non-default values need others set with them
+_COMPANIONS = {
+    "optimizer.lr_decay_style": ["optimizer.lr_wsd_decay_iters=100"],
+    "train.fp8": ["train.precision=bf16"],
+    "parallel.outer_dp_sharding_strategy": [
+        "parallel.use_megatron_fsdp=true", "parallel.num_distributed_optimizer_instances=2", "checkpoint.save=null",
+        "parallel.pipeline_model_parallel_size=1", "parallel.tensor_model_parallel_size=1",
+        "parallel.sequence_parallel=false"],
+}
+
+
 def test_wsd_without_its_anneal_length_is_refused_before_launch():
     with pytest.raises(ConfigError, match=r"optimizer.lr_wsd_decay_iters=None is invalid: must be set with"):
         validate(load_config(TINY, ["optimizer.lr_decay_style=WSD"]), 4)
