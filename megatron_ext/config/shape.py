@@ -129,9 +129,10 @@ class ModelShape:
         return self.num_layers * self.layer_flops_per_token(causal) + self.output_layer_flops_per_token(vocab_size)
 
 
-def model_flops_per_token(cfg: RecipeConfig, vocab_size: int) -> float:
+def model_flops_per_token(cfg: RecipeConfig, vocab_size: int, causal: bool = True) -> float:
     """The run's model FLOPs per token: what every MFU — the run log's, the planner's, the plan check's — counts
-    (causal attention, the output layer over the vocabulary padded as the model builds it)."""
+    (causal attention, the output layer over the vocabulary padded as the model builds it). `causal=False`: the full
+    score matrix, as torchtitan and PaLM count it (for comparing with their MFU)."""
     m = cfg.model
     padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
-    return ModelShape.of(m).flops_per_token(padded)
+    return ModelShape.of(m).flops_per_token(padded, causal)

@@ -144,6 +144,8 @@ class RunLogger:
         self.train_iters = cfg.train.train_iters
         self.time_left = TimeLeft(cfg.train.train_iters)
         self.flops_per_step = model_flops_per_token(cfg, vocab_size) * self.tokens_per_step
+        # torchtitan's (and PaLM's) count, for comparing with their MFU: the whole s×s score matrix
+        self.full_attention_flops_per_step = model_flops_per_token(cfg, vocab_size, causal=False) * self.tokens_per_step
         self.world_size = world_size
         self.peak = peak_tflops(cfg)
         self.straggler_factor, self.straggler_intervals = cfg.logging.straggler_factor, cfg.logging.straggler_intervals
@@ -184,6 +186,8 @@ class RunLogger:
             scalars["train/tflops_per_gpu"] = tflops
             if self.peak:
                 scalars["train/mfu"] = tflops / self.peak
+                scalars["train/mfu_full_attention"] = (self.full_attention_flops_per_step / step_time /
+                                                       self.world_size / 1e12 / self.peak)
             if self.enabled:
                 scalars.update(gpu_scalars())
         if rank_times:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
@@ -290,3 +291,19 @@ def test_the_plan_check_compares_every_part_the_planner_estimates():
     assert sorted(components) == sorted(set(time) - {"step"}) and time["moe_comm"] > 0 and time["offload"] > 0
     planned = planned_parts(moe, 8, 8, "h100-80gb", on_gpu=True, slowest_compute_s=1.0)
     assert sum(planned.values()) == pytest.approx(time["step"])
+
+
+def test_the_log_gives_mfu_in_torchtitans_convention_beside_megatron_lms(monkeypatch):
+    """torchtitan (and PaLM) count the whole s×s score matrix, Megatron-LM its causal half: the second scalar is
+    the first plus exactly the other half, 6·L·(heads·head_dim)·s FLOPs per token."""
+    from megatron_ext.metrics.run_logger import RunLogger
+
+    cfg = load_config(TINY, ["logging.gpu_peak_tflops=100"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    scalars = RunLogger(cfg, 1000, world_size=2, enabled=False).step(1, 2.0, 1e-4, 1.0, step_time=0.5,
+                                                                      console=False)
+    m = cfg.model
+    tokens = cfg.train.global_batch_size * m.seq_length
+    other_half = 6 * m.num_layers * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads) \
+        * m.seq_length * tokens
+    assert scalars["train/mfu_full_attention"] - scalars["train/mfu"] == pytest.approx(other_half / 0.5 / 2 / 1e14)
