@@ -49,7 +49,7 @@ uncalibrated on a GPU node.
 
 The modules: :mod:`.layout` (a candidate and the model's per-rank dimensions under it), :mod:`.static_memory`
 (parameters, gradient buffers, optimizer state), :mod:`.activations`, :mod:`.step_time`, :mod:`.estimate` (memory,
-fit, time and MFU of one layout), :mod:`.search` and :mod:`.explain`. Nothing here imports torch or megatron-core:
+fit, time and MFU of one layout), :mod:`.search`, :mod:`.explain` and :mod:`.goodput` (the checkpoint interval). Nothing here imports torch or megatron-core:
 ``python -m recipes.plan`` runs where they are not installed.
 """
 
