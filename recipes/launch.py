@@ -21,7 +21,7 @@ import socket
 import sys
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_config, log_dir
-from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
+from megatron_ext.errors import EXIT_FAILED, EXIT_HUNG, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.agent import Agent, agent
 from megatron_ext.resilience.failures import rank_log
 from megatron_ext.resilience.run_record import NodeRecord, forget, node_record_path, write_node_end
@@ -90,14 +90,17 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _is_consequence(failure) -> bool:
-    """A rank that stopped because a peer failed, or that torchrun ended after another rank failed."""
-    return failure.exitcode in (EXIT_PEER_FAILED, -signal.SIGTERM)
+def _is_consequence(failure, hung: bool = False) -> bool:
+    """A rank that stopped because a peer failed, or that torchrun ended after another rank failed — with SIGKILL too
+    when the hang watchdog ended the job (`hung`): the stuck rank cannot act on torchrun's SIGTERM, so it is killed,
+    and the watchdog's line has already named it."""
+    return failure.exitcode in (EXIT_PEER_FAILED, -signal.SIGTERM) or (hung and failure.exitcode == -signal.SIGKILL)
 
 
 def _root_cause(failures: dict) -> tuple[int, object]:
     """The rank that failed by itself: not one that stopped because a peer did, nor one torchrun then ended."""
-    return min(failures.items(), key=lambda item: (_is_consequence(item[1]), item[1].timestamp, item[0]))
+    hung = any(failure.exitcode == EXIT_HUNG for failure in failures.values())
+    return min(failures.items(), key=lambda item: (_is_consequence(item[1], hung), item[1].timestamp, item[0]))
 
 
 def _node() -> str:

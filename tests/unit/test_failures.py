@@ -227,3 +227,21 @@ def test_docker_run_forwards_wandb_and_can_mount_the_checkout_over_the_images_co
     plain, mounted = docker_args({}), docker_args({"MOUNT_CHECKOUT": "1"})
     assert "WANDB_MODE" in plain and f"{ROOT}:/workspace/megatron-recipes" not in plain
     assert f"{ROOT}:/workspace/megatron-recipes" in mounted
+
+
+def test_the_launcher_names_the_rank_that_failed_by_itself():
+    """torchrun's teardown SIGTERMs the others, and SIGKILLs a stopped rank (which cannot act on SIGTERM): after a
+    hang that SIGKILL may carry the earliest timestamp, yet the job ended because the watchdog said so (exit 4, which
+    the SLURM templates requeue as a hang). Seen once in 600 CI tests as exit 1."""
+    import signal
+    from types import SimpleNamespace as Failure
+
+    from recipes.launch import _root_cause
+
+    hang = {0: Failure(exitcode=4, timestamp=11), 1: Failure(exitcode=4, timestamp=12),
+            2: Failure(exitcode=-signal.SIGKILL, timestamp=10), 3: Failure(exitcode=4, timestamp=11)}
+    assert _root_cause(hang)[0] == 0
+    oom = {0: Failure(exitcode=-signal.SIGTERM, timestamp=4), 1: Failure(exitcode=-signal.SIGKILL, timestamp=5)}
+    assert _root_cause(oom)[0] == 1  # without a hang, a killed rank is the cause
+    crash = {0: Failure(exitcode=EXIT_PEER_FAILED, timestamp=3), 1: Failure(exitcode=1, timestamp=4)}
+    assert _root_cause(crash)[0] == 1
