@@ -31,10 +31,10 @@ from megatron_ext.planner import (
 )
 from megatron_ext.planner.goodput import (
     DEFAULT_RESTART_S,
+    DEFAULT_WRITE_GB_S,
     LLAMA3_FAILURES_PER_GPU_HOUR,
     CheckpointInterval,
-    checkpoint_interval,
-    save_stall_s,
+    recipe_checkpoint_interval,
 )
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "ZeRO", "recomp", "mbs", "m", "params", "grads", "optim",
@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "measurements for eager or compiled layers, as train.compile runs them")
     parser.add_argument("--bf16-grads", action="store_true",
                         help="what-if: bf16 grad buffers (the recipe reduces grads in fp32)")
-    parser.add_argument("--checkpoint-write-gb-s", type=float, default=10.0,
+    parser.add_argument("--checkpoint-write-gb-s", type=float, default=DEFAULT_WRITE_GB_S,
                         help="aggregate write bandwidth to checkpoint.save's file system, for the save time")
     parser.add_argument("--failures-per-gpu-hour", type=float, default=LLAMA3_FAILURES_PER_GPU_HOUR,
                         help="for the checkpoint interval: default Llama 3's 419 interruptions in 54 days on 16,384 "
@@ -146,12 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             "save_s": ckpt_bytes / 1e9 / args.checkpoint_write_gb_s}
     planned = current if current is not None and current.fits else (fitting[0] if fitting else None)
     interval = None
-    if planned is not None:  # a GPU run saves asynchronously unless the config says otherwise
-        asynchronous = cfg.checkpoint.async_save is not False
-        stall = save_stall_s(ckpt_bytes / args.gpus, args.checkpoint_write_gb_s / args.gpus, asynchronous)
-        interval = checkpoint_interval(planned.time["step"], stall, args.gpus, cfg.checkpoint.save_interval,
-                                       ckpt["save_s"] if asynchronous else 0.0, args.failures_per_gpu_hour,
-                                       args.restart_s)
+    if planned is not None:
+        interval = recipe_checkpoint_interval(cfg, args.gpus, planned.time["step"], model_vocab_size(cfg),
+                                              args.checkpoint_write_gb_s, args.failures_per_gpu_hour, args.restart_s)
         ckpt["interval"] = interval.to_dict()
     if args.json:
         print(json.dumps({"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,

@@ -17,9 +17,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.planner.static_memory import checkpoint_bytes
+
 # Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4): 419 unexpected interruptions in a 54-day
 # snapshot of pretraining on 16,384 H100 GPUs — about one every 3 hours for the job
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16384)
+# Aggregate write bandwidth to checkpoint.save's file system when not given
+DEFAULT_WRITE_GB_S = 10.0
 # A restart's cost when not measured: requeue, process start, rendezvous and checkpoint load of a large job
 DEFAULT_RESTART_S = 600.0
 # The stall of an asynchronous save: the GPU→host copy of this rank's shards, measured at 34 GB/s (17 GB in 0.5 s on
@@ -91,3 +96,16 @@ def checkpoint_interval(step_s: float, stall_s: float, gpus: int, configured_ste
     return CheckpointInterval(steps, steps * step_s, goodput(steps), configured_steps,
                               goodput(configured_steps) if configured_steps else None, mtbf, stall_s,
                               background_write_s, restart_s, failures_per_gpu_hour)
+
+
+def recipe_checkpoint_interval(cfg: RecipeConfig, gpus: int, step_s: float, vocab_size: int,
+                               write_gb_s: float = DEFAULT_WRITE_GB_S,
+                               failures_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR,
+                               restart_s: float = DEFAULT_RESTART_S) -> CheckpointInterval:
+    """:func:`checkpoint_interval` for `cfg` on `gpus` at `step_s` per step: its checkpoint's size shared by the
+    GPUs, asynchronous unless checkpoint.async_save is false (a GPU run's default)."""
+    size = checkpoint_bytes(cfg, vocab_size)
+    asynchronous = cfg.checkpoint.async_save is not False
+    return checkpoint_interval(step_s, save_stall_s(size / gpus, write_gb_s / gpus, asynchronous), gpus,
+                               cfg.checkpoint.save_interval, size / 1e9 / write_gb_s if asynchronous else 0.0,
+                               failures_per_gpu_hour, restart_s)

@@ -9,13 +9,14 @@ import pytest
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.hardware import GPUS
-from megatron_ext.planner import checkpoint_bytes, estimate, model_vocab_size
+from megatron_ext.planner import estimate, model_vocab_size
 from megatron_ext.planner.goodput import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     checkpoint_interval,
     daly_interval_s,
     expected_goodput,
     job_mtbf_s,
+    recipe_checkpoint_interval,
     save_stall_s,
     young_interval_s,
 )
@@ -54,8 +55,5 @@ def test_every_recipe_saves_often_enough_for_its_gpu_count(path):
     point of expected goodput against the recommended interval (the 405B recipe's 250 steps once cost 9)."""
     cfg = load_config(path)
     gpus, vocab = cfg.recipe.gpus, model_vocab_size(cfg)
-    step_s = estimate(cfg, gpus, 8, GPUS["h100-80gb"], vocab).time["step"]
-    write_s = checkpoint_bytes(cfg, vocab) / 1e9 / 10.0
-    i = checkpoint_interval(step_s, save_stall_s(checkpoint_bytes(cfg, vocab) / gpus, 10.0 / gpus, True), gpus,
-                            cfg.checkpoint.save_interval, write_s)
+    i = recipe_checkpoint_interval(cfg, gpus, estimate(cfg, gpus, 8, GPUS["h100-80gb"], vocab).time["step"], vocab)
     assert i.configured_goodput >= i.goodput - 0.01, (path.name, i)
