@@ -133,6 +133,7 @@ class Runs:
         """Run the recipe under `spec` (te | local); {step: loss}. Raises RuntimeError naming the log on failure."""
         tb = self.workdir / "tb" / name
         args = [*self.base, f"model.attention_backend={spec}", f"logging.tensorboard_dir={tb}",
+                f"logging.log_dir={self.workdir / 'runs' / name}",  # rank logs and the run record: not the checkout
                 *(["train.fp8=delayed"] if fp8 else []), *overrides]
         # one process needs no launcher: the recipe starts a world of one itself (~5 s less per check)
         self._run(name, ["-m", "recipes.pretrain", "--config", str(ROOT / "configs" / "tiny.yaml"), *args])

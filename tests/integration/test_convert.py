@@ -315,7 +315,8 @@ def trained(megatron, tmp_path_factory) -> dict[str, Path]:
                         "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_iters=1",
                         "train.eval_interval=1000", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
                         "optimizer.lr_warmup_iters=0",
-                        f"checkpoint.save={root / 'trained'}", f"logging.tensorboard_dir={root / 'tb'}"])
+                        f"checkpoint.save={root / 'trained'}", f"logging.tensorboard_dir={root / 'tb'}",
+                        f"logging.log_dir={root / 'logs'}"])
     exported = megatron(convert.export_hf, root / "trained", root / "exported")
     return {"hf": hf, "imported": ckpt, "trained": root / "trained", "exported": exported, "tb": root / "tb",
             "log": proc.stdout, "root": root}
