@@ -96,15 +96,16 @@ class RouterMetrics:
         self.counts[layer] += routing_map.sum(dim=0)
         self.tokens[layer] += routing_map.shape[0]
 
-    def step(self, iteration: int, num_microbatches: int) -> dict[str, float]:
-        """This step's ``moe/…`` scalars ({} for a dense model): the load-balancing loss, and on log-interval steps
-        the load statistics of the interval (which is then started anew)."""
+    def step(self, iteration: int, num_microbatches: int) -> dict[str, torch.Tensor | float]:
+        """This step's ``moe/…`` scalars ({} for a dense model): the load-balancing loss, a device tensor (reduced
+        on the device, read when the step is settled), and on log-interval steps the load statistics of the
+        interval (which is then started anew)."""
         scalars = self._losses(num_microbatches)
         if self.moe and iteration % self.log_interval == 0:
             scalars.update(self._loads())
         return scalars
 
-    def _losses(self, num_microbatches: int) -> dict[str, float]:
+    def _losses(self, num_microbatches: int) -> dict[str, torch.Tensor]:
         if not self.tracked:
             return {}
         # report() reduces over the pipeline (a stage without MoE layers joins with zeros: force_initialize), TP×CP
@@ -113,7 +114,7 @@ class RouterMetrics:
         get_moe_metrics_tracker().report(loss_scale=1 / num_microbatches, iteration=0, force_initialize=True,
                                          track_names=list(self.tracked), num_layers=self.num_layers,
                                          total_loss_dict=losses)
-        return {f"moe/{name}": float(losses[name]) for name in self.tracked}
+        return {f"moe/{name}": losses[name] for name in self.tracked}
 
     def _loads(self) -> dict[str, float]:
         dist.all_reduce(self.counts)

@@ -1,5 +1,6 @@
-"""The loop's one metrics call per step, as torchtitan's metrics processor: megatron-core's timers on this rank
-(:mod:`megatron_ext.metrics.step_time`), and each log interval one all-gather of every rank's breakdown, peak memory
+"""The loop's metrics, as torchtitan's metrics processor: megatron-core's timers on this rank
+(:mod:`megatron_ext.metrics.step_time`), closed unread after each step (:meth:`StepMetrics.step_done`); each settled
+step's numbers (:meth:`StepMetrics.record`); and each log interval one all-gather of every rank's breakdown, peak memory
 and compute, from which rank 0 writes the console line and scalars (the mean over ranks: a pipeline's stages spend
 their steps differently), warns about stragglers, gives advice, and at the end sets the run's breakdown beside the
 planner's prediction (:mod:`megatron_ext.metrics.plan_check`)."""
@@ -69,15 +70,19 @@ class StepMetrics:
         """Forget what the timers saw since the last step (an evaluation's forward passes, a skipped step)."""
         self.timers.discard()
 
+    def step_done(self) -> None:
+        """A training step is queued: its timed regions join the interval's, unread (reading a CUDA event waits for
+        the device; they are read on the logging step)."""
+        self.timers.end_step()
+
     def record(self, iteration: int, loss: float, lr: float, grad_norm: float, step_time: float,
                loss_scale: Optional[float] = None, extra: Optional[dict[str, float]] = None) -> None:
-        """One training step (collective on log-interval steps); `loss_scale`: fp16's; `extra`: more of the step's
-        scalars (an MoE model's router metrics)."""
+        """One training step, once settled, in order (collective on log-interval steps); `loss_scale`: fp16's;
+        `extra`: more of the step's scalars (an MoE model's router metrics)."""
         parts = self._interval
         for part, seconds in (("step", step_time), ("steps", 1.0)):
             parts[part] = parts.get(part, 0.0) + seconds
         if iteration % self.cfg.logging.log_interval:
-            self.timers.end_step()  # read on the logging step: reading a CUDA event waits for the device
             self.logger.step(iteration, loss, lr, grad_norm, step_time, console=False, loss_scale=loss_scale,
                              extra=extra)
             return

@@ -4,8 +4,9 @@ parts of the step — compute (forward and backward), pipeline (sends and receiv
 of the pipeline bubble), grad sync (the data-parallel reduce and the embedding/norm all-reduces left exposed after
 the backward pass), schedule (the rest of megatron-core's ``forward-backward`` region: its own bookkeeping between
 those) — plus what the loop times itself: data (waiting for the next micro batch, which megatron-core counts inside
-forward compute), the optimizer (zeroing the grads, the step) and the loss sync (the all-reduce of the loss and the
-non-finite flags). Whatever is left of the step is ``other`` (Python between regions).
+forward compute), the optimizer (zeroing the grads, the step) and the loss sync (queueing the all-reduce of the loss
+and the non-finite flags, and the router's statistics). Whatever is left of the step is ``other`` (Python between
+regions).
 
 On a GPU each region records CUDA events and nothing waits for them until a logging step: the steps of a log
 interval are closed (:meth:`StepTimers.end_step`) unread, and :meth:`StepTimers.take` synchronises with the device

@@ -1,5 +1,6 @@
 """The run's megatron-core optimizer: its config from the recipe, optimizer CPU offload (megatron-core's
-HybridDeviceOptimizer, with CPU rehearsal's stand-ins), the torch AdamW kernel, and what the start-up log says."""
+HybridDeviceOptimizer, with CPU rehearsal's stand-ins), the torch AdamW kernel, a gradient norm that stays on the
+device, and what the start-up log says."""
 
 from __future__ import annotations
 
@@ -55,8 +56,39 @@ def offload_stand_ins(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> co
     return cpu_backend.host_offload_stand_ins(model_chunks)
 
 
+def _l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+             *args) -> tuple[torch.Tensor, None]:
+    """The L2 norm of a list of tensors, as megatron-core's local fallback computes it (each tensor's norm, then
+    the norm of those, in fp32) but left on the device: [1] tensor."""
+    norms = [torch.norm(tensor) for tensor in tensor_lists[0]]
+    return torch.norm(torch.stack(norms)).reshape(1).float(), None
+
+
+def _scale_by_tensor(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                     scale: torch.Tensor) -> None:
+    """dst = src × scale with `scale` a device tensor (the clip coefficient)."""
+    for src, dst in zip(*tensor_lists):
+        dst.copy_(src * scale)
+
+
+def keep_grad_norm_on_device() -> None:
+    """megatron-core's gradient clipping keeps the norm and the clip coefficient on the device only with
+    TransformerEngine's multi-tensor kernels; its other paths read the norm to the host every step (the local
+    fallback converts each tensor's norm to a Python float). Without TE this gives it device-side equivalents, so a
+    training step that does not log never waits for the device (:mod:`megatron_ext.training.pending_steps`)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.multi_tensor_scale_tensor_impl is not None:  # TE's kernels: already on the device
+        return
+    clip_grads.multi_tensor_scale_tensor_impl = _scale_by_tensor
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:  # apex's kernel stays: it is a device op
+        clip_grads.l2_norm_impl = _l2_norm
+
+
 def build_optimizer(cfg: RecipeConfig, model_chunks: list, on_gpu: bool) -> MegatronOptimizer:
     """megatron-core's optimizer for the model; with optimizer.optimizer_cpu_offload its HybridDeviceOptimizer."""
+    keep_grad_norm_on_device()
     with offload_stand_ins(cfg, model_chunks, on_gpu):
         optimizer = get_megatron_optimizer(optimizer_config(cfg), model_chunks)
     if cfg.parallel.outer_dp_sharding_strategy == "optim":

@@ -1,16 +1,16 @@
-"""The pretraining loop: megatron-core schedules, DDP, optimizer and LR schedule, eval, checkpoints, signals."""
+"""The pretraining loop: megatron-core schedules, DDP, optimizer and LR schedule, eval, checkpoints, signals. A step
+that neither logs, evaluates, saves nor stops never waits for the device (:mod:`.pending_steps`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ from megatron_ext.resilience.divergence import (
     local_nonfinite,
 )
 from megatron_ext.resilience.elastic import ProgressRecord
+from megatron_ext.resilience.exit_signal import ExitSignal
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.process_guard import die_with_parent, raise_if_launcher_gone
 from megatron_ext.resilience.watchdog import HangWatchdog
@@ -64,6 +65,7 @@ from megatron_ext.training.optimizer import (
     select_torch_adam_kernel,
     update_kernel,
 )
+from megatron_ext.training.pending_steps import PendingSteps, SettledStep, global_mean_loss
 
 log = logging.getLogger("megatron_ext")
 
@@ -91,35 +93,6 @@ class RunFailed(Exception):
     def __init__(self, exit_code: int):
         super().__init__(exit_code)
         self.exit_code = exit_code
-
-
-class _ExitSignal:
-    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-emption warning) until the next step boundary."""
-
-    def __init__(self, enabled: bool):
-        self.received: Optional[int] = None
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.received = signum
-
-    def agree(self, save_due_by_clock: bool) -> tuple[bool, bool]:
-        """(some rank received the signal, some rank's clock says a save is due): one all-reduce at the step
-        boundary, so every rank stops and saves at the same step."""
-        flags = torch.tensor([self.received is not None, save_due_by_clock], dtype=torch.int32, device=_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, clock_due = flags.tolist()
-        return bool(signalled), bool(clock_due)
-
-
-class StepOutcome(NamedTuple):
-    """A training step that updated the weights: its global mean loss, grad norm and MoE router scalars."""
-
-    loss: float
-    grad_norm: float
-    router: dict[str, float]
 
 
 def _device() -> torch.device:
@@ -152,24 +125,6 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch
     output = model(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
                    loss_mask=batch["loss_mask"], packed_seq_params=packed)
     return output, partial(_loss_func, batch["loss_mask"])
-
-
-def _global_mean_loss(losses_reduced: list[dict[str, torch.Tensor]],
-                      nonfinite: Optional[torch.Tensor] = None) -> tuple[float, bool]:
-    """Token-weighted mean over the global batch, from the last pipeline stage's partial sums, and whether any
-    rank flagged `nonfinite` (riding along in the same all-reduce).
-
-    All ranks join one all-reduce; TP replicas of the last stage contribute identical sums, which
-    scale numerator and denominator alike, so the ratio is exact.
-    """
-    totals = torch.zeros(4, dtype=torch.float64, device=_device())
-    for item in losses_reduced:
-        totals[:2] += item["lm loss"].to(totals)
-    if nonfinite is not None:
-        totals[2:] = nonfinite.to(totals)
-    dist.all_reduce(totals)
-    loss_sum, tokens, *flags = totals.tolist()
-    return loss_sum / tokens, any(flags)
 
 
 def _describe_grad_sync(model: list, optimizer: MegatronOptimizer) -> str:
@@ -244,6 +199,10 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
         self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
+        self.pending = PendingSteps(_device())
+        # a decision before the update needs the step's flags on the host at once (fp16's grad scaler reads its
+        # own overflow flag there anyway, and its loss scale is logged per step): such runs settle every step
+        self.decide_before_update = t.skip_nonfinite_steps > 0 or t.precision == "fp16"
         self.router_metrics = RouterMetrics(self.cfg, _device(), self.model)
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
@@ -310,9 +269,10 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def train_step(self, data_iterator) -> Optional[StepOutcome]:
-        """One global batch: forward/backward through the pipeline schedule, then one optimizer step; None when
-        the loss or gradients were non-finite and the step was skipped (train.skip_nonfinite_steps)."""
+    def train_step(self, data_iterator) -> bool:
+        """One global batch: forward/backward through the pipeline schedule, then one optimizer step, its numbers
+        left pending on the device; False when it was skipped: a non-finite loss or gradient under
+        train.skip_nonfinite_steps, or an fp16 overflow (weights and schedule unchanged either way)."""
         with self.metrics.timers.region("optimizer"):
             for chunk in self.model:
                 chunk.train()
@@ -323,19 +283,23 @@ class Trainer:
             router = self.router_metrics.step(self.iteration + 1, self.num_microbatches)
             # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
             flags = local_nonfinite(losses, self.model, _device(), check_grads=self.cfg.train.precision != "fp16")
-            loss, nonfinite = _global_mean_loss(losses, flags)
+            self.pending.add(self.iteration + 1, losses, flags, router, self.optimizer.param_groups[0]["lr"])
+            nonfinite = self.decide_before_update and self.pending.nonfinite_now()
         if nonfinite:
+            self.pending.drop_newest()
             self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
-            return None
+            return False
         scale = self.loss_scale()
         with self.metrics.timers.region("optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # the fp16 grad scaler found an overflow and skipped the step (bf16 and fp32 have no scaler)
+            self.pending.drop_newest()
             check_loss_scale_floor(self.iteration + 1, scale, self.cfg.train.min_loss_scale, self.cfg.optimizer.lr)
             self.run_logger.overflow(self.iteration + 1, scale, self.loss_scale())
-            return None
+            return False
         self.scheduler.step(increment=1)
-        return StepOutcome(loss, float(grad_norm), router)
+        self.pending.updated(grad_norm)
+        return True
 
     @torch.no_grad()
     def evaluate(self, dataset) -> Optional[float]:
@@ -350,13 +314,17 @@ class Trainer:
             losses.extend(self._run_schedule(it, forward_only=True))
             self.watchdog.step_done(self.iteration)  # an evaluation batch is progress: a long evaluation is no hang
         self.metrics.discard()  # evaluation's forward passes are not part of a training step
-        return _global_mean_loss(losses)[0]
+        return global_mean_loss(losses, _device())
 
-    def _evaluate_if_due(self, result: RunResult) -> None:
+    def _evaluation_due(self) -> bool:
         """Validation every train.eval_interval steps and after the last one."""
         t = self.cfg.train
-        if self.iteration % t.eval_interval and self.iteration != t.train_iters:
+        return self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters
+
+    def _evaluate_if_due(self, result: RunResult) -> None:
+        if not self._evaluation_due():
             return
+        t = self.cfg.train
         self.where = f"evaluation after iteration {self.iteration}"
         val = self.evaluate(self.valid_ds)
         if val is not None:
@@ -372,7 +340,6 @@ class Trainer:
     def _checkpoint(self, stopping: bool, clock_due: bool = False) -> Optional[Path]:
         """The step's checkpoint work: background saves that finished are completed; a checkpoint is written
         when one is due. Returns the path written (or started), else None."""
-        self.checkpointer.finish_completed_writes()
         if not self.checkpointer.due(self.iteration, stopping, clock_due):
             return None
         self.where = f"checkpoint save at iteration {self.iteration}"
@@ -383,22 +350,34 @@ class Trainer:
         self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
 
-    def _record_step(self, result: RunResult, stepped: StepOutcome, lr: float, step_time: float) -> None:
-        """Results, the step's metrics (console, TensorBoard, breakdown, stragglers, advice) and loss spikes."""
-        loss = stepped.loss
-        result.train_losses[self.iteration] = loss
-        result.grad_norms[self.iteration] = stepped.grad_norm
-        result.step_times.append(step_time)
-        self.metrics.record(self.iteration, loss, lr, stepped.grad_norm, step_time, self.loss_scale(), stepped.router)
+    def _settle(self, result: RunResult) -> None:
+        """The pending steps' numbers, read at once (one wait for the device), each recorded in order: results,
+        metrics (console, TensorBoard, breakdown, stragglers, advice) and loss spikes. A non-finite step stops the
+        run here, after the steps before it are recorded."""
+        settled = self.pending.settle()
+        bad = settled.first_nonfinite
+        for step in settled.steps:
+            if bad and step.iteration >= bad[0]:
+                break
+            self._record_step(result, step)
+        if bad:
+            self.nonfinite.skip_or_raise(describe_nonfinite(*bad))
+
+    def _record_step(self, result: RunResult, step: SettledStep) -> None:
+        it, loss, gbs = step.iteration, step.loss, self.cfg.train.global_batch_size
+        result.train_losses[it] = loss
+        result.grad_norms[it] = step.grad_norm
+        result.step_times.append(step.step_time)
+        self.metrics.record(it, loss, step.lr, step.grad_norm, step.step_time, self.loss_scale(), step.router)
         spike = self.spikes.check(loss)
         if spike:
-            first = self.consumed_samples - self.cfg.train.global_batch_size
-            self.run_logger.loss_spike(self.iteration, loss, *spike, (first, self.consumed_samples - 1))
+            consumed = self.consumed_samples - (self.iteration - it) * gbs  # after step `it`
+            self.run_logger.loss_spike(it, loss, *spike, (consumed - gbs, consumed - 1))
 
     def train(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         result = RunResult(iteration=self.iteration)
-        exit_signal = _ExitSignal(t.exit_signal_handler)
+        exit_signal = ExitSignal(t.exit_signal_handler)
         data = self._iterators(self.train_ds, self.consumed_samples, timed=True)
         self._info(f"training iterations {self.iteration + 1}..{t.train_iters}: global batch {t.global_batch_size} "
                    f"= micro batch {t.micro_batch_size} × DP {self.dp_size} × {self.num_microbatches} micro batches, "
@@ -408,43 +387,49 @@ class Trainer:
         self.watchdog.start(self.iteration)
         while self.iteration < t.train_iters:
             self.where = f"iteration {self.iteration + 1}"
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains with
             start = time.perf_counter()
             with self.profiler.step(self.iteration + 1):
-                stepped = self.train_step(data)
-            step_time = time.perf_counter() - start
+                updated = self.train_step(data)
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            if updated:
+                self.metrics.step_done()
+                self.pending.took(time.perf_counter() - start)
+            else:  # a skipped step's time is not a training step's
+                self.metrics.discard()
+            # rank 0's clock alone decides a time-based save, so the ranks cannot disagree
+            signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
+            stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
+            if len(self.pending) and (self.decide_before_update or not result.startup or stop
+                                      or self.iteration % cfg.logging.log_interval == 0 or self._evaluation_due()
+                                      or self.checkpointer.due(self.iteration, stop, clock_due)):
+                self._settle(result)
+                self.checkpointer.finish_completed_writes()
+                if result.train_losses:
+                    bar.set_postfix(loss=f"{result.train_losses[max(result.train_losses)]:.3f}")
             if not result.startup:
                 self.startup.mark("first step" + (" (compiling the decoder layers)" if cfg.train.compile else
                                                   " (capturing CUDA graphs)" if cfg.train.cuda_graphs else ""))
-                result.startup = self.startup.summary()
+                result.startup = self.startup.summary()  # the first step was settled: its time is the device's
                 self._info(f"start-up: {result.startup}")
                 if cfg.train.offload_modules:
                     self._info(activation_offload.describe())
                 if self.restart:
                     timed = (self.startup.start, self.startup.phases)  # from this process's start to now
-                    self.run_logger.restart(self.iteration + 1, self.restart.describe(*timed),
+                    self.run_logger.restart(self.iteration, self.restart.describe(*timed),
                                             self.restart.scalars(*timed))
-            self.iteration += 1
-            self.consumed_samples += t.global_batch_size
-            if stepped is not None:
-                self._record_step(result, stepped, lr, step_time)
-                bar.set_postfix(loss=f"{stepped[0]:.3f}")
-            else:  # a skipped step's time is not a training step's
-                self.metrics.discard()
             bar.update(1)
             self.watchdog.step_done(self.iteration)
             self.progress.step_done(self.iteration)
             self._evaluate_if_due(result)
             raise_if_launcher_gone()  # an orphan must not save
-            # rank 0's clock alone decides a time-based save, so the ranks cannot disagree
-            signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
-            stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
             result.checkpoint = self._checkpoint(stopping=stop, clock_due=clock_due) or result.checkpoint
             if stop:
                 self._info(f"stopped cleanly after iteration {self.iteration} "
                            f"({'exit signal' if signalled else 'train.exit_interval'})")
                 result.stopped_early, result.stopped_by_signal = True, signalled
                 break
+        exit_signal.close()
         self.watchdog.close()
         self.profiler.close()
         bar.close()

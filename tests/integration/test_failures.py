@@ -69,6 +69,21 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 24
     raise AssertionError(f"{text!r} did not appear: {path.read_text()[-3000:]}")
 
 
+def test_a_divergence_between_logging_steps_is_named_at_the_next_one_with_the_steps_before_it_recorded(tmp_path):
+    """No skips allowed, one process, a log step every 8: the flags are read with the losses at step 8, which names
+    the first non-finite iteration (2 at lr 1e4); step 1's loss reaches TensorBoard, nothing from 2 on does."""
+    tb = tmp_path / "tb"
+    proc = run_pretrain(1, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1",
+                            "parallel.pipeline_model_parallel_size=1", "parallel.sequence_parallel=false",
+                            "train.train_iters=10", "optimizer.lr=1e4", "optimizer.lr_warmup_iters=0",
+                            "logging.log_interval=8", f"logging.tensorboard_dir={tb}"], check=False)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "] divergence:" in line]
+    assert len(said) == 1 and said[0].startswith("[rank 0, iteration 8] divergence: non-finite gradients at "
+                                                 "iteration 2 with a finite loss"), proc.stderr
+    assert list(read_scalars(tb, "train/lm_loss")) == [1]
+
+
 def test_divergence_stops_at_its_step_once_naming_where_after_the_allowed_skips(tmp_path):
     """lr 1e4 on TP2×PP2 in fp32 (megatron-core's own check said "iteration -1", 252 lines per rank): one skipped
     step, then one line naming the iteration and pipeline stage, exit 3, not retried although torchrun may restart

@@ -262,6 +262,7 @@ def test_on_a_gpu_step_metrics_wait_for_the_device_only_on_logging_steps(monkeyp
         metrics.timers("forward-backward").stop()
         with metrics.timers.region("optimizer"):  # 1 s, still queued behind the step when it is recorded
             pass
+        metrics.step_done()
         metrics.record(iteration, loss=1.0, lr=0.1, grad_norm=1.0, step_time=0.5)
 
     step(1)

@@ -54,6 +54,10 @@ PATCHED = [
     # the HSDP grad norm with the optimizer sharded across replicas
     Patched("megatron.core.optimizer.optimizer.MegatronOptimizer.get_grad_stats_parallel_group", "e9e42213a75e2cd1",
             "training/optimizer.py"),
+    # gradient clipping's norm and coefficient kept on the device without TE's multi-tensor kernels
+    Patched("megatron.core.optimizer.clip_grads.get_grad_norm_fp32", "810944e99b1e435d", "training/optimizer.py"),
+    Patched("megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", "cf07b488fb76a8ae",
+            "training/optimizer.py"),
     # RowParallelLinear's GEMM without its TP group (a warning per forward, graph breaks under compile)
     Patched("megatron.core.tensor_parallel.layers.RowParallelLinear.forward", "d98cea58261aef07", "model/llama.py"),
     # experts marked expert-parallel only at EP > 1 or ETP != TP

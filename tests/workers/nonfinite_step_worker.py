@@ -59,12 +59,14 @@ def main() -> None:
         return output * float("nan"), loss_func
 
     trainer_module._forward_step = nan_forward
-    skipped = trainer.train_step(data) is None
+    skipped = not trainer.train_step(data)
     trainer_module._forward_step = finite_forward
     after = _state(trainer)
-    next_step = trainer.train_step(data)
+    updated = trainer.train_step(data)
+    settled = trainer.pending.settle().steps  # the first step and this one: the skipped step left nothing pending
     result = {"skipped": skipped, "unchanged": {k: _same(before[k], after[k]) for k in before},
-              "next_step_finite": next_step is not None and math.isfinite(next_step[0])}
+              "next_step_finite": updated and [s.iteration for s in settled] == [1, 1]
+              and math.isfinite(settled[-1].loss)}
     args.out.write_text(json.dumps(result))
     destroy_distributed()
 

@@ -159,7 +159,8 @@ def main() -> None:
         result["activations"] = measure_activations(model[0], batches, param_ptrs)
 
     data = [random_batches(cfg) for _ in model] if len(model) > 1 else batches
-    grad_norm = trainer.train_step(data)[1]
+    trainer.train_step(data)
+    grad_norm = trainer.pending.settle().steps[-1].grad_norm
     exclude = param_ptrs | {_storage_key(buf.grad_data)[0] for buf in _grad_buffers(model)}
     result["optimizer"] = optimizer_bytes(optimizer, exclude)
     result["grad_norm"] = grad_norm
