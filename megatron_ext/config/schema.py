@@ -294,7 +294,7 @@ class LoggingConfig:
     profile_with_stack: bool = False  # Python stacks in the trace (larger files, slower steps)
     # GPU: a torch.cuda.memory snapshot (allocations with their stacks) at the end of the profiled iterations
     memory_snapshot: bool = False
-    # Weights & Biases project: the TensorBoard scalars and the resolved config, from rank 0 (`pip install wandb`;
+    # Weights & Biases project: the TensorBoard scalars and the resolved config, from rank 0 (docs/monitoring.md;
     # WANDB_MODE=offline works without a network); a relaunch appends to the same W&B run; null = off
     wandb_project: Optional[str] = None
     wandb_entity: Optional[str] = None  # W&B entity (team or user); null = your default

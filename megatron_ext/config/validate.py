@@ -110,7 +110,7 @@ def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
     require(not g.memory_snapshot or steps is not None, "logging.memory_snapshot", True,
             "is taken at the end of logging.profile_steps: set those iterations too")
     require(not g.wandb_project or importlib.util.find_spec("wandb") is not None, "logging.wandb_project",
-            g.wandb_project, "needs the wandb package here: pip install wandb (or logging.wandb_project=null)")
+            g.wandb_project, "needs the wandb package here: pip install -r requirements.txt (or logging.wandb_project=null)")
 
 
 def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,
