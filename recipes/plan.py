@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Optional
 
-from megatron_ext.config.schema import ZERO_LEVEL, load_config
+from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig, load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
 from megatron_ext.hardware import GPUS
@@ -96,8 +96,8 @@ def _say_time_to_train(label: str, e: Estimate, train_iters: int, gpus: int) -> 
     return f"{label}: {format_duration(t['seconds'])} ({t['gpu_hours']:,.0f} GPU-hours)"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.splitlines()[0])
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipe, machine and failure arguments recipes.plan and recipes.simulate share."""
     parser.add_argument("--config", required=True, help="recipe YAML (its model and batch are planned for)")
     parser.add_argument("--gpus", type=int, required=True, help="total GPUs (world size)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside one)")
@@ -117,25 +117,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--restart-s", type=float, default=DEFAULT_RESTART_S,
                         help="for the checkpoint interval: what one failure costs before training goes on (requeue, "
                              "start-up, checkpoint load)")
-    parser.add_argument("--top", type=int, default=10, help="layouts to list")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("overrides", nargs="*", help="section.key=value applied to the config first")
-    args = parser.parse_args(argv)
+
+
+def load_job_config(args: argparse.Namespace) -> RecipeConfig:
+    """The recipe with the command line's overrides (ConfigError when invalid)."""
     overrides = list(args.overrides)
     if args.seq_length:
         overrides.append(f"model.seq_length={args.seq_length}")
     if args.global_batch_size:
         overrides.append(f"train.global_batch_size={args.global_batch_size}")
+    return load_config(args.config, overrides)
+
+
+def config_layout_estimate(cfg: RecipeConfig, args: argparse.Namespace) -> Optional[Estimate]:
+    """The estimate of the config's own layout on --gpus; None where that layout is not valid there."""
     try:
-        cfg = load_config(args.config, overrides)
+        validate_layout(cfg, args.gpus, te_available=True, fp8_capable=True)
+        return estimate(cfg, args.gpus, args.gpus_per_node, GPUS[args.gpu], model_vocab_size(cfg), args.mfu,
+                        not args.bf16_grads)
+    except ConfigError:
+        return None
+
+
+def job_checkpoint_interval(cfg: RecipeConfig, args: argparse.Namespace, step_s: float) -> CheckpointInterval:
+    return recipe_checkpoint_interval(cfg, args.gpus, step_s, model_vocab_size(cfg), args.checkpoint_write_gb_s,
+                                      args.failures_per_gpu_hour, args.restart_s)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.splitlines()[0])
+    add_job_arguments(parser)
+    parser.add_argument("--top", type=int, default=10, help="layouts to list")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_job_config(args)
         ranked = plan(cfg, args.gpus, args.gpus_per_node, args.gpu, args.mfu, not args.bf16_grads)
-        current = None
-        try:
-            validate_layout(cfg, args.gpus, te_available=True, fp8_capable=True)
-            current = estimate(cfg, args.gpus, args.gpus_per_node, GPUS[args.gpu], model_vocab_size(cfg),
-                               args.mfu, not args.bf16_grads)
-        except ConfigError:
-            pass  # the config's own layout is not valid for this GPU count
+        current = config_layout_estimate(cfg, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -147,8 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     planned = current if current is not None and current.fits else (fitting[0] if fitting else None)
     interval = None
     if planned is not None:
-        interval = recipe_checkpoint_interval(cfg, args.gpus, planned.time["step"], model_vocab_size(cfg),
-                                              args.checkpoint_write_gb_s, args.failures_per_gpu_hour, args.restart_s)
+        interval = job_checkpoint_interval(cfg, args, planned.time["step"])
         ckpt["interval"] = interval.to_dict()
     if args.json:
         print(json.dumps({"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,
