@@ -19,7 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.checkpoint import fsdp_dtensor, save_load
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
-from megatron_ext.checkpoint.resume import StartPoint, resume_training
+from megatron_ext.checkpoint.resume import Resumed, StartPoint, resume_training
 from megatron_ext.checkpoint.run_lock import RunLock
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.errors import CheckpointError
@@ -45,11 +45,10 @@ class CheckpointManager:
         self.lock: RunLock | None = None
         self.last_save = time.monotonic()  # the clock checkpoint.save_interval_minutes runs on
 
-    def load(self, start: Optional[StartPoint] = None) -> tuple[int, int]:
+    def load(self, start: Optional[StartPoint] = None) -> Resumed:
         """Take the save directory's run lock, then resume (checkpoint.load) or start from weights
         (checkpoint.pretrained_checkpoint) — from `start` when the run found it before wrapping its model
-        (:func:`resume.load_weights_before_sharding`); returns the (iteration, consumed samples) the run continues
-        from."""
+        (:func:`resume.load_weights_before_sharding`); returns where the run continues from."""
         self._lock_save_directory()
         return resume_training(self.cfg, self.model, self.optimizer, self.scheduler, start)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -118,9 +118,17 @@ def load_weights_before_sharding(cfg: RecipeConfig, models: list) -> Optional[St
     return dataclasses.replace(start, weights_loaded=True)
 
 
+class Resumed(NamedTuple):
+    """Where a run starts: the iteration and samples consumed, and the checkpoint it read (None: nothing to read)."""
+
+    iteration: int
+    consumed_samples: int
+    checkpoint: Optional[Path]
+
+
 def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start: Optional[StartPoint] = None
-                    ) -> tuple[int, int]:
-    """Collective: load what `cfg.checkpoint` asks for; returns (iteration, consumed_samples) to start from.
+                    ) -> Resumed:
+    """Collective: load what `cfg.checkpoint` asks for; returns where the run starts.
     `start`: :func:`load_weights_before_sharding`'s result, where there was one (else found here)."""
     ck = cfg.checkpoint
     load = resume_dir(cfg)
@@ -152,7 +160,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
             f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {position[0]}: "
             f"saving there would move its tracker back and lose that progress. Leave checkpoint.load unset (auto) "
             f"to resume it, or choose another checkpoint.save (or delete that one) to start over")
-    return position
+    return Resumed(*position, start.ckpt_dir if start is not None else None)
 
 
 def format_refusal(cfg: RecipeConfig) -> Optional[str]:

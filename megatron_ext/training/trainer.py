@@ -168,15 +168,18 @@ class Trainer:
         # and the save helper process must not outlive its rank
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu,
                                               before_commit=raise_if_launcher_gone, helper_initializer=die_with_parent)
+        if cfg.checkpoint.save:
+            self.startup.mark("checkpoint save helper process")
         try:
             with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
-                self.iteration, self.consumed_samples = self.checkpointer.load(start)
+                resumed = self.checkpointer.load(start)
         except BaseException:
             self.checkpointer.abort()  # gives back the run lock it may have taken
             raise
         # After any load: it restores the kernel flags the checkpoint was saved with.
         select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
-        self.startup.mark("checkpoint load")
+        self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
+        self.startup.mark("checkpoint load" if resumed.checkpoint else "run lock (no checkpoint to load)")
         self.progress = ProgressRecord(progress_path(cfg.checkpoint.save), self.rank, self.world_size, self.dp_size,
                                        self.num_microbatches)
         self.restart = self.progress.restart(self.iteration)
