@@ -43,7 +43,7 @@
 # - SIGUSR1 to this batch script (`#SBATCH --signal=B:USR1@600` before the time limit, or
 #   `scancel --batch --signal=USR1 JOBID` by hand) means "checkpoint, stop and come back": the
 #   trap passes SIGUSR1 on to every process of the job step, the ranks agree to stop at the
-#   next step boundary, checkpoint and exit 0, and the script requeues the job, which resumes
+#   next logging step, checkpoint and exit 0, and the script requeues the job, which resumes
 #   from CHECKPOINT_DIR (checkpoint.load is auto: the run resumes from its checkpoint.save).
 # - SIGTERM (scancel, or pre-emption with a GraceTime) reaches every process of the job at
 #   once: the ranks checkpoint and stop the same way, but the script does not requeue (a
@@ -80,10 +80,10 @@ _on_signal() {
     if [[ $1 == TERM ]]; then
         # SLURM sends a job's SIGTERM to the job steps as well: the ranks already have it.
         _term_seen=1
-        _log "got SIGTERM: the training ranks checkpoint and stop at the next step boundary"
+        _log "got SIGTERM: the training ranks checkpoint and stop at the next logging step"
         return
     fi
-    _log "got SIGUSR1: asking the training ranks to checkpoint and stop at the next step boundary"
+    _log "got SIGUSR1: asking the training ranks to checkpoint and stop at the next logging step"
     # Once: the ranks need only one, and a repeat is just noise in the logs.
     if ((_forwarded == 0)); then
         _forwarded=1

@@ -1,48 +1,33 @@
 """Stopping at a step boundary on SIGTERM/SIGUSR1 (SLURM's pre-emption warning, torchrun's stop) and saving by the
-clock, agreed by every rank without making the training loop wait for the device."""
+clock, agreed by every rank at the loop's settling steps — where it reads the device anyway
+(:mod:`megatron_ext.training.pending_steps`), so the agreement adds no wait of its own."""
 
 from __future__ import annotations
 
 import signal
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 
 class ExitSignal:
-    """Remembers SIGTERM/SIGUSR1 (SLURM's pre-emption warning) until the ranks agree on it at a step boundary.
-    Collective: every rank constructs it (it makes the host-side process group the agreement runs on)."""
+    """Remembers SIGTERM/SIGUSR1 until the ranks agree on it."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, device: torch.device):
         self.received: Optional[int] = None
+        self.device = device
         if enabled:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._handle)
-        self.group = dist.new_group(backend="gloo")  # host memory: learning of a signal never waits for the device
-        self._agreeing: Optional[tuple[dist.Work, np.ndarray]] = None
 
     def _handle(self, signum, _frame) -> None:
         self.received = signum
 
     def agree(self, save_due_by_clock: bool) -> tuple[bool, bool]:
-        """(some rank had received the signal, some rank's clock said a save was due) at the previous step boundary:
-        each boundary starts an asynchronous all-reduce of its flags on the host and reads the one started at the
-        boundary before, finished by now, so every rank stops and saves at the same step, one step after the
-        signal, without a wait."""
-        agreed = (False, False)
-        if self._agreeing is not None:
-            work, flags = self._agreeing
-            work.wait()
-            agreed = bool(flags[0]), bool(flags[1])
-        flags = np.array([self.received is not None, save_due_by_clock], dtype=np.int32)
-        self._agreeing = (dist.all_reduce(torch.from_numpy(flags), op=dist.ReduceOp.MAX, group=self.group,
-                                          async_op=True), flags)
-        return agreed
-
-    def close(self) -> None:
-        """Collective: the last agreement started is finished on every rank."""
-        if self._agreeing is not None:
-            self._agreeing[0].wait()
-            self._agreeing = None
+        """(some rank received the signal, some rank's clock says a save is due): collective, one all-reduce, so
+        every rank stops and saves at the same step."""
+        flags = torch.tensor([self.received is not None, save_due_by_clock], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, clock_due = flags.tolist()
+        return bool(signalled), bool(clock_due)

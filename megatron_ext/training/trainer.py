@@ -353,6 +353,15 @@ class Trainer:
         self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
 
+    def _settles(self, exit_interval: bool, first: bool) -> bool:
+        """Whether this step boundary reads the device: the first step (the start-up line reports its time), a
+        logging step, an evaluation, a save by the interval, train.exit_interval, the last step, and every step where
+        a decision precedes the update (fp16, train.skip_nonfinite_steps). A signal or the clock is acted on at the
+        next such boundary."""
+        return (first or self.decide_before_update or exit_interval
+                or self.iteration % self.cfg.logging.log_interval == 0 or self._evaluation_due()
+                or self.checkpointer.due(self.iteration, exit_interval))
+
     def _settle(self, result: RunResult) -> None:
         """The pending steps' numbers, read at once (one wait for the device), each recorded in order: results,
         metrics (console, TensorBoard, breakdown, stragglers, advice) and loss spikes. A non-finite step stops the
@@ -380,7 +389,7 @@ class Trainer:
     def train(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         result = RunResult(iteration=self.iteration)
-        exit_signal = ExitSignal(t.exit_signal_handler)
+        exit_signal = ExitSignal(t.exit_signal_handler, _device())
         data = self._iterators(self.train_ds, self.consumed_samples, timed=True)
         self._info(f"training iterations {self.iteration + 1}..{t.train_iters}: global batch {t.global_batch_size} "
                    f"= micro batch {t.micro_batch_size} × DP {self.dp_size} × {self.num_microbatches} micro batches, "
@@ -400,12 +409,13 @@ class Trainer:
                 self.pending.took(time.perf_counter() - start)
             else:  # a skipped step's time is not a training step's
                 self.metrics.discard()
-            # rank 0's clock alone decides a time-based save, so the ranks cannot disagree
-            signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
-            stop = signalled or bool(t.exit_interval and self.iteration % t.exit_interval == 0)
-            if len(self.pending) and (self.decide_before_update or not result.startup or stop
-                                      or self.iteration % cfg.logging.log_interval == 0 or self._evaluation_due()
-                                      or self.checkpointer.due(self.iteration, stop, clock_due)):
+            stop = bool(t.exit_interval and self.iteration % t.exit_interval == 0)
+            signalled = clock_due = False
+            if self._settles(stop, first=not result.startup):  # the same decision on every rank
+                # signals and rank 0's clock (which alone decides a time-based save) are agreed where the loop
+                # reads the device anyway
+                signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
+                stop = stop or signalled
                 self._settle(result)
                 self.checkpointer.finish_completed_writes()
                 if result.train_losses:
@@ -432,7 +442,6 @@ class Trainer:
                            f"({'exit signal' if signalled else 'train.exit_interval'})")
                 result.stopped_early, result.stopped_by_signal = True, signalled
                 break
-        exit_signal.close()
         self.watchdog.close()
         self.profiler.close()
         bar.close()

@@ -29,7 +29,11 @@ CASES = sorted(path.name for path in FIXTURES.iterdir() if (path / "uninterrupte
 # the fully reshardable format resumed under another layout: TP2 -> one process
 RESUMED_UNDER = {"dense_fully_reshardable": (1, SINGLE_PROCESS)}
 # Under the layout that saved it, bit for bit (measured: 0 on every step, the CPU build of torch 2.13 there and its
-# CUDA build here); resharded, within the bounds of a resharded resume on one stack (measured 8.3e-8 / 1.6e-7).
+# CUDA build here) — but for the gradient norm, which megatron-core now finishes on the device as it does with TE
+# (an fp32 pow, training/optimizer.py:keep_grad_norm_on_device) where the fixtures' run read it to the host first (a
+# float64 square root): within one fp32 ulp (measured: 1 ulp on one step of the ZeRO-3 case, 0 elsewhere). Resharded,
+# within the bounds of a resharded resume on one stack (measured 8.3e-8 / 1.6e-7).
+FP32_ULP = 2.0 ** -23
 
 
 def _copy(case: str, tmp_path: Path) -> tuple[dict, Path]:
@@ -54,6 +58,8 @@ def test_a_checkpoint_of_the_previous_stack_continues_its_run(case, tmp_path):
         if case in RESUMED_UNDER:
             worst = max_relative_difference(resumed, expected)
             assert worst <= tolerance, f"{tag}: {worst:.2e}"
+        elif tag == "train/grad_norm":
+            assert max_relative_difference(resumed, expected) <= FP32_ULP, tag
         else:
             assert resumed == expected, tag
     # the legacy checkpoint and the one this run saved (no common.pt but Megatron-FSDP's) listed alike
