@@ -79,9 +79,6 @@ class PendingSteps:
         self.device = device
         self._steps: list[_Step] = []
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
     def add(self, iteration: int, losses_reduced: list[dict[str, torch.Tensor]], local_flags: torch.Tensor,
             router: dict[str, Scalar], lr: float) -> None:
         """Step `iteration`'s forward and backward are queued: its loss and flags start their all-reduce."""

@@ -1,7 +1,7 @@
 """A training step that neither logs, evaluates, saves nor stops never reads a tensor on the host
 (tests/workers/host_sync_worker.py counts every such read and the object/barrier collectives, per iteration, through
-the recipe's real loop): the loss, its non-finite flags, the gradient norm, the MoE router scalars and the exit
-signal's agreement stay on the device (or, for the signal, in host memory) until a settling step reads them at once.
+the recipe's real loop): the loss, its non-finite flags, the gradient norm and the MoE router scalars stay on the
+device until a settling step reads them at once, and the ranks agree on signals only there.
 
 Settling steps here (train_iters 7, log_interval 3): 1 (the first step, whose time the start-up line reports), 3 and 6
 (logging) and 7 (the last, with its evaluation); 2, 4 and 5 must read nothing. An MoE model's dropless all-to-all is

@@ -31,7 +31,7 @@ def test_steps_settle_in_order_with_their_own_numbers(one_process):
     pending.updated(None)  # megatron-core without clipping
     pending.took(3.0)
     settled = pending.settle()
-    assert len(pending) == 0 and settled.first_nonfinite is None
+    assert pending.settle().steps == [] and settled.first_nonfinite is None  # nothing is left pending
     assert [(s.iteration, s.loss, s.grad_norm, s.lr, s.router) for s in settled.steps] == [
         (1, 3.0, 2.0, 0.1, {"moe/aux_loss": 0.5}), (2, 2.0, 0.0, 0.2, {"moe/aux_loss": 0.25, "moe/max_load": 0.75})]
     assert settled.steps[0].step_time == settled.steps[1].step_time >= 2.0  # the mean, plus the settle's wait
