@@ -108,8 +108,10 @@ def _node() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def _stopped_by(received: signal.Signals, save: str | None) -> str:
-    """The line after a stop on a signal: where the run can resume from, read from what the ranks left."""
+def _stopped_by(received: signal.Signals, save: str | None, stop_s: float) -> str:
+    """The line after a stop on a signal: where the run can resume from, read from what the ranks left; when they
+    were ended before they saved, the --shutdown-timeout a stop needs by the plan (`stop_s`). torchrun's default (30
+    s) is not raised to it by itself: the agent waits as long for ranks stuck in a collective after a failure."""
     from megatron_ext.checkpoint.layout import iteration_dir, latest_iteration, progress_path
     from megatron_ext.resilience.elastic import read_progress
 
@@ -122,7 +124,8 @@ def _stopped_by(received: signal.Signals, save: str | None) -> str:
                 "resume with the same command")
     newest = f"the newest checkpoint is iteration {saved}" if saved is not None else "there is no checkpoint"
     return (f"stopped by {received.name} after iteration {reached.iteration if reached else '?'}, but the ranks were "
-            f"ended before they saved: {newest}; give them longer with --shutdown-timeout (seconds)")
+            f"ended before they saved: {newest}; give them longer: --shutdown-timeout={stop_s:.0f} (the planned "
+            "seconds to the next logging step and through a checkpoint write)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             added = _elastic_overrides(config, overrides, world_size, per_node)
             overrides += added
             args.training_script_args += added
-        cfg, _ = load_and_validate(config, overrides, world_size, per_node)
+        cfg, _, timeouts = load_and_validate(config, overrides, world_size, per_node, say_timeouts=False)
         if elastic:
             print(_elastic_worlds(cfg, nodes, per_node), flush=True)
     except ImportError as e:
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen.run(args)
     except chosen.processes.SignalException as e:
         received = getattr(e, "received", e.sigval)
-        print(_stopped_by(received, cfg.checkpoint.save), file=sys.stderr, flush=True)
+        print(_stopped_by(received, cfg.checkpoint.save, timeouts.stop_s), file=sys.stderr, flush=True)
         write_node_end(log_dir(cfg), NodeRecord(node, "signalled", 128 + int(received)))
         return 128 + int(received)
     except chosen.child_failed as e:

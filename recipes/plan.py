@@ -36,6 +36,7 @@ from megatron_ext.planner.goodput import (
     CheckpointInterval,
     recipe_checkpoint_interval,
 )
+from megatron_ext.planner.timeouts import recipe_timeouts, timeout_warnings
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "ZeRO", "recomp", "mbs", "m", "params", "grads", "optim",
            "activ", "buffers", "total GiB", "step s", "bubble", "MFU", "tok/s/GPU"]
@@ -164,14 +165,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ckpt = {"bytes": ckpt_bytes, "write_gb_s": args.checkpoint_write_gb_s,
             "save_s": ckpt_bytes / 1e9 / args.checkpoint_write_gb_s}
     planned = current if current is not None and current.fits else (fitting[0] if fitting else None)
-    interval = None
+    interval = timeouts = None
     if planned is not None:
         interval = job_checkpoint_interval(cfg, args, planned.time["step"])
         ckpt["interval"] = interval.to_dict()
+        timeouts = recipe_timeouts(cfg, planned.time["step"], args.checkpoint_write_gb_s)
     if args.json:
         print(json.dumps({"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,
                           "valid_layouts": len(ranked), "fitting_layouts": len(fitting),
                           "train_iters": cfg.train.train_iters, "checkpoint": ckpt,
+                          "timeouts": timeouts.to_dict() if timeouts else None,
                           "config_layout": current.to_dict() if current else None,
                           "config_layout_time_to_train": (_time_to_train(current, cfg.train.train_iters, args.gpus)
                                                           if current else None),
@@ -218,6 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"it with training); {kept}")
     if interval is not None:
         print(_say_interval(interval))
+        print(f"timeouts: {timeouts.describe()}"
+              + "".join(f"\n  warning: {w}" for w in timeout_warnings(timeouts, under_slurm=True)))
     best = " ".join(f"{k}={'null' if v is None else str(v).lower()}"
                     for k, v in fitting[0].layout.overrides().items())
     print(f"\nto use the best: {best}")

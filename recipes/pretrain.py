@@ -8,8 +8,18 @@ import os
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from megatron_ext.config.schema import RecipeConfig, data_parallel_size, keys_table, load_config, log_dir
+from megatron_ext.config.schema import (
+    AUTO,
+    COLLECTIVE_TIMEOUT_FLOOR_MINUTES,
+    HANG_TIMEOUT_FLOOR_S,
+    RecipeConfig,
+    data_parallel_size,
+    keys_table,
+    load_config,
+    log_dir,
+)
 from megatron_ext.config.validate import TrainedWorld, trained_world
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
 from megatron_ext.metrics.run_logger import perplexity
@@ -21,6 +31,9 @@ from megatron_ext.resilience.run_record import (
     training_record_path,
     write_training_end,
 )
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.timeouts import Timeouts
 
 
 def _setup_logging() -> None:
@@ -122,20 +135,46 @@ def _skip_wandb_unless_logging_to_it(cfg: RecipeConfig) -> None:
         sys.modules.setdefault("wandb", None)
 
 
-def load_and_validate(config: str, overrides: list[str], world_size: int,
-                      gpus_per_node: int) -> tuple[RecipeConfig, TrainedWorld]:
-    """The recipe as the ranks will run it (with parallel.auto's layout), checked for `world_size` processes, and
-    which of them train (all, unless parallel.allow_idle_ranks had to leave some idle). Raises ConfigError;
-    ImportError when megatron-core cannot be imported here."""
+def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_per_node: int,
+                      say_timeouts: bool) -> tuple[RecipeConfig, TrainedWorld, Timeouts]:
+    """The recipe as the ranks will run it (with parallel.auto's layout and the timeouts its plan derives), checked
+    for `world_size` processes, which of them train (all, unless parallel.allow_idle_ranks had to leave some idle),
+    and its timeouts (logged where `say_timeouts`). Raises ConfigError; ImportError when megatron-core cannot be
+    imported here."""
     cfg = load_config(config, overrides)
     _skip_wandb_unless_logging_to_it(cfg)
     from megatron_ext.data.checks import validate_data
 
     if cfg.parallel.auto:
-        cfg = load_config(config, [*overrides, *planned_layout(cfg, world_size, gpus_per_node)])
+        overrides = [*overrides, *planned_layout(cfg, world_size, gpus_per_node)]
+        cfg = load_config(config, overrides)
     world = fitting_world(cfg, world_size)
     validate_data(cfg)
-    return cfg, world
+    timeouts = run_timeouts(cfg, world.size, gpus_per_node, say_timeouts)
+    if AUTO in (cfg.train.hang_timeout_s, cfg.parallel.distributed_timeout_minutes):
+        cfg = load_config(config, [*overrides, *timeouts.overrides()])
+    return cfg, world, timeouts
+
+
+def run_timeouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, say: bool) -> Timeouts:
+    """The run's timeouts from its plan on this machine's GPU (an H100's where the planner has no entry: slower GPUs
+    are rarer than newer ones). With `say`, logs them where the plan lengthened them, and what a timeout the config
+    sets risks."""
+    from megatron_ext.planner import planner_gpu
+    from megatron_ext.planner.timeouts import planned_timeouts, timeout_warnings
+
+    gpu = planner_gpu(cfg) or "h100-80gb"
+    timeouts = planned_timeouts(cfg, world_size, gpus_per_node, gpu)
+    if say:
+        log = logging.getLogger("megatron_ext")
+        lengthened = ((cfg.train.hang_timeout_s == AUTO and timeouts.hang_s != HANG_TIMEOUT_FLOOR_S)
+                      or (cfg.parallel.distributed_timeout_minutes == AUTO
+                          and timeouts.collective_minutes != COLLECTIVE_TIMEOUT_FLOOR_MINUTES))
+        if lengthened:
+            log.info(f"timeouts on {world_size}× {gpu}: {timeouts.describe()}")
+        for warning in timeout_warnings(timeouts, under_slurm="SLURM_JOB_ID" in os.environ):
+            log.warning(warning)
+    return timeouts
 
 
 def fitting_world(cfg: RecipeConfig, world_size: int) -> TrainedWorld:
@@ -204,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if orphan_guard_missing and rank == 0:
         logging.getLogger("megatron_ext").warning(f"ranks will not stop with their launcher: {orphan_guard_missing}")
     try:
-        cfg, world = load_and_validate(args.config, args.overrides, world_size,
-                                       int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        cfg, world, _ = load_and_validate(args.config, args.overrides, world_size,
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), say_timeouts=rank == 0)
     except ImportError as e:  # megatron-core imports TE at import time wherever `import transformer_engine` works
         return _rank_0_says(rank, import_problem(e), EXIT_USER_ERROR)
     except ConfigError as e:

@@ -32,6 +32,9 @@ class Range:
         return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
 
 
+# Keys that take a number (in their range below) or "auto" (the schema's AutoNumber), and whether null (off) too
+AUTO_NUMBER_KEYS: dict[str, bool] = {"parallel.distributed_timeout_minutes": False, "train.hang_timeout_s": True}
+
 AT_LEAST_1, AT_LEAST_0, ABOVE_0 = Range(1), Range(0), Range(0, low_open=True)
 PROBABILITY = Range(0, 1)  # [0, 1)
 FRACTION = Range(0, 1, low_open=True, high_open=False)  # (0, 1]
@@ -77,10 +80,15 @@ RANGES: dict[str, Range] = {
 def check_ranges(values: dict[str, Any]) -> None:
     """`values`: the loaded config as a nested dict. Raises one ConfigError for the first key out of its range (a
     list's every element is checked). Rules between keys are :mod:`megatron_ext.config.validate`'s."""
+    for key, nullable in AUTO_NUMBER_KEYS.items():
+        value = _lookup(values, key)
+        if (isinstance(value, str) and value != "auto") or (value is None and not nullable):
+            raise ConfigError(f"{key}={value!r} is invalid: must be a number or auto" + (" or null (off)"
+                                                                                         if nullable else ""))
     for key, allowed in RANGES.items():
         value = _lookup(values, key)
         for item in value if isinstance(value, list) else [value]:
-            if item is not None and not isinstance(item, bool) and not allowed.holds(item):
+            if item not in (None, "auto") and not isinstance(item, bool) and not allowed.holds(item):
                 raise ConfigError(f"{key}={value!r} is invalid: must be {allowed}")
 
 

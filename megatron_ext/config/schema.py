@@ -17,18 +17,26 @@ import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, get_args
+from typing import Any, Iterator, Literal, Optional, Union, get_args
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_ext.config.ranges import check_ranges
+from megatron_ext.config.ranges import AUTO_NUMBER_KEYS, check_ranges
 from megatron_ext.config.values import checked_values, override_as_config
 from megatron_ext.errors import ConfigError
 
 AUTO = "auto"  # a kernel option decided for the machine it runs on (config.kernels.resolve_kernel_options)
 AutoBool = Literal[True, False, "auto"]
+# A number, or "auto": derived from the planned step and save times at launch (megatron_ext.planner.timeouts); the
+# config loader refuses any other string (OmegaConf takes no Literal inside a Union)
+AutoNumber = Union[int, float, str, None]
+# What an unresolved "auto" timeout means where no launch planned it (a Trainer built directly, as in a benchmark):
+# the floors the plan never goes below — torch's default collective timeout and five minutes of silence
+HANG_TIMEOUT_FLOOR_S = 300.0
+HANG_MARGIN = 2.0  # a silence this many times the longest planned (or seen) stretch between finished steps is a hang
+COLLECTIVE_TIMEOUT_FLOOR_MINUTES = 10
 AttentionBackend = Literal["auto", "te", "local"]
 TEAttentionKernel = Literal["auto", "flash", "fused", "unfused"]  # megatron-core's AttnBackend, TE's kernel
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -148,7 +156,9 @@ class ParallelConfig:
     outer_dp_sharding_strategy: OuterShardingStrategy = "no_shard"
     overlap_grad_reduce: bool = False  # reduce gradients over DP in buckets during the backward pass
     overlap_param_gather: bool = False  # gather updated parameters during the next forward pass (distributed opt.)
-    distributed_timeout_minutes: int = 10  # a collective that waits longer than this fails the job
+    # a collective that waits longer than this fails the job; auto = from the plan at launch: at least 10, and 5
+    # minutes above the hang timeout and the planned checkpoint write (a rank may wait for another's)
+    distributed_timeout_minutes: AutoNumber = AUTO
     auto: bool = False  # replace the layout above by the planner's best for the started world size
     # a started world the layout or global batch does not fit trains on the largest one that fits (lower DP) and
     # the other ranks exit; recipes.launch sets it for elastic launches (--nnodes MIN:MAX)
@@ -197,9 +207,11 @@ class TrainConfig:
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
     # No finished step (or evaluation batch) for this long (after the first step): stacks to the rank logs, stopped
-    # ranks named, job ends (exit 4) for SLURM to requeue. Below parallel.distributed_timeout_minutes, so it fires
-    # first; null = off. A recipe's is at least twice its planned step time (tests/unit/test_recipes.py)
-    hang_timeout_s: Optional[float] = 300.0
+    # ranks named, job ends (exit 4) for SLURM to requeue. auto = from the plan at launch: twice the planned stretch
+    # between the steps where the loop reads the device (logging.log_interval steps), at least 300 s; null = off.
+    # Widened as the run goes to twice the longest stretch seen, and kept below parallel.distributed_timeout_minutes
+    # so that it fires first
+    hang_timeout_s: AutoNumber = AUTO
     skip_nonfinite_steps: int = 0  # skip up to N steps with a non-finite loss/gradient before stopping
 
 
@@ -373,6 +385,31 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
     return cfg
 
 
+def hang_timeout_s(cfg: RecipeConfig) -> Optional[float]:
+    """train.hang_timeout_s as a number of seconds (None: off); an unresolved auto is the floor."""
+    value = cfg.train.hang_timeout_s
+    return HANG_TIMEOUT_FLOOR_S if value == AUTO else value
+
+
+def collective_timeout_minutes(cfg: RecipeConfig) -> float:
+    """parallel.distributed_timeout_minutes as a number; an unresolved auto is the floor."""
+    value = cfg.parallel.distributed_timeout_minutes
+    return COLLECTIVE_TIMEOUT_FLOOR_MINUTES if value == AUTO else value
+
+
+def decides_before_update(cfg: RecipeConfig) -> bool:
+    """Whether every step's loss and gradient flags must reach the host before its update (fp16's grad scaler reads
+    its overflow flag anyway; train.skip_nonfinite_steps skips the step): such runs read the device every step."""
+    return cfg.train.skip_nonfinite_steps > 0 or cfg.train.precision == "fp16"
+
+
+def steps_between_device_reads(cfg: RecipeConfig) -> int:
+    """The most steps the training loop runs without reading the device (an evaluation or a save may come
+    sooner): the host can run that far ahead, so the longest stretch between two steps it sees finish is that
+    many steps long."""
+    return 1 if decides_before_update(cfg) else cfg.logging.log_interval
+
+
 def data_parallel_size(cfg: RecipeConfig, world_size: int) -> int:
     p = cfg.parallel
     return world_size // (
@@ -516,10 +553,13 @@ def config_keys() -> Iterator[KeyHelp]:
             hint = hints[f.name]
             allowed = allowed_values(hint)
             items = allowed_values(get_args(hint)[0]) if typing.get_origin(hint) is list else ()
+            key = f"{section.name}.{f.name}"
+            if key in AUTO_NUMBER_KEYS:
+                allowed = ("number", AUTO, *((None,) if AUTO_NUMBER_KEYS[key] else ()))
             kind = (" / ".join(map(shown_value, allowed)) if allowed
                     else f"list of {' / '.join(map(shown_value, items))}" if items else str(f.type))
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            yield KeyHelp(f"{section.name}.{f.name}", kind, default, help_of[f.name])
+            yield KeyHelp(key, kind, default, help_of[f.name])
 
 
 def keys_table() -> str:

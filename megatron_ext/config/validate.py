@@ -17,7 +17,9 @@ from typing import Any, Optional
 from megatron_ext.config.schema import (
     RecipeConfig,
     allowed_values,
+    collective_timeout_minutes,
     expert_tensor_parallel_size,
+    hang_timeout_s,
     lr_decay_iterations,
     shown_value,
 )
@@ -97,9 +99,8 @@ def _validate_checkpoint(cfg: RecipeConfig) -> None:
 
 def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
     t, g = cfg.train, cfg.logging
-    collective_timeout_s = cfg.parallel.distributed_timeout_minutes * 60
-    require(t.hang_timeout_s is None or 0 < t.hang_timeout_s < collective_timeout_s, "train.hang_timeout_s",
-            t.hang_timeout_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
+    collective_timeout_s, hang_s = collective_timeout_minutes(cfg) * 60, hang_timeout_s(cfg)
+    require(hang_s is None or 0 < hang_s < collective_timeout_s, "train.hang_timeout_s", hang_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
             f"{collective_timeout_s} s, so that the watchdog names the hung rank before the collectives time out")
     steps = g.profile_steps
     require(steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.train_iters),

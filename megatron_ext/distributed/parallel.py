@@ -18,7 +18,12 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig, expert_data_parallel_size
+from megatron_ext.config.schema import (
+    ZERO_LEVEL,
+    RecipeConfig,
+    collective_timeout_minutes,
+    expert_data_parallel_size,
+)
 from megatron_ext.distributed import cpu_backend
 
 
@@ -45,7 +50,8 @@ def _restarted_world_store(timeout: datetime.timedelta) -> dist.Store | None:
 def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
     """Process group (NCCL on GPU, gloo in CPU rehearsal), megatron-core's TP/CP/DP/PP groups, seeds."""
     p = cfg.parallel
-    timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
+    minutes = collective_timeout_minutes(cfg)
+    timeout = datetime.timedelta(minutes=minutes)
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:  # plain `python -m recipes.pretrain`: a world of one
@@ -64,7 +70,7 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
-        distributed_timeout_minutes=p.distributed_timeout_minutes,
+        distributed_timeout_minutes=minutes,
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,

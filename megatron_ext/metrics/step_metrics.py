@@ -16,24 +16,14 @@ from megatron.core import parallel_state
 
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed.parallel import gather_from_ranks
-from megatron_ext.errors import ConfigError
 from megatron_ext.metrics.advice import Advisor, Machine
 from megatron_ext.metrics.plan_check import check_against_plan
 from megatron_ext.metrics.run_logger import RunLogger, breakdown_shares
 from megatron_ext.metrics.step_time import PARTS, StepTimers
-from megatron_ext.planner import detect_gpu
+from megatron_ext.planner import planner_gpu
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
 
 _GATHERED = (*PARTS, "step", "peak_bytes")  # what each rank contributes per log interval
-
-
-def planner_gpu(cfg: RecipeConfig) -> Optional[str]:
-    """The planner's entry for this machine's GPU (parallel.auto_gpu, else detected; CPU rehearsal plans for an
-    H100); None for a GPU the planner has no entry for (its estimates are then left out)."""
-    try:
-        return cfg.parallel.auto_gpu or detect_gpu()
-    except ConfigError:
-        return None
 
 
 class StepMetrics:

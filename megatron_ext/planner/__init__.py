@@ -69,7 +69,14 @@ from megatron_ext.planner.estimate import (
 )
 from megatron_ext.planner.explain import explain
 from megatron_ext.planner.layout import GIB, Layout, RankShape, model_vocab_size
-from megatron_ext.planner.search import best_layout, candidate_layouts, detect_gpu, pipeline_splits, plan
+from megatron_ext.planner.search import (
+    best_layout,
+    candidate_layouts,
+    detect_gpu,
+    pipeline_splits,
+    plan,
+    planner_gpu,
+)
 from megatron_ext.planner.static_memory import checkpoint_bytes, rank_static_bytes, sharded_static
 from megatron_ext.planner.step_time import (
     KERNEL_EFFICIENCY,
@@ -82,6 +89,6 @@ __all__ = [
     "FRAGMENTATION", "GIB", "KERNEL_EFFICIENCY", "NON_TORCH_RESERVE_GIB", "Estimate", "Layout", "RankShape",
     "best_layout", "candidate_layouts", "checkpoint_bytes", "chunk_activation_bytes", "compiled_layers", "detect_gpu",
     "estimate", "explain", "kernel_efficiency", "layer_activation_bytes", "microbatches_in_flight",
-    "model_vocab_size", "offloaded_layer_bytes", "pipeline_splits", "plan", "rank_static_bytes", "sharded_static",
+    "model_vocab_size", "offloaded_layer_bytes", "pipeline_splits", "plan", "planner_gpu", "rank_static_bytes", "sharded_static",
     "stage_activation_bytes", "stage_flops_per_token", "stage_peak_bytes",
 ]

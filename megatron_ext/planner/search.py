@@ -150,6 +150,15 @@ def detect_gpu() -> str:
                       f"set parallel.auto_gpu to one of {', '.join(GPUS)}")
 
 
+def planner_gpu(cfg: RecipeConfig) -> Optional[str]:
+    """The planner's entry for this machine's GPU (parallel.auto_gpu, else detected; CPU rehearsal plans for an
+    H100); None for a GPU the planner has no entry for (its estimates are then left out)."""
+    try:
+        return cfg.parallel.auto_gpu or detect_gpu()
+    except ConfigError:
+        return None
+
+
 def best_layout(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str) -> dict[str, Any]:
     """The fastest layout that fits, as ``parallel.*`` / ``train.*`` values to set on the config."""
     ranked = plan(cfg, world_size, gpus_per_node, gpu)

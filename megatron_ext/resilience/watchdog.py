@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from megatron_ext.config.schema import HANG_MARGIN
 from megatron_ext.errors import EXIT_HUNG
 from megatron_ext.resilience.failures import rank_log, write_rank_log
 from megatron_ext.resilience.job_store import job_store
@@ -31,10 +32,17 @@ from megatron_ext.resilience.nvrx import RankMonitorHeartbeats
 
 
 class HangWatchdog:
-    """One per rank; `step_done` after every step, `suspended()` around checkpoint saves, `close` at the end."""
+    """One per rank; `step_done` after every step, `suspended()` around checkpoint saves, `close` at the end.
 
-    def __init__(self, timeout_s: Optional[float], log_dir: str | Path, rank: int, world_size: int):
+    The timeout widens to ``HANG_MARGIN`` times the longest stretch between finished steps seen so far (a run
+    slower than planned is not taken for hung), never beyond `ceiling_s` (below the collective timeout, so that the
+    watchdog still speaks first)."""
+
+    def __init__(self, timeout_s: Optional[float], log_dir: str | Path, rank: int, world_size: int,
+                 ceiling_s: Optional[float] = None):
         self.timeout_s, self.log_dir, self.rank, self.world_size = timeout_s, log_dir, rank, world_size
+        self.ceiling_s = max(ceiling_s, timeout_s) if ceiling_s and timeout_s else timeout_s
+        self.longest_stretch_s = 0.0
         self.interval = min(max((timeout_s or 0) / 10, 1.0), 10.0)  # >= 1 s: a loaded host still beats in time
         self.iteration = 0
         self._last_progress: Optional[float] = None  # None until the first step: not armed
@@ -56,8 +64,16 @@ class HangWatchdog:
         self._thread.start()
 
     def step_done(self, iteration: int) -> None:
-        self.iteration, self._last_progress = iteration, time.monotonic()
+        now = time.monotonic()
+        if self.timeout_s and self._last_progress is not None and not self._suspended:
+            self._widen(now - self._last_progress)
+        self.iteration, self._last_progress = iteration, now
         self._launcher_heartbeats.beat()
+
+    def _widen(self, stretch_s: float) -> None:
+        if stretch_s > self.longest_stretch_s:
+            self.longest_stretch_s = stretch_s
+            self.timeout_s = min(max(self.timeout_s, HANG_MARGIN * stretch_s), self.ceiling_s)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -101,7 +117,8 @@ class HangWatchdog:
 
     def _fire(self) -> None:
         where = f"iteration {self.iteration + 1}"
-        write_rank_log(self.log_dir, self.rank, where, f"hang watchdog: no step finished for {self.timeout_s:g} s; "
+        write_rank_log(self.log_dir, self.rank, where, f"hang watchdog: no step finished for {self.timeout_s:g} s "
+                                                       f"(the longest stretch before: {self.longest_stretch_s:.1f} s); "
                                                        "Python stacks of every thread follow")
         with contextlib.suppress(OSError), open(rank_log(self.log_dir, self.rank), "a") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)

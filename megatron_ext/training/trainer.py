@@ -25,7 +25,15 @@ from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.layout import progress_path
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.checkpoint.resume import load_weights_before_sharding
-from megatron_ext.config.schema import RecipeConfig, data_parallel_size, log_dir, microbatches_per_step
+from megatron_ext.config.schema import (
+    RecipeConfig,
+    collective_timeout_minutes,
+    data_parallel_size,
+    decides_before_update,
+    hang_timeout_s,
+    log_dir,
+    microbatches_per_step,
+)
 from megatron_ext.data.checks import blend_prefixes
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
 from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions
@@ -45,6 +53,7 @@ from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
 from megatron_ext.model.document_mask import pack_documents, uses_packed_sequences
+from megatron_ext.planner.timeouts import COLLECTIVE_MARGIN_S
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
     NonFiniteSteps,
@@ -203,12 +212,11 @@ class Trainer:
         self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
         self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
         self.pending = PendingSteps(_device())
-        # a decision before the update needs the step's flags on the host at once (fp16's grad scaler reads its
-        # own overflow flag there anyway, and its loss scale is logged per step): such runs settle every step
-        self.decide_before_update = t.skip_nonfinite_steps > 0 or t.precision == "fp16"
+        self.decide_before_update = decides_before_update(self.cfg)  # such runs settle every step
         self.router_metrics = RouterMetrics(self.cfg, _device(), self.model)
         self.config.timers = self.metrics.core_timers
-        self.watchdog = HangWatchdog(t.hang_timeout_s, log_dir(self.cfg), self.rank, self.world_size)
+        self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
+                                     ceiling_s=collective_timeout_minutes(self.cfg) * 60 - COLLECTIVE_MARGIN_S)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
     def loss_scale(self) -> Optional[float]:
