@@ -28,7 +28,7 @@ log = logging.getLogger("megatron_ext")
 # Keys that differ between launches of one run by design: where it saves and logs, when it stops.
 _EXPECTED_TO_CHANGE = ("checkpoint.", "logging.", "recipe.description", "train.exit_interval",
                        "train.exit_signal_handler", "data.num_workers", "data.path_to_cache", "parallel.auto",
-                       "parallel.distributed_timeout_minutes")
+                       "parallel.distributed_timeout_minutes", "train.hang_timeout_s")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
