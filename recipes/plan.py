@@ -87,6 +87,13 @@ def _table(rows: list[list[str]], title: str) -> str:
     return capture.get().rstrip()
 
 
+def _markdown(estimates: list[Estimate]) -> str:
+    rows = ["| # | layout | GiB | s/step | MFU |", "|---|---|---|---|---|"]
+    rows += [f"| {i} | {e.layout.label().removesuffix(' recompute=none')} | {e.memory['total'] / GIB:.1f} | "
+             f"{e.time['step']:.2f} | {100 * e.mfu:.0f} % |" for i, e in enumerate(estimates, 1)]
+    return "\n".join(rows)
+
+
 def _time_to_train(e: Estimate, train_iters: int, gpus: int) -> dict[str, float]:
     seconds = e.time["step"] * train_iters
     return {"seconds": seconds, "gpu_hours": seconds / 3600 * gpus}
@@ -151,6 +158,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_job_arguments(parser)
     parser.add_argument("--top", type=int, default=10, help="layouts to list")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--markdown", action="store_true",
+                        help="only the fastest layouts that fit, as a Markdown table (docs/planner.md's)")
     args = parser.parse_args(argv)
     try:
         cfg = load_job_config(args)
@@ -170,6 +179,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         interval = job_checkpoint_interval(cfg, args, planned.time["step"])
         ckpt["interval"] = interval.to_dict()
         timeouts = recipe_timeouts(cfg, planned.time["step"], args.checkpoint_write_gb_s)
+    if args.markdown:
+        print(_markdown(fitting[:args.top]))
+        return 0 if fitting else 1
     if args.json:
         print(json.dumps({"gpus": args.gpus, "gpus_per_node": args.gpus_per_node, "gpu": args.gpu,
                           "valid_layouts": len(ranked), "fitting_layouts": len(fitting),
