@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from megatron_ext.config.paths import refuse_unmounted_paths
 from megatron_ext.config.schema import (
     AUTO,
     COLLECTIVE_TIMEOUT_FLOOR_MINUTES,
@@ -149,6 +150,7 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
         overrides = [*overrides, *planned_layout(cfg, world_size, gpus_per_node)]
         cfg = load_config(config, overrides)
     world = fitting_world(cfg, world_size)
+    refuse_unmounted_paths(cfg)  # under pyxis: before the data checks, which would only say "does not exist"
     validate_data(cfg)
     timeouts = run_timeouts(cfg, world.size, gpus_per_node, say_timeouts)
     if AUTO in (cfg.train.hang_timeout_s, cfg.parallel.distributed_timeout_minutes):

@@ -193,6 +193,8 @@ slurm_pretrain() {
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
         local mounts
         mounts=$(_container_mounts "$run_dir" "$ckpt_dir" "$tb_dir")
+        # the ranks refuse a config path outside these (megatron_ext/config/paths.py) before training
+        export CONTAINER_MOUNTED=$mounts
         srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$mounts"
                     --container-workdir="$PWD")
         python=${python:-python}

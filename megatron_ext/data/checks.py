@@ -14,7 +14,8 @@ from typing import Any, Optional
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.config.schema import RecipeConfig, parse_blend
+from megatron_ext.config.paths import blend_prefixes
+from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.validate import require
 from megatron_ext.data.datasets import max_token_id
 from megatron_ext.data.tokenizer import load_tokenizer
@@ -95,15 +96,6 @@ def index_layout_problem(lengths: np.ndarray, pointers: np.ndarray, documents: n
         return (f"its document boundaries are not a rising list from 0 to the sequence count {len(lengths)} "
                 f"(first {documents[:1].tolist()}, last {documents[-1:].tolist()})")
     return None
-
-
-def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
-    """(data.KEY, dataset prefix) for every prefix the blends name."""
-    pairs = []
-    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
-        parsed = parse_blend(getattr(cfg.data, key), f"data.{key}")
-        pairs += [(f"data.{key}", prefix) for prefix in (parsed[0] if parsed else [])]
-    return pairs
 
 
 def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:

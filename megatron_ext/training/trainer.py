@@ -25,6 +25,7 @@ from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.layout import progress_path
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.checkpoint.resume import load_weights_before_sharding
+from megatron_ext.config.paths import blend_prefixes
 from megatron_ext.config.schema import (
     RecipeConfig,
     collective_timeout_minutes,
@@ -34,7 +35,6 @@ from megatron_ext.config.schema import (
     log_dir,
     microbatches_per_step,
 )
-from megatron_ext.data.checks import blend_prefixes
 from megatron_ext.data.datasets import build_datasets, microbatch_iterator
 from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions
 from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer

@@ -1,0 +1,56 @@
+"""Every file-system path a config names, by key, and the check that each lies inside a container's mounts.
+
+Under pyxis (``launch/slurm/common.sh`` with ``CONTAINER_IMAGE``) a path outside the step's mounts is the
+container's own file system: data there is missing, and a checkpoint written there vanishes with the container.
+The SLURM step exports its mounts (``CONTAINER_MOUNTS_ENV``); a config naming a path outside them is refused in one
+line before any rank starts, naming the key, the path and the mount to add.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_ext.config.schema import RecipeConfig, log_dir, parse_blend, resume_dir
+from megatron_ext.errors import ConfigError
+
+CONTAINER_MOUNTS_ENV = "CONTAINER_MOUNTED"  # the step's --container-mounts (src:dst[:flags], comma separated)
+
+
+def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """(data.KEY, dataset prefix) for every prefix the blends name."""
+    pairs = []
+    for key in ("blend", "train_blend", "valid_blend", "test_blend"):
+        parsed = parse_blend(getattr(cfg.data, key), f"data.{key}")
+        pairs += [(f"data.{key}", prefix) for prefix in (parsed[0] if parsed else [])]
+    return pairs
+
+
+def named_paths(cfg: RecipeConfig) -> list[tuple[str, str, bool]]:
+    """(key, path, written) for every path `cfg` reads or writes (`written`: the run writes there)."""
+    d, ck, g = cfg.data, cfg.checkpoint, cfg.logging
+    data = [] if d.mock else [*blend_prefixes(cfg), ("data.tokenizer_model", d.tokenizer_model)]
+    read = [*data, ("checkpoint.load", resume_dir(cfg)), ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint)]
+    written = [("checkpoint.save", ck.save), ("logging.tensorboard_dir", g.tensorboard_dir),
+               ("logging.log_dir", log_dir(cfg)), ("data.path_to_cache", d.path_to_cache)]
+    return [(k, p, True) for k, p in written if p] + [(k, p, False) for k, p in read
+                                                                  if p and p not in {w for _, w in written}]
+
+
+def _inside(path: Path, mounted: list[Path]) -> bool:
+    return any(path == m or m in path.parents for m in mounted)
+
+
+def refuse_unmounted_paths(cfg: RecipeConfig) -> None:
+    """Under a container step that exported its mounts: ConfigError for the first path `cfg` names outside them."""
+    mounts = os.environ.get(CONTAINER_MOUNTS_ENV)
+    if not mounts:
+        return
+    mounted = [Path(m.split(":")[1] if ":" in m else m) for m in mounts.split(",") if m]
+    for key, path, written in named_paths(cfg):
+        where = Path(os.path.abspath(path))
+        if not _inside(where, mounted):
+            lost = ("the run would write it inside the container, where it is lost with the container" if written
+                    else "the ranks cannot see it inside the container")
+            raise ConfigError(f"{key}={path} lies outside the container's mounts ({', '.join(map(str, mounted))}): "
+                              f"{lost}; add CONTAINER_MOUNTS={where.parent}:{where.parent} (or move it under one)")
