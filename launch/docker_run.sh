@@ -42,19 +42,20 @@ args=(
     # then be somewhere writable for the caches (Triton, torch.compile).
     --user "$(id -u):$(id -g)"
     --env HOME=/tmp
-    --volume "$(cd "$data_dir" && pwd):$workdir/data"
-    --volume "$(cd "$runs_dir" && pwd):$workdir/runs"
 )
+# src:dst of every mount; the ranks refuse a config path outside them (megatron_ext/config/paths.py): a checkpoint
+# written elsewhere would stay in the container and vanish with it
+mounts=("$(cd "$data_dir" && pwd):$workdir/data" "$(cd "$runs_dir" && pwd):$workdir/runs")
 if [[ ${MOUNT_CHECKOUT:-0} == 1 ]]; then
-    args+=(--volume "$PWD:$workdir")
+    mounts+=("$PWD:$workdir")
 fi
 if [[ -n ${CHECKPOINT_DIR:-} ]]; then
     mkdir -p "$CHECKPOINT_DIR"
-    args+=(--volume "$(cd "$CHECKPOINT_DIR" && pwd):/checkpoints")
+    mounts+=("$(cd "$CHECKPOINT_DIR" && pwd):/checkpoints")
 fi
 if [[ -n ${TENSORBOARD_DIR:-} ]]; then
     mkdir -p "$TENSORBOARD_DIR"
-    args+=(--volume "$(cd "$TENSORBOARD_DIR" && pwd):/tensorboard")
+    mounts+=("$(cd "$TENSORBOARD_DIR" && pwd):/tensorboard")
 fi
 # Settings from the host reach the ranks: NCCL_DEBUG, NCCL_SOCKET_IFNAME, ..., W&B's (WANDB_API_KEY, WANDB_MODE, ...)
 # and NPROC for launch/torchrun.sh.
@@ -68,6 +69,16 @@ fi
 if [[ -n ${DOCKER_ARGS:-} ]]; then
     read -r -a extra <<<"$DOCKER_ARGS"
     args+=("${extra[@]}")
+    for ((i = 0; i < ${#extra[@]}; i++)); do  # volumes given there count as mounts too
+        case ${extra[i]} in
+            -v | --volume) mounts+=("${extra[i + 1]:-}") ;;
+            --volume=*) mounts+=("${extra[i]#--volume=}") ;;
+        esac
+    done
 fi
+for mount in "${mounts[@]}"; do
+    args+=(--volume "$mount")
+done
+args+=(--env "CONTAINER_MOUNTED=$(IFS=,; echo "${mounts[*]}")")
 
 exec docker run "${args[@]}" "$image" "$@"

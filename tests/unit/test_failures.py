@@ -224,9 +224,13 @@ def test_docker_run_forwards_wandb_and_can_mount_the_checkout_over_the_images_co
         return subprocess.run(["bash", "launch/docker_run.sh", "true"], cwd=ROOT, capture_output=True, text=True,
                               check=True, env={**env, **extra}).stdout.split()
 
-    plain, mounted = docker_args({}), docker_args({"MOUNT_CHECKOUT": "1"})
+    plain, mounted = docker_args({}), docker_args({"MOUNT_CHECKOUT": "1", "DOCKER_ARGS": "-v /lustre:/lustre"})
     assert "WANDB_MODE" in plain and f"{ROOT}:/workspace/megatron-recipes" not in plain
     assert f"{ROOT}:/workspace/megatron-recipes" in mounted
+    # the mounts reach the ranks, which refuse a config path outside them (tests/unit/test_config_paths.py)
+    workdir = "/workspace/megatron-recipes"
+    assert f"CONTAINER_MOUNTED={tmp_path / 'data'}:{workdir}/data,{tmp_path / 'runs'}:{workdir}/runs" in plain
+    assert next(a for a in mounted if a.startswith("CONTAINER_MOUNTED=")).endswith(f"{ROOT}:{workdir},/lustre:/lustre")
 
 
 def test_the_launcher_names_the_rank_that_failed_by_itself():
