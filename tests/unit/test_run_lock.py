@@ -136,3 +136,30 @@ def test_a_launch_joining_the_live_elastic_job_that_holds_the_lock_is_let_in(tmp
     assert holder_of(tmp_path, elastic_run_id="job-7") is None
     assert "is in use by another run" in holder_of(tmp_path, elastic_run_id="job-8")
     assert "is in use by another run" in holder_of(tmp_path)
+
+
+def test_the_heartbeat_keeps_a_live_lock_from_another_hosts_take_over_and_stops_with_the_run(tmp_path, monkeypatch):
+    """The holder refreshes its lock every HEARTBEAT_S, so a launch on another host is refused for as long as the run
+    lives, however long that is; once the heartbeat stops (the run died without releasing), the lock ages past
+    STALE_AFTER_S and that launch takes it over."""
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(run_lock, "STALE_AFTER_S", 0.5)
+
+    def launch_on_another_host() -> RunLock:
+        other = RunLock(tmp_path)
+        other.me = {**other.me, "host": "other-node", "pid": 1}
+        return other
+
+    holder = RunLock(tmp_path)
+    holder.acquire()
+    for _ in range(3):  # three times the stale age: the heartbeat keeps it fresh
+        time.sleep(0.5)
+        assert time.time() - (tmp_path / RUN_LOCK).stat().st_mtime < 0.5
+        with pytest.raises(CheckpointError, match="is in use by another run"):
+            launch_on_another_host().acquire()
+    holder._stop.set()  # the run died: no release, no more heartbeat
+    time.sleep(0.8)
+    other = launch_on_another_host()
+    other.acquire()
+    assert json.loads((tmp_path / RUN_LOCK).read_text())["host"] == "other-node"
+    other.release()
