@@ -1,6 +1,8 @@
-"""The recipe's entry point with one step's gradients overflowing on purpose: at iteration OVERFLOW_AT every
-gradient flowing back from the loss is multiplied by inf (the loss itself stays finite), as an fp16 overflow
-would make them."""
+"""The recipe's entry point with steps whose gradients overflow on purpose: at each iteration of OVERFLOW_AT
+(comma separated) every gradient flowing back from the loss is multiplied by inf (the loss itself stays finite), as
+an fp16 overflow would make them. With GRAD_LOG, each step's largest gradient reaching the per-token losses (the
+loss scale over the number of tokens, if megatron-core scaled the loss before the backward pass) is appended there
+as ``iteration value``."""
 
 from __future__ import annotations
 
@@ -11,26 +13,34 @@ from megatron_ext.training import trainer
 from recipes.pretrain import main
 
 
-def _overflowing(forward_step):
-    def forward_step_with_infinite_gradients(data_iterator, model):
+def _hooked(forward_step, overflow: bool, iteration: int):
+    def forward_step_with_a_gradient_hook(data_iterator, model):
         output, loss_func = forward_step(data_iterator, model)
-        output.register_hook(lambda grad: grad * float("inf"))
+
+        def hook(grad):
+            if os.environ.get("GRAD_LOG") and not overflow:
+                with open(os.environ["GRAD_LOG"], "a") as log:
+                    log.write(f"{iteration} {grad.abs().max().item()!r}\n")
+            return grad * float("inf") if overflow else grad
+
+        output.register_hook(hook)
         return output, loss_func
 
-    return forward_step_with_infinite_gradients
+    return forward_step_with_a_gradient_hook
 
 
 def _injecting(train_step):
-    def train_step_overflowing_once(self, data_iterator):
-        finite = trainer._forward_step
-        if self.iteration + 1 == int(os.environ["OVERFLOW_AT"]):
-            trainer._forward_step = _overflowing(finite)
+    overflows = {int(i) for i in os.environ.get("OVERFLOW_AT", "").split(",") if i}
+
+    def train_step_with_hooks(self, data_iterator):
+        plain = trainer._forward_step
+        trainer._forward_step = _hooked(plain, self.iteration + 1 in overflows, self.iteration + 1)
         try:
             return train_step(self, data_iterator)
         finally:
-            trainer._forward_step = finite
+            trainer._forward_step = plain
 
-    return train_step_overflowing_once
+    return train_step_with_hooks
 
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
