@@ -1,5 +1,6 @@
-"""Weights & Biases, offline: rank 0 logs the same scalars as TensorBoard and the resolved config. The offline run
-file is read back record by record (wandb's LevelDB-style log of protobuf records)."""
+"""Weights & Biases, offline: rank 0 logs the same scalars as TensorBoard and the resolved config, and a relaunch
+that resumes the training run appends to the same W&B run. The offline run files are read back record by record
+(wandb's LevelDB-style log of protobuf records)."""
 
 from __future__ import annotations
 
@@ -49,17 +50,24 @@ def _history_and_config(path: Path) -> tuple[dict[str, dict[int, float]], dict]:
     return history, config
 
 
-def test_wandb_gets_the_tensorboard_scalars_and_the_resolved_config_offline(tmp_path):
+def test_wandb_gets_the_tensorboard_scalars_and_the_resolved_config_and_a_resume_appends(tmp_path):
+    """Stopped after step 2 and relaunched: both launches log to one W&B run id (offline, each launch writes its own
+    file of that run, which `wandb sync` appends), the relaunch from step 3 on; together they are TensorBoard's."""
     import wandb  # noqa: F401  (pinned in requirements.txt: a missing package fails here, not skips)
-    proc = run_pretrain(1, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=3", "train.eval_interval=2",
-                            f"logging.tensorboard_dir={tmp_path / 'tb'}",
-                            f"logging.log_dir={tmp_path / 'run' / 'logs'}",
-                            "logging.wandb_project=recipe-test", "logging.wandb_run_name=smoke"],
-                        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config = _history_and_config(run_file)
+    run = [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=3", "train.eval_interval=2",
+           f"logging.tensorboard_dir={tmp_path / 'tb'}", f"logging.log_dir={tmp_path / 'run' / 'logs'}",
+           f"checkpoint.save={tmp_path / 'run' / 'ckpt'}", "logging.wandb_project=recipe-test",
+           "logging.wandb_run_name=smoke"]
+    wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    run_pretrain(1, [*run, "train.exit_interval=2"], env=wandb_env)
+    proc = run_pretrain(1, run, env=wandb_env)
+    first, second = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert first.name == second.name, (first, second)  # run-<id>.wandb: one run id for both launches
+    (history, config), (appended, _) = _history_and_config(first), _history_and_config(second)
+    assert sorted(appended["train/lm_loss"]) == [3] and sorted(history["train/lm_loss"]) == [1, 2]
     for tag in ("train/lm_loss", "train/lr", "val/lm_loss", "progress/hours_left"):
         tensorboard = read_scalars(tmp_path / "tb", tag)
-        assert tensorboard and history[tag] == pytest.approx(tensorboard, rel=1e-6), (tag, history.get(tag))
+        both = {**history.get(tag, {}), **appended.get(tag, {})}
+        assert tensorboard and both == pytest.approx(tensorboard, rel=1e-6), (tag, both)
     assert config["model"]["hidden_size"] == 128 and config["train"]["compile"] is False, config  # resolved: auto → off
     assert proc.returncode == 0
