@@ -97,3 +97,19 @@ def _rank_logs_since(started: float, cmd: list[str]) -> str:
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)
+
+
+def steps_per_launch(tensorboard_dir: Path, tag: str) -> list[list[int]]:
+    """The steps of `tag` in each event file of the directory, oldest file first: one file per launch, so a resume
+    shows as [[1..N], [N+1..]] where a restart from scratch would show [[1..N], [1..]] (read_scalars merges the
+    files and cannot tell them apart)."""
+    files = sorted(Path(tensorboard_dir).glob("events.out.tfevents.*"), key=lambda p: (int(p.name.split(".")[3]), p.name))
+    return [sorted(read_scalars_of_file(f, tag)) for f in files]
+
+
+def read_scalars_of_file(event_file: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}

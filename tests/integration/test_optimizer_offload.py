@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import SMALL_MODEL, read_scalars, run_pretrain
+from tests.launch import SMALL_MODEL, read_scalars, run_pretrain, steps_per_launch
 
 STEPS, STOP = 4, 2
 DP2_BF16 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
@@ -32,13 +32,14 @@ def runs(tmp_path_factory) -> dict[str, object]:
     first = run_pretrain(2, [*offloaded, f"train.exit_interval={STOP}"])
     run_pretrain(2, offloaded)
     return {"plain": _scalars(root / "tb_plain"), "offload": _scalars(root / "tb_offload"),
-            "log": first.stdout + first.stderr}
+            "launches": steps_per_launch(root / "tb_offload", "train/lm_loss"), "log": first.stdout + first.stderr}
 
 
 def test_offloaded_optimizer_trains_exactly_as_the_device_one_and_resumes_exactly(runs):
     """Steps 1..STOP compare the offloaded optimizer with the device one; STOP+1..STEPS, after the resume, too."""
     assert "optimizer CPU offload: 918,080 of this rank's 918,080 optimizer elements (100 %" in runs["log"]
     assert "torch AdamW on the CPU" in runs["log"]
+    assert runs["launches"] == [list(range(1, STOP + 1)), list(range(STOP + 1, STEPS + 1))]  # resumed, not restarted
     for tag in TAGS:
         assert sorted(runs["offload"][tag]) == list(range(1, STEPS + 1))
         assert runs["offload"][tag] == runs["plain"][tag], tag

@@ -9,7 +9,14 @@ import pytest
 from megatron_ext.checkpoint.layout import latest_iteration
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.integration.test_parallel_parity import TOLERANCE as PARITY_TOLERANCE  # the README's bound for every layout
-from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
+from tests.launch import (
+    SINGLE_PROCESS,
+    SMALL_MODEL,
+    max_relative_difference,
+    read_scalars,
+    run_pretrain,
+    steps_per_launch,
+)
 
 STEPS, STOP = 12, 6  # the interrupted run stops (and checkpoints) at STOP and is resumed to STEPS
 # A run resumed under another layout does the same math in another summation order. Loss: measured
@@ -50,6 +57,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
         full = read_scalars(runs["full"], tag)
         resumed = read_scalars(runs["resumed"], tag)
         assert sorted(resumed) == list(range(1, STEPS + 1))  # one TensorBoard axis across both launches
+        # ... of which the second resumed (a restart from scratch would log 1.. again)
+        assert steps_per_launch(runs["resumed"], tag) == [list(range(1, STOP + 1)), list(range(STOP + 1, STEPS + 1))]
         after = range(STOP + 1, STEPS + 1)
         assert {k: resumed[k] for k in after} == {k: full[k] for k in after}, tag
     assert latest_iteration(runs["ckpt"]) == STOP and (runs["ckpt"] / f"iter_{STOP:07d}").is_dir()
