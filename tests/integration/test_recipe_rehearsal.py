@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from megatron_ext.config.schema import load_config, pipeline_stage_layers
 from tests.launch import ROOT, read_scalars, run_pretrain
 
@@ -29,6 +31,7 @@ def test_405b_first_and_last_pipeline_stages_train_at_reduced_width(tmp_path):
         "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null",
         "train.global_batch_size=4", "train.train_iters=2", "train.eval_interval=1000", "train.eval_iters=1",
         "data.mock=true", "data.blend=null", "logging.log_interval=1", f"logging.tensorboard_dir={tb}",
+        "optimizer.lr_warmup_iters=0",  # the recipe's 8,000-step warm-up would leave the first steps at LR ~0
     ], config=RECIPE)
     log = run.stdout + run.stderr
     assert "TP2 × CP1 × DP1 × PP2" in log, log[-3000:]
@@ -39,3 +42,7 @@ def test_405b_first_and_last_pipeline_stages_train_at_reduced_width(tmp_path):
     losses = read_scalars(tb, "train/lm_loss")
     assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
     assert abs(losses[1] - math.log(m.vocab_size)) < 0.5  # an untrained model over the full vocabulary
+    # the offloaded optimizer stepped with the recipe's learning rate on finite gradients
+    lr, grad_norm = read_scalars(tb, "train/lr"), read_scalars(tb, "train/grad_norm")
+    assert lr[1] == pytest.approx(cfg.optimizer.lr, rel=1e-3) and all(0 < g < 1e3 for g in grad_norm.values()), \
+        (lr, grad_norm)
