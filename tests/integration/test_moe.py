@@ -45,6 +45,10 @@ LAYOUTS = {
                                          "experts [0, 1, 2, 3] on ranks [0, 2]",
                                          "distributed optimizer (state sharded over DP×CP=4)"]),
 }
+# the routing-collapse warning at the even share itself (2 of 8 experts), so that the run's own routing trips it:
+# which layers warn, when and with what share must follow from the logged per-layer loads
+COLLAPSE_SHARE, COLLAPSE_INTERVALS = 0.25, 2
+COLLAPSE = [f"logging.moe_collapse_share={COLLAPSE_SHARE}", f"logging.moe_collapse_intervals={COLLAPSE_INTERVALS}"]
 FULL_LAYOUT = ["TP1 × CP1 × DP2 × PP2", "expert layers: world=4 = ETP1 × EP2 × expert-DP1 × PP2",
                "experts [0, 1, 2, 3] on ranks [0, 2]; experts [4, 5, 6, 7] on ranks [1, 3]",
                "MoE: 8 experts per layer, top-2 (softmax); 4 on this rank as SequentialMLP; alltoall dispatcher; "
@@ -79,7 +83,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
     run_pretrain(1, [*overrides("single"), *SINGLE], config=TINY_MOE)
     full = run_pretrain(4, [*overrides("full"), f"checkpoint.save={root / 'saved'}", f"checkpoint.save_interval={STOP}",
-                            "checkpoint.optimizer_format=fully_reshardable"], config=TINY_MOE)
+                            "checkpoint.optimizer_format=fully_reshardable", *COLLAPSE], config=TINY_MOE)
     ckpt = root / "ckpt"
     shutil.copytree(iteration_dir(root / "saved", STOP), iteration_dir(ckpt, STOP))
     write_tracker(ckpt, STOP)
@@ -93,6 +97,24 @@ def test_ep2_pp2_matches_single_process_and_its_loss_falls(runs):
     _assert_matches(runs["full"], runs["single"], MOE_TOLERANCE, range(1, STEPS + 1), "ep2_pp2")
     losses = read_scalars(runs["full"], "train/lm_loss")
     assert losses[STEPS] < losses[1] - 0.5, losses
+
+
+def test_the_routing_collapse_warning_follows_the_logged_loads_through_the_loop(runs):
+    """Through the real loop at EP2×PP2 (the loads reduced over both stages): a warning for each layer whose
+    busiest expert stayed above the share for COLLAPSE_INTERVALS log intervals in a row, in order, with its share."""
+    import re
+
+    expected, streak = [], {}
+    for step in range(1, STEPS + 1):
+        for layer in range(1, 5):
+            load = read_scalars(runs["full"], f"moe/layer{layer}/max_load")[step]
+            streak[layer] = streak.get(layer, 0) + 1 if load > COLLAPSE_SHARE else 0
+            if streak[layer] == COLLAPSE_INTERVALS:
+                expected.append((layer, round(100 * load)))
+    said = [(int(layer), int(share)) for layer, share in
+            re.findall(r"routing collapse in MoE layer (\d+): expert \d+ took (\d+)% of the layer's tokens",
+                       runs["full_log"])]
+    assert expected and said == expected, (said, expected)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
