@@ -256,9 +256,9 @@ class Job:
                          for path in sorted((self.run_dir / "logs").rglob("*")) if path.is_file())
         return f"--- batch output\n{self.batch_output}\n{logs}\n{self.cluster.logs()}"
 
-    def wait_for_log(self, pattern: str, timeout: float = JOB_TIMEOUT) -> None:
+    def wait_for_log(self, pattern: str, timeout: float = JOB_TIMEOUT, attempt: int = 0) -> None:
         deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.text(self.log())):
+        while not re.search(pattern, self.text(self.log(attempt))):
             if time.monotonic() > deadline or self.id not in self.cluster.jobs():
                 raise AssertionError(f"job {self.id}: no {pattern!r} in its log\n{self.debug()}")
             time.sleep(0.2)
@@ -330,35 +330,6 @@ def test_multi_node_template_goes_on_without_a_lost_node_when_elastic(cluster, s
         TOLERANCE["train/lm_loss"]
 
 
-def test_preempted_job_checkpoints_requeues_and_finishes_like_the_uninterrupted_run(
-        cluster, single_node_job, tmp_path):
-    job = Job(cluster, tmp_path, "pretrain_single_node.sbatch", 2, ["--cpus-per-task=2"], RECIPE)
-    job.wait_for_log(rf"step +{SIGNAL_AFTER}/")
-    # What `#SBATCH --signal=B:USR1@600` does before the time limit: SIGUSR1 to the batch script.
-    cluster.run("scancel", "--batch", "--signal=USR1", job.id)
-    job.wait()
-
-    first, second = job.text(job.log(0)), job.text(job.log(1))
-    stopped = re.search(r"stopped cleanly after iteration (\d+) \(exit signal\)", first)
-    assert stopped, job.debug()
-    stop = int(stopped.group(1))
-    assert SIGNAL_AFTER <= stop < STEPS, f"the signal came too late to test a resume: {stop}\n{job.debug()}"
-    assert "requeueing" in job.batch_output and "restart 1 on node1" in job.batch_output, job.debug()
-    # No sample lost or repeated: the requeued attempt starts where the checkpoint left off.
-    ckpt = job.run_dir / "checkpoints"
-    resumed = f"resumed from {ckpt} at iteration {stop} ({stop * GLOBAL_BATCH} samples consumed)"
-    assert resumed in second, job.debug()
-    assert re.findall(r"step +(\d+)/", second)[0] == str(stop + 1)
-    assert f"finished at iteration {STEPS}" in second and "training finished" in job.batch_output
-    assert verdict(job.run_dir / "logs") == {"ENDED": "finished", "ITERATION": str(STEPS), "FAILED_NODES": ""}
-    assert (ckpt / f"iter_{stop:07d}").is_dir() and latest_iteration(ckpt) == STEPS
-    # Exactly the uninterrupted run's losses, the final one included (CPU, fp32, exact resume).
-    for tag in ("train/lm_loss", "train/grad_norm", "train/lr"):
-        resumed = read_scalars(job.run_dir / "tensorboard", tag)
-        uninterrupted = read_scalars(single_node_job.run_dir / "tensorboard", tag)
-        assert resumed == uninterrupted, (tag, resumed, uninterrupted)
-
-
 def _training_rank(job: Job, rank: int) -> psutil.Process:
     for proc in psutil.process_iter(["cmdline", "environ"]):
         cmdline, env = " ".join(proc.info["cmdline"] or []), proc.info["environ"] or {}
@@ -367,30 +338,45 @@ def _training_rank(job: Job, rank: int) -> psutil.Process:
     raise AssertionError(f"job {job.id}: no training rank {rank} running\n{job.debug()}")
 
 
-def test_a_crashed_rank_requeues_the_job_without_its_node_and_the_run_finishes_exactly(
-        cluster, single_node_job, tmp_path):
-    """Rank 0 crashes in native code (SIGSEGV, as a driver or kernel fault would) after step 6: its log holds its
-    Python stack; the job is requeued once, without node1, the next attempt on node2 takes over the dead run's
-    lock, resumes the step-5 checkpoint and ends with the uninterrupted run's losses."""
+def test_a_crash_then_a_preemption_requeue_and_the_run_finishes_exactly(cluster, single_node_job, tmp_path):
+    """One job, three attempts. Rank 0 crashes in native code (SIGSEGV, as a driver or kernel fault would) after
+    step 6: its log holds its Python stack, and the job is requeued without node1. The attempt on node2 takes over
+    the dead run's lock and resumes the step-5 checkpoint; a pre-emption warning (what `#SBATCH
+    --signal=B:USR1@600` sends before the time limit) then makes it checkpoint, stop and requeue (a planned requeue:
+    still on node2, node1 stays excluded). The last attempt resumes where that one stopped, no sample lost or
+    repeated, and the run ends with the uninterrupted run's losses, bit for bit. (The requeue policy's other cases
+    are tests/unit/test_slurm_policy.py's.)"""
     job = Job(cluster, tmp_path, "pretrain_single_node.sbatch", 2, ["--cpus-per-task=2"], RECIPE)
     job.wait_for_log(rf"step +{SIGNAL_AFTER}/")
     _training_rank(job, 0).send_signal(signal.SIGSEGV)
+    job.wait_for_log(rf"step +(?:{SAVE_INTERVAL + 3}|{SAVE_INTERVAL + 4}|1[0-5])/", attempt=1)
+    cluster.run("scancel", "--batch", "--signal=USR1", job.id)
     job.wait()
 
-    said = re.search(r"training failed: rank 0 on node1 was killed by SIGSEGV .*; its log: (\S+)", job.text(job.log(0)))
+    crashed, preempted, last = (job.text(job.log(attempt)) for attempt in range(3))
+    said = re.search(r"training failed: rank 0 on node1 was killed by SIGSEGV .*; its log: (\S+)", crashed)
     assert said, job.debug()
     stack = Path(said.group(1)).read_text()
     assert "Fatal Python error: Segmentation fault" in stack and "(most recent call first)" in stack, stack
     assert "a rank failed on node1; requeueing (failure requeue 1 of 3) without node1" in job.batch_output, \
         job.debug()
-    second = job.text(job.log(1))
-    assert "restart 1 on node2" in job.batch_output and "took over" in second, job.debug()
     ckpt = job.run_dir / "checkpoints"
-    assert f"resumed from {ckpt} at iteration {SAVE_INTERVAL}" in second, job.debug()
-    assert "training finished" in job.batch_output and latest_iteration(ckpt) == STEPS
-    for tag in ("train/lm_loss", "train/grad_norm"):
-        assert read_scalars(job.run_dir / "tensorboard", tag) == \
-            read_scalars(single_node_job.run_dir / "tensorboard", tag), tag
+    assert "restart 1 on node2" in job.batch_output and "took over" in preempted, job.debug()
+    assert f"resumed from {ckpt} at iteration {SAVE_INTERVAL}" in preempted, job.debug()
+    stopped = re.search(r"stopped cleanly after iteration (\d+) \(exit signal\)", preempted)
+    assert stopped, job.debug()
+    stop = int(stopped.group(1))
+    assert SAVE_INTERVAL < stop < STEPS, f"the signal came too late to test a resume: {stop}\n{job.debug()}"
+    assert "restart 2 on node2" in job.batch_output and "failure requeue 2" not in job.batch_output, job.debug()
+    assert f"resumed from {ckpt} at iteration {stop} ({stop * GLOBAL_BATCH} samples consumed)" in last, job.debug()
+    assert re.findall(r"step +(\d+)/", last)[0] == str(stop + 1)
+    assert f"finished at iteration {STEPS}" in last and "training finished" in job.batch_output
+    assert verdict(job.run_dir / "logs") == {"ENDED": "finished", "ITERATION": str(STEPS), "FAILED_NODES": ""}
+    assert (ckpt / f"iter_{stop:07d}").is_dir() and latest_iteration(ckpt) == STEPS
+    for tag in ("train/lm_loss", "train/grad_norm", "train/lr"):
+        resumed = read_scalars(job.run_dir / "tensorboard", tag)
+        uninterrupted = read_scalars(single_node_job.run_dir / "tensorboard", tag)
+        assert resumed == uninterrupted, (tag, resumed, uninterrupted)
 
 
 def test_two_job_steps_of_one_allocation_never_share_a_checkpoint_directory(cluster, tmp_path):
