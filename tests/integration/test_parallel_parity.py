@@ -68,9 +68,7 @@ LAYOUTS = {
                             [DISTOPT2, "grad sync: overlapped grad reduce, overlapped param gather"]),
     "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"],
                                      ["kernels: sequence parallel, fused SwiGLU, torch.compile per layer"]),
-    "dp2_tp2_sp_zero2": (4, [*PP1, *FSDP, "parallel.data_parallel_sharding_strategy=optim_grads"],
-                         ["TP2 × CP1 × DP2 × PP1", "sequence parallel",
-                          "Megatron-FSDP optim_grads (ZeRO-2) over DP×CP=2"]),
+    # ZeRO-2 (TP2 × DP2 + SP) is proven by tests/integration/test_fsdp_checkpoint.py, where it continues a ZeRO-3 run
     "dp4_zero3": (4, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP4 × PP1",
                                          "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4"]),
     # HSDP: ZeRO-3 inside 2 groups of 2 DP×CP ranks, replicated across them (at CP2: Megatron-FSDP shards over
