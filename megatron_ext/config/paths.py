@@ -2,8 +2,8 @@
 
 Under pyxis (``launch/slurm/common.sh`` with ``CONTAINER_IMAGE``) a path outside the step's mounts is the
 container's own file system: data there is missing, and a checkpoint written there vanishes with the container.
-The SLURM step exports its mounts (``CONTAINER_MOUNTS_ENV``); a config naming a path outside them is refused in one
-line before any rank starts, naming the key, the path and the mount to add.
+The SLURM step and ``launch/docker_run.sh`` export their mounts (``CONTAINER_MOUNTS_ENV``); a config naming a path
+outside them is refused in one line before any rank starts, naming the key, the path and the mount to add.
 """
 
 from __future__ import annotations
@@ -53,4 +53,6 @@ def refuse_unmounted_paths(cfg: RecipeConfig) -> None:
             lost = ("the run would write it inside the container, where it is lost with the container" if written
                     else "the ranks cannot see it inside the container")
             raise ConfigError(f"{key}={path} lies outside the container's mounts ({', '.join(map(str, mounted))}): "
-                              f"{lost}; add CONTAINER_MOUNTS={where.parent}:{where.parent} (or move it under one)")
+                              f"{lost}; mount {where.parent} (CONTAINER_MOUNTS={where.parent}:{where.parent} under SLURM, "
+                              f"DOCKER_ARGS='-v {where.parent}:{where.parent}' with docker_run.sh) or move it under a "
+                              "mount")

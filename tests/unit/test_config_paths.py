@@ -34,8 +34,9 @@ def test_a_checkpoint_outside_the_mounts_is_refused_before_it_is_lost(monkeypatc
         refuse_unmounted_paths(cfg)
     assert str(error.value) == (
         f"checkpoint.save=/scratch/me/ckpt lies outside the container's mounts ({ROOT}, /lustre/runs, /data): the "
-        "run would write it inside the container, where it is lost with the container; add "
-        "CONTAINER_MOUNTS=/scratch/me:/scratch/me (or move it under one)")
+        "run would write it inside the container, where it is lost with the container; mount /scratch/me "
+        "(CONTAINER_MOUNTS=/scratch/me:/scratch/me under SLURM, DOCKER_ARGS='-v /scratch/me:/scratch/me' with "
+        "docker_run.sh) or move it under a mount")
     refuse_unmounted_paths(load_config(TINY, ["checkpoint.save=/lustre/runs/x/ckpt"]))  # mounted: passes
     refuse_unmounted_paths(load_config(TINY, ["checkpoint.save=runs/tiny/ckpt"]))  # relative: under the checkout
 
@@ -43,8 +44,8 @@ def test_a_checkpoint_outside_the_mounts_is_refused_before_it_is_lost(monkeypatc
 def test_data_outside_the_mounts_is_said_to_be_invisible(monkeypatch):
     monkeypatch.setenv(CONTAINER_MOUNTS_ENV, f"{ROOT}:{ROOT},/data:/data")
     with pytest.raises(ConfigError, match=r"^data.blend=/lustre/b_text_document lies outside the container's mounts "
-                                          r".*: the ranks cannot see it inside the container; add "
-                                          r"CONTAINER_MOUNTS=/lustre:/lustre"):
+                                          r".*: the ranks cannot see it inside the container; mount /lustre "
+                                          r"\(CONTAINER_MOUNTS=/lustre:/lustre under SLURM"):
         refuse_unmounted_paths(load_config(TINY, [*REAL_DATA, "checkpoint.save=null"]))
 
 
