@@ -34,6 +34,7 @@ from megatron_ext.planner.goodput import (
     DEFAULT_WRITE_GB_S,
     LLAMA3_FAILURES_PER_GPU_HOUR,
     CheckpointInterval,
+    checkpoint_write_s,
     recipe_checkpoint_interval,
 )
 from megatron_ext.planner.timeouts import recipe_timeouts, timeout_warnings
@@ -172,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     gpu = GPUS[args.gpu]
     ckpt_bytes = checkpoint_bytes(cfg, model_vocab_size(cfg))
     ckpt = {"bytes": ckpt_bytes, "write_gb_s": args.checkpoint_write_gb_s,
-            "save_s": ckpt_bytes / 1e9 / args.checkpoint_write_gb_s}
+            "save_s": checkpoint_write_s(cfg, args.checkpoint_write_gb_s)}
     planned = current if current is not None and current.fits else (fitting[0] if fitting else None)
     interval = timeouts = None
     if planned is not None:

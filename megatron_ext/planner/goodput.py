@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.planner.layout import model_vocab_size
 from megatron_ext.planner.static_memory import checkpoint_bytes
 
 # Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4): 419 unexpected interruptions in a 54-day
@@ -76,6 +77,11 @@ class CheckpointInterval:
         return asdict(self)
 
 
+def checkpoint_write_s(cfg: RecipeConfig, write_gb_s: float = DEFAULT_WRITE_GB_S) -> float:
+    """Seconds to write one checkpoint of `cfg` (weights and optimizer state) at `write_gb_s` (aggregate)."""
+    return checkpoint_bytes(cfg, model_vocab_size(cfg)) / 1e9 / write_gb_s
+
+
 def save_stall_s(checkpoint_bytes_per_gpu: float, write_gb_s_per_gpu: float, asynchronous: bool) -> float:
     """How long one save holds training up: the GPU→host staging copy when asynchronous, else the whole write."""
     return checkpoint_bytes_per_gpu / 1e9 / (ASYNC_STAGING_GB_S if asynchronous else write_gb_s_per_gpu)
@@ -107,5 +113,5 @@ def recipe_checkpoint_interval(cfg: RecipeConfig, gpus: int, step_s: float, voca
     size = checkpoint_bytes(cfg, vocab_size)
     asynchronous = cfg.checkpoint.async_save is not False
     return checkpoint_interval(step_s, save_stall_s(size / gpus, write_gb_s / gpus, asynchronous), gpus,
-                               cfg.checkpoint.save_interval, size / 1e9 / write_gb_s if asynchronous else 0.0,
+                               cfg.checkpoint.save_interval, checkpoint_write_s(cfg, write_gb_s) if asynchronous else 0.0,
                                failures_per_gpu_hour, restart_s)

@@ -33,9 +33,8 @@ from megatron_ext.config.schema import (
 )
 from megatron_ext.hardware import GPUS
 from megatron_ext.planner.estimate import estimate
-from megatron_ext.planner.goodput import DEFAULT_WRITE_GB_S
+from megatron_ext.planner.goodput import DEFAULT_WRITE_GB_S, checkpoint_write_s
 from megatron_ext.planner.layout import model_vocab_size
-from megatron_ext.planner.static_memory import checkpoint_bytes
 
 COLLECTIVE_MARGIN_S = 300.0  # a collective outlasts the hang watchdog (and a checkpoint write) by this much
 EXIT_MARGIN_S = 120.0  # after the last save: the run's records, process exit, the launcher's teardown
@@ -87,8 +86,7 @@ def derive_timeouts(step_s: float, save_s: float, steps_between_reads: int, hang
 
 def recipe_timeouts(cfg: RecipeConfig, step_s: float, write_gb_s: float = DEFAULT_WRITE_GB_S) -> Timeouts:
     """:func:`derive_timeouts` for `cfg` at a planned `step_s`, its checkpoint written at `write_gb_s` (aggregate)."""
-    save = checkpoint_bytes(cfg, model_vocab_size(cfg)) / 1e9 / write_gb_s
-    return derive_timeouts(step_s, save, steps_between_device_reads(cfg), cfg.train.hang_timeout_s,
+    return derive_timeouts(step_s, checkpoint_write_s(cfg, write_gb_s), steps_between_device_reads(cfg), cfg.train.hang_timeout_s,
                            cfg.parallel.distributed_timeout_minutes)
 
 
