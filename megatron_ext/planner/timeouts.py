@@ -43,6 +43,12 @@ EXIT_MARGIN_S = 120.0  # after the last save: the run's records, process exit, t
 SLURM_SIGNAL_LEAD_S = 600
 
 
+def hang_ceiling_s(collective_minutes: float) -> float:
+    """The longest hang timeout under a collective timeout of `collective_minutes`: COLLECTIVE_MARGIN_S below it (half
+    of it when that is shorter), so that the watchdog speaks before the collectives fail."""
+    return collective_minutes * 60 - min(COLLECTIVE_MARGIN_S, collective_minutes * 30)
+
+
 @dataclass(frozen=True)
 class Timeouts:
     hang_s: Optional[float]  # train.hang_timeout_s (None: off)
@@ -76,7 +82,7 @@ def derive_timeouts(step_s: float, save_s: float, steps_between_reads: int, hang
     if hang_s == AUTO:
         hang_s = max(HANG_TIMEOUT_FLOOR_S, 60 * math.ceil(HANG_MARGIN * quiet / 60))
         if collective_minutes != AUTO:  # below the collective timeout the config sets
-            hang_s = min(hang_s, collective_minutes * 60 - min(COLLECTIVE_MARGIN_S, collective_minutes * 30))
+            hang_s = min(hang_s, hang_ceiling_s(collective_minutes))
     if collective_minutes == AUTO:
         waited = max(hang_s or HANG_TIMEOUT_FLOOR_S, save_s) + COLLECTIVE_MARGIN_S
         collective_minutes = max(COLLECTIVE_TIMEOUT_FLOOR_MINUTES, math.ceil(waited / 60))
@@ -86,8 +92,8 @@ def derive_timeouts(step_s: float, save_s: float, steps_between_reads: int, hang
 
 def recipe_timeouts(cfg: RecipeConfig, step_s: float, write_gb_s: float = DEFAULT_WRITE_GB_S) -> Timeouts:
     """:func:`derive_timeouts` for `cfg` at a planned `step_s`, its checkpoint written at `write_gb_s` (aggregate)."""
-    return derive_timeouts(step_s, checkpoint_write_s(cfg, write_gb_s), steps_between_device_reads(cfg), cfg.train.hang_timeout_s,
-                           cfg.parallel.distributed_timeout_minutes)
+    return derive_timeouts(step_s, checkpoint_write_s(cfg, write_gb_s), steps_between_device_reads(cfg),
+                           cfg.train.hang_timeout_s, cfg.parallel.distributed_timeout_minutes)
 
 
 def planned_timeouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str,

@@ -53,7 +53,7 @@ from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
 from megatron_ext.model.document_mask import pack_documents, uses_packed_sequences
-from megatron_ext.planner.timeouts import COLLECTIVE_MARGIN_S
+from megatron_ext.planner.timeouts import hang_ceiling_s
 from megatron_ext.resilience.divergence import (
     LossSpikeDetector,
     NonFiniteSteps,
@@ -216,7 +216,7 @@ class Trainer:
         self.router_metrics = RouterMetrics(self.cfg, _device(), self.model)
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
-                                     ceiling_s=collective_timeout_minutes(self.cfg) * 60 - COLLECTIVE_MARGIN_S)
+                                     ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
     def loss_scale(self) -> Optional[float]:
