@@ -31,10 +31,10 @@ def named_paths(cfg: RecipeConfig) -> list[tuple[str, str, bool]]:
     d, ck, g = cfg.data, cfg.checkpoint, cfg.logging
     data = [] if d.mock else [*blend_prefixes(cfg), ("data.tokenizer_model", d.tokenizer_model)]
     read = [*data, ("checkpoint.load", resume_dir(cfg)), ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint)]
-    written = [("checkpoint.save", ck.save), ("logging.tensorboard_dir", g.tensorboard_dir),
-               ("logging.log_dir", log_dir(cfg)), ("data.path_to_cache", d.path_to_cache)]
-    return [(k, p, True) for k, p in written if p] + [(k, p, False) for k, p in read
-                                                                  if p and p not in {w for _, w in written}]
+    written = [(k, p) for k, p in (("checkpoint.save", ck.save), ("logging.tensorboard_dir", g.tensorboard_dir),
+                                   ("logging.log_dir", log_dir(cfg)), ("data.path_to_cache", d.path_to_cache)) if p]
+    seen = {p for _, p in written}  # checkpoint.load: auto reads what checkpoint.save writes
+    return [(k, p, True) for k, p in written] + [(k, p, False) for k, p in read if p and p not in seen]
 
 
 def _inside(path: Path, mounted: list[Path]) -> bool:
