@@ -1,4 +1,5 @@
-"""Blends: weighted data.blend proportions, per-split blends, and bad blends rejected as ConfigError."""
+"""Blends: weighted data.blend proportions, per-split blends, and bad blends rejected as ConfigError; the document
+switches reach the samples built from prepared data."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from data_prep.train_tokenizer import train_tokenizer
 from megatron_ext.config.schema import load_config
@@ -148,3 +150,31 @@ def test_bad_blend_is_a_config_error(data, blend, key, fragment):
 def test_no_blend_at_all_is_a_config_error(data):
     with pytest.raises(ConfigError, match=r"data.blend=None is invalid: give a dataset prefix list"):
         validate_data(_config(data, "data.blend=null"))
+
+
+@pytest.mark.parametrize("documents", [True, False])
+def test_the_data_switches_reach_the_samples_the_trainer_reads(data, documents):
+    """data.reset_position_ids / reset_attention_mask / eod_mask_loss, through build_datasets and the data loader's
+    collate: positions restart after each EOD, the EOD tokens leave the loss, each token carries its document's id;
+    switched off, positions run on and every token counts."""
+    from megatron_ext.data.datasets import microbatch_iterator
+
+    on = str(documents).lower()
+    cfg = _config(data, f"data.reset_position_ids={on}", f"data.reset_attention_mask={on}",
+                  f"data.eod_mask_loss={on}")
+    train, _, _ = build_datasets(cfg, data.tokenizer)
+    batch = next(microbatch_iterator(train, 0, 4, 0, 1, 0, documents_eod=data.tokenizer.eod if documents else None))
+    tokens, positions, loss_mask = batch["tokens"], batch["position_ids"], batch["loss_mask"]
+    eod = tokens == data.tokenizer.eod
+    assert eod.sum() >= 4  # short lines: every sequence holds several documents
+    if not documents:
+        assert "documents" not in batch and bool((loss_mask == 1).all())
+        assert bool((positions == torch.arange(tokens.size(1))).all())
+        return
+    assert bool((loss_mask == (~eod).float()).all())
+    after_eod = torch.zeros_like(eod)
+    after_eod[:, 1:] = eod[:, :-1]
+    assert bool((positions[after_eod] == 0).all())
+    assert bool((positions[:, 1:][~after_eod[:, 1:]] == positions[:, :-1][~after_eod[:, 1:]] + 1).all())
+    ids = batch["documents"]
+    assert bool((ids[:, 1:] - ids[:, :-1] == after_eod[:, 1:].to(ids.dtype)).all())

@@ -1,15 +1,18 @@
-"""torchrun worker (4 processes): with document masking, a document B packed between A and C gives the logits and
-parameter gradients it gives alone, in the recipe's model under TP2 (+SP), PP2, CP2 and CP4 (ring attention), and in
-megatron-core's TransformerEngine layer spec under TP2 (+SP) × PP2 — TE's packed-sequence (THD) input as the trainer
-makes it (``pack_documents``), with megatron-core's THD RoPE, into the TE-shaped core attention stand-in.
+"""torchrun worker (4 processes): with document masking, a document B packed between A and C gives the per-token
+losses and parameter gradients it gives alone, through the trainer's own path — samples made as megatron-core's
+GPTDataset makes them with the recipe's data.reset_position_ids / reset_attention_mask / eod_mask_loss, document ids
+from the data loader's collate, and the trainer's forward step and loss (CP cutting, TransformerEngine's packed-sequence
+(THD) input) — in the recipe's model under TP2 (+SP), PP2, CP2 and CP4 (ring attention), and in megatron-core's
+TransformerEngine layer spec under TP2 (+SP) × PP2 (megatron-core's THD RoPE into the TE-shaped core attention
+stand-in).
 
 For each layout in fp64 (where only the masking can make a difference), and for CP4 in fp32 too, the ranks build one
 model (megatron-core GPTModel through megatron_ext.model.llama) and run it through megatron-core's pipeline schedule
-twice: on A|B|C (64 tokens; B spans tokens 20-43, so it crosses
-the CP chunks' boundaries) with the loss on B's tokens only, and on B alone (24 tokens). Gradients are summed over
-the CP group and, for sequence-parallel parameters, the TP group (as megatron-core's grad finalisation does), then
-compared on every rank; B's logits are gathered from the CP ranks' zigzag chunks. Rank 0 writes the worst relative
-differences per layout and precision to argv[1] as JSON.
+twice: on A|B|C (64 tokens; B spans tokens 20-43, so it crosses the CP chunks' boundaries) with the loss on B's tokens
+only, and on B alone (24 tokens). Gradients are summed over the CP group and, for sequence-parallel parameters, the TP
+group (as megatron-core's grad finalisation does), then compared on every rank; B's per-token losses are gathered
+from the CP ranks' zigzag chunks. Rank 0 writes the worst relative differences per layout and precision, and the
+number of tokens each loss counted (B's EOD is not one of them), to argv[1] as JSON.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import sys
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_ext.config.schema import load_config
-from megatron_ext.data.datasets import document_ids
+from megatron_ext.config.schema import RecipeConfig, load_config
+from megatron_ext.data.datasets import _WithDocumentIds
 from megatron_ext.distributed import cpu_backend
-from megatron_ext.model.document_mask import pack_documents
 from megatron_ext.model.llama import build_model_chunks, transformer_config
+from megatron_ext.training.trainer import _forward_step
 from tests.launch import ROOT, SMALL_MODEL
 from tests.workers import te_standin
 
@@ -47,15 +50,16 @@ def documents() -> tuple[torch.Tensor, ...]:
     return docs, labels
 
 
-def sample(tokens: torch.Tensor, labels: torch.Tensor, loss_on: slice) -> dict[str, torch.Tensor]:
-    """One sequence as the data loader gives it, with document masking's ids and restarted positions."""
-    ids = document_ids(tokens[None], EOD)[0]  # as the data loader makes them
-    starts = torch.cat([torch.tensor([0]), (ids[1:] != ids[:-1]).nonzero().flatten() + 1])
-    positions = torch.arange(len(tokens)) - starts[ids.long()]
-    loss_mask = torch.zeros(len(tokens))
-    loss_mask[loss_on] = 1.0
-    return {"tokens": tokens[None], "labels": labels[None], "loss_mask": loss_mask[None],
-            "position_ids": positions[None], "documents": ids[None]}
+def sample(cfg: RecipeConfig, tokens: torch.Tensor, labels: torch.Tensor, loss_on: slice) -> dict[str, torch.Tensor]:
+    """One micro batch as the trainer's data loader gives it: GPTDataset's loss mask and positions under the recipe's
+    data switches (the loss further limited to `loss_on`), and the collate's document ids."""
+    d = cfg.data
+    _, loss_mask, positions = _get_ltor_masks_and_position_ids(
+        tokens, EOD, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss, create_attention_mask=False)
+    only = torch.zeros(len(tokens))
+    only[loss_on] = 1.0
+    return _WithDocumentIds(EOD)([{"tokens": tokens, "labels": labels, "loss_mask": loss_mask * only,
+                                   "position_ids": positions}])
 
 
 def unzigzag(local: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,26 +76,18 @@ def unzigzag(local: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def run(model, batch: dict[str, torch.Tensor], forward_only: bool, use_te: bool):
-    """Through megatron-core's schedule: B's logits [b, s, vocab/TP] (forward_only) or the gradients."""
+    """Through megatron-core's schedule and the trainer's forward step: B's per-token losses [b, s] and the number
+    of tokens the loss counted (forward_only), or the gradients."""
     kept = []
 
     def forward_step(iterator, chunk):
-        data = dict(next(iterator))
-        documents, packed = data.pop("documents"), None
-        if use_te:
-            data, packed = pack_documents(data, documents)
-            documents = None
-        data = get_batch_on_this_cp_rank(data, is_hybrid_cp=False,
-                                         cp_group=parallel_state.get_context_parallel_group())
-        labels = None if forward_only else data["labels"]
-        output = chunk(data["tokens"], data["position_ids"], attention_mask=documents, labels=labels,
-                       packed_seq_params=packed)
+        output, loss_func = _forward_step(iterator, chunk, packed_documents=use_te)
 
         def loss(output_tensor):
+            loss_sum, tokens, logged = loss_func(output_tensor)
             if forward_only:
-                kept.append(output_tensor.detach())
-                return output_tensor.sum() * 0, {}
-            return (output_tensor * data["loss_mask"].to(output_tensor.dtype)).sum(), {}
+                kept.append((output_tensor.detach(), tokens))
+            return loss_sum, tokens, logged
         return output, loss
 
     for param in model.parameters():
@@ -100,7 +96,12 @@ def run(model, batch: dict[str, torch.Tensor], forward_only: bool, use_te: bool)
                                 num_microbatches=1, seq_length=batch["tokens"].size(1), micro_batch_size=1,
                                 forward_only=forward_only)
     if forward_only:
-        return unzigzag(kept[0], 1) if kept else None
+        if not kept:
+            return None, None
+        losses, tokens = kept[0]
+        tokens = tokens.clone()
+        dist.all_reduce(tokens, group=parallel_state.get_context_parallel_group())
+        return unzigzag(losses, 1), int(tokens)
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -125,27 +126,30 @@ def compare(tp: int, pp: int, cp: int, use_te: bool, dtype: torch.dtype) -> dict
         "train.fused_cross_entropy=false",
         f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
         f"parallel.context_parallel_size={cp}", f"parallel.sequence_parallel={str(tp > 1).lower()}",
-        "data.reset_attention_mask=true", "data.reset_position_ids=true"])
+        "data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"])
     config = transformer_config(cfg, on_gpu=False, use_te=use_te)
     config.pipeline_dtype = dtype
     model = build_model_chunks(cfg, VOCAB, config, use_te=use_te)[0].to(dtype)
     (a, b, c), labels = documents()
     first = LENGTHS[0]
-    packed = sample(torch.cat([a, b, c]), labels, slice(first, first + len(b)))
-    alone = sample(b, labels[first:first + len(b)], slice(None))
+    packed = sample(cfg, torch.cat([a, b, c]), labels, slice(first, first + len(b)))
+    alone = sample(cfg, b, labels[first:first + len(b)], slice(None))
     worst = {}
-    logits_packed, logits_alone = run(model, packed, True, use_te), run(model, alone, True, use_te)
-    if logits_packed is not None:  # the last pipeline stage
-        worst["logits"] = relative(logits_packed[:, first:first + len(b)], logits_alone)
+    (losses_packed, counted_packed), (losses_alone, counted_alone) = (run(model, packed, True, use_te),
+                                                                      run(model, alone, True, use_te))
+    if losses_packed is not None:  # the last pipeline stage
+        worst["losses"] = relative(losses_packed[:, first:first + len(b)], losses_alone)
+        worst["tokens_counted"] = [counted_packed, counted_alone]
     grads_packed, grads_alone = run(model, packed, False, use_te), run(model, alone, False, use_te)
     worst["gradients"] = max(relative(grads_packed[k], grads_alone[k]) for k in grads_alone
                              if grads_alone[k].abs().max() > 0)
-    values = torch.tensor([worst.get("logits", 0.0), worst["gradients"]], dtype=torch.float64)
+    values = torch.tensor([worst.get("losses", 0.0), worst["gradients"], *worst.get("tokens_counted", (0, 0))],
+                          dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    counts = torch.tensor([float("logits" in worst), sum(g.abs().max() > 0 for g in grads_alone.values())])
+    counts = torch.tensor([float("losses" in worst), sum(g.abs().max() > 0 for g in grads_alone.values())])
     dist.all_reduce(counts)
-    return {"logits": values[0].item(), "gradients": values[1].item(), "ranks_with_logits": counts[0].item(),
-            "nonzero_gradients": counts[1].item()}
+    return {"losses": values[0].item(), "gradients": values[1].item(), "ranks_with_losses": counts[0].item(),
+            "nonzero_gradients": counts[1].item(), "tokens_counted": [int(values[2]), int(values[3])]}
 
 
 def main() -> None:
