@@ -1,6 +1,7 @@
 """Checkpoints of Megatron-FSDP runs (fsdp_dtensor, :mod:`megatron_ext.checkpoint.fsdp_dtensor`) on CPU/gloo: a ZeRO-3
 run stopped and resumed reproduces the uninterrupted one exactly (written in the background; the newest checkpoint
-damaged, the one before it resumed); its checkpoint goes on under ZeRO-2 at another TP size (TP2 × DP2 + SP); retention, manifests and
+damaged, the one before it resumed); its checkpoint goes on under HSDP (DP4 in two groups, the optimizer state also
+sharded across them), whose own checkpoint goes on under ZeRO-2 at another TP size (TP2 × DP2 + SP); retention, manifests and
 ``recipes.checkpoints`` treat it as any other; ``recipes.convert export-hf`` reads it; a run without Megatron-FSDP
 refuses it in one line; a Megatron-FSDP run starts from another run's weights. The runs mask documents in their
 packed sequences (data.reset_attention_mask and friends), so their resumes are exact with it on."""
@@ -18,7 +19,7 @@ from tests.conftest import parity_overrides
 from tests.integration.test_training import RESHARD_TOLERANCE
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, max_relative_difference, read_scalars, run_pretrain
 
-STEPS, STOP = 4, 2
+STEPS, STOP = 5, 2
 ZERO3 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
          "parallel.sequence_parallel=false", "parallel.use_megatron_fsdp=true"]
 # document masking on in these runs: its resume (and resharded resume) must be exact too
@@ -71,22 +72,35 @@ def test_retention_and_listing_treat_it_as_any_checkpoint(runs):
     assert "complete, verified" in lines[0] and "Megatron-FSDP optim_grads_params" in lines[0], lines
 
 
-def test_zero3_checkpoint_continues_under_zero2_at_another_tp_size(runs, tmp_path):
-    """The ZeRO-3 checkpoint of TP1 × DP2, continued under ZeRO-2 at TP2 × DP2 with sequence parallelism: the
-    uninterrupted run's steps within the reshard bounds (this is also the parity matrix's ZeRO-2 case)."""
-    tb = tmp_path / "tb"
-    proc = run_pretrain(4, [*parity_overrides(None, tb, STEPS), *ZERO3, *DOCUMENTS,
-                            "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                            "parallel.data_parallel_sharding_strategy=optim_grads",
-                            f"checkpoint.load={runs['at_stop']}", f"checkpoint.save={tmp_path / 'ckpt'}"])
-    log = proc.stdout + proc.stderr
-    assert "TP2 × CP1 × DP2 × PP1" in log and "Megatron-FSDP optim_grads (ZeRO-2) over DP×CP=2" in log, log[-3000:]
-    assert f"resumed from {runs['at_stop']} at iteration {STOP}" in log, log[-3000:]
-    for tag, tolerance in RESHARD_TOLERANCE.items():
-        full = {k: v for k, v in read_scalars(runs["full"], tag).items() if k > STOP}
-        diff = max_relative_difference(read_scalars(tb, tag), full)
-        print(f"reshard to ZeRO-2 at TP2 × DP2 + SP, {tag}: max rel diff {diff:.2e}")
-        assert sorted(read_scalars(tb, tag)) == sorted(full) and diff <= tolerance, tag
+def test_zero3_checkpoint_continues_under_hsdp_whose_checkpoint_continues_under_zero2_at_another_tp_size(runs, tmp_path):
+    """The ZeRO-3 checkpoint of TP1 × DP2 at step STOP, continued for one step under HSDP (ZeRO-3 within 2 groups of
+    2 DP ranks, the optimizer state also sharded across them), which saves; that checkpoint continued under ZeRO-2 at
+    TP2 × DP2 with sequence parallelism to the end: each step the uninterrupted run's within the reshard bounds (the
+    second is also the parity matrix's ZeRO-2 case)."""
+    hsdp = STOP + 1
+    legs = (("HSDP at DP4", runs["at_stop"], tmp_path / "hsdp",
+             ["parallel.num_distributed_optimizer_instances=2", "parallel.outer_dp_sharding_strategy=optim",
+              f"train.exit_interval={hsdp}"],
+             ["TP1 × CP1 × DP4 × PP1", "over each of 2 HSDP groups of 2 DP×CP ranks (this rank's: [0, 1]), the "
+              "optimizer state also sharded across them"], STOP),
+            ("ZeRO-2 at TP2 × DP2 + SP", tmp_path / "hsdp", tmp_path / "zero2",
+             ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+              "parallel.data_parallel_sharding_strategy=optim_grads"],
+             ["TP2 × CP1 × DP2 × PP1", "Megatron-FSDP optim_grads (ZeRO-2) over DP×CP=2"], hsdp))
+    for name, load, save, layout, expected, start in legs:
+        tb = tmp_path / f"tb_{save.name}"
+        proc = run_pretrain(4, [*parity_overrides(None, tb, STEPS), *ZERO3, *DOCUMENTS, *layout,
+                                f"checkpoint.load={load}", f"checkpoint.save={save}"])
+        log = proc.stdout + proc.stderr
+        missing = [fragment for fragment in [*expected, f"resumed from {load} at iteration {start}"]
+                   if fragment not in log]
+        assert not missing, (name, missing, log[-3000:])
+        end = hsdp if save.name == "hsdp" else STEPS
+        for tag, tolerance in RESHARD_TOLERANCE.items():
+            full = {k: v for k, v in read_scalars(runs["full"], tag).items() if start < k <= end}
+            diff = max_relative_difference(read_scalars(tb, tag), full)
+            print(f"reshard to {name}, {tag}: max rel diff {diff:.2e}")
+            assert sorted(read_scalars(tb, tag)) == sorted(full) and diff <= tolerance, (name, tag)
 
 
 def test_run_without_megatron_fsdp_refuses_it_in_one_line_before_any_rank_starts(runs, tmp_path):
