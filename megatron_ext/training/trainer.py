@@ -456,7 +456,10 @@ class Trainer:
         if t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self._checkpoint(stopping=False)
         self.checkpointer.close()  # the last checkpoint is complete before the run reports it
-        stop_data_parallel_communication(self.model)
+        in_flight = stop_data_parallel_communication(self.model)
+        if in_flight:
+            self._info(f"Megatron-FSDP: waited for the {in_flight} parameter all-gathers still in flight after the last "
+                       "step before the process groups close")
         result.iteration = self.iteration
         result.plan_check = self.metrics.plan_check()
         self.run_logger.close()

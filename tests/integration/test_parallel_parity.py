@@ -69,8 +69,13 @@ LAYOUTS = {
     "tp2_sp_compiled_fused_swiglu": (2, [*PP1, "train.compile=true", "train.fused_swiglu=true"],
                                      ["kernels: sequence parallel, fused SwiGLU, torch.compile per layer"]),
     # ZeRO-2 (TP2 × DP2 + SP) is proven by tests/integration/test_fsdp_checkpoint.py, where it continues a ZeRO-3 run
-    "dp4_zero3": (4, [*TP1, *PP1, *FSDP], ["TP1 × CP1 × DP4 × PP1",
-                                         "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4"]),
+    # and, ending on a training step (no evaluation), the all-gathers of the updated parameters that the last
+    # optimizer step started are waited for before the process groups close (destroyed under them: a SIGSEGV, seen at
+    # random in CI), one per bucket
+    "dp4_zero3": (4, [*TP1, *PP1, *FSDP, "train.eval_iters=0"], [
+        "TP1 × CP1 × DP4 × PP1", "Megatron-FSDP optim_grads_params (ZeRO-3) over DP×CP=4",
+        "Megatron-FSDP: waited for the 5 parameter all-gathers still in flight after the last step before the "
+        "process groups close"]),
     # HSDP: ZeRO-3 inside 2 groups of 2 DP×CP ranks, replicated across them (at CP2: Megatron-FSDP shards over
     # DP×CP); or at DP4 with the optimizer state also sharded across the groups, which the grad norm must then be
     # summed over (megatron-core 0.16.1 sums it over one group; training/optimizer.py)

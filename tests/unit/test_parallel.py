@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import torch
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -17,9 +18,12 @@ class _StoppedFSDP(FullyShardedDataParallel):
     def __init__(self):
         torch.nn.Module.__init__(self)
         self.stopped = 0
+        pending = {(bucket, False): object() for bucket in range(4)}  # (bucket id, backward) → its event
+        self.module = SimpleNamespace(all_gather_pipeline=SimpleNamespace(param_gather_event_map=pending))
 
     def stop_communication(self):
         warnings.warn("There are still pending all-gather tasks, process them. Bucket status: {}.", UserWarning)
+        self.module.all_gather_pipeline.param_gather_event_map.clear()
         self.stopped += 1
 
 
@@ -27,6 +31,6 @@ def test_megatron_fsdp_chunks_finish_their_gathers_quietly():
     fsdp, ddp = _StoppedFSDP(), torch.nn.Linear(1, 1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        stop_data_parallel_communication([fsdp, ddp])
-    assert fsdp.stopped == 1
+        waited_for = stop_data_parallel_communication([fsdp, ddp])
+    assert fsdp.stopped == 1 and waited_for == 4
     assert not seen
