@@ -45,12 +45,13 @@ RANGES: dict[str, Range] = {
     **{f"model.{key}": AT_LEAST_1 for key in (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "seq_length", "vocab_size", "make_vocab_size_divisible_by", "num_moe_experts", "moe_ffn_hidden_size",
-        "moe_router_topk", "moe_shared_expert_intermediate_size")},
+        "moe_router_topk", "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+        "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups", "moe_router_group_topk")},
     "model.rotary_base": ABOVE_1, "model.rope_scaling_factor": ABOVE_0,
     "model.layernorm_epsilon": Range(0, 1, low_open=True), "model.init_method_std": ABOVE_0,
     "model.hidden_dropout": PROBABILITY, "model.attention_dropout": PROBABILITY,
     "model.moe_aux_loss_coeff": AT_LEAST_0, "model.moe_router_bias_update_rate": AT_LEAST_0,
-    "model.moe_expert_capacity_factor": ABOVE_0,
+    "model.moe_expert_capacity_factor": ABOVE_0, "model.moe_router_topk_scaling_factor": ABOVE_0,
     **{f"parallel.{key}": AT_LEAST_1 for key in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",

@@ -102,6 +102,15 @@ class ModelConfig:
     # unfused (plain PyTorch) — the way around a cuDNN that the TE build does not match. Not NVTE_*_ATTN variables:
     # megatron-core refuses those unless they agree with this key
     te_attention_kernel: TEAttentionKernel = "auto"
+    # Multi-latent attention (DeepSeek-V2/V3, docs/moe.md): queries and keys/values through low-rank projections
+    # (each followed by an RMSNorm), every head's query and key a non-rotary part and a rotary part shared by the
+    # heads' keys; replaces num_query_groups/kv_channels/qk_layernorm
+    multi_latent_attention: bool = False
+    q_lora_rank: int = 1536  # rank of the query's down-projection (DeepSeek-V3, Kimi K2: 1536)
+    kv_lora_rank: int = 512  # rank of the key/value down-projection: the compressed KV (DeepSeek-V3, Kimi K2: 512)
+    qk_head_dim: int = 128  # each head's non-rotary query/key channels
+    qk_pos_emb_head_dim: int = 64  # each head's rotary query/key channels (the key's shared by all heads)
+    v_head_dim: int = 128  # each head's value channels
     # Mixture-of-Experts (docs/moe.md): every decoder layer's MLP becomes this many experts and a router; null = dense
     num_moe_experts: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None  # each expert's SwiGLU width; null = ffn_hidden_size
@@ -117,6 +126,12 @@ class ModelConfig:
     # moe_router_score_function=sigmoid)
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 0.001  # step of the expert-bias update
+    # group-limited routing (DeepSeek-V3): the experts in this many groups, a token's experts chosen from its
+    # moe_router_group_topk best groups (a group scored by the sum of its best topk/group_topk experts); null = off
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None  # with moe_router_num_groups: the groups a token's experts come from
+    # the chosen experts' weights multiplied by this (DeepSeek-V3's routed_scaling_factor 2.5); null = 1
+    moe_router_topk_scaling_factor: Optional[float] = None
     # each expert takes at most capacity_factor × its even share of tokens, the rest dropped; null = dropless
     moe_expert_capacity_factor: Optional[float] = None
     moe_token_drop_policy: MoETokenDropPolicy = "probs"  # with a capacity: drop the lowest-score tokens, or the last

@@ -46,6 +46,13 @@ class ModelShape:
     expert_ffn_hidden_size: int = 0  # each expert's SwiGLU width
     router_topk: int = 0  # experts per token
     shared_expert_ffn_hidden_size: int = 0  # the shared experts' SwiGLU width, 0 = none
+    # multi-latent attention (0 where it is off)
+    multi_latent_attention: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def of(cls, model: ModelConfig | Mapping[str, Any]) -> ModelShape:
@@ -54,6 +61,9 @@ class ModelShape:
         hidden, heads = m["hidden_size"], m["num_attention_heads"]
         ffn = m.get("ffn_hidden_size") or default_ffn_hidden_size(hidden)
         experts = m.get("num_moe_experts") or 0
+        mla = bool(m.get("multi_latent_attention", False))
+        latent = {key: m.get(key, getattr(ModelConfig, key)) if mla else 0 for key in (
+            "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
         return cls(
             num_layers=m["num_layers"], hidden_size=hidden, num_attention_heads=heads,
             num_query_groups=m.get("num_query_groups") or heads,
@@ -66,6 +76,7 @@ class ModelShape:
             expert_ffn_hidden_size=(m.get("moe_ffn_hidden_size") or ffn) if experts else 0,
             router_topk=m.get("moe_router_topk", ModelConfig.moe_router_topk) if experts else 0,
             shared_expert_ffn_hidden_size=(m.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+            multi_latent_attention=mla, **latent,
         )
 
     def parameter_shapes(self) -> dict[str, Any]:
@@ -90,31 +101,54 @@ class ModelShape:
         return h * self.num_experts + experts * 3 * h * self.expert_ffn_hidden_size + 3 * h * (
             self.shared_expert_ffn_hidden_size)
 
+    @property
+    def query_key_head_dim(self) -> int:
+        """Each head's query (and key) channels: multi-latent attention's non-rotary + rotary parts, else the head
+        dimension."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.multi_latent_attention else self.kv_channels
+
+    def attention_parameters(self) -> int:
+        """One layer's attention projection weights (its norms left out). Multi-latent attention: the query's
+        down- and up-projections, the KV down-projection (to the compressed KV and
+        the shared rotary key) and up-projection (to every head's non-rotary key and value), the output projection."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if not self.multi_latent_attention:
+            d = self.kv_channels
+            return h * d * (n + 2 * self.num_query_groups) + n * d * h
+        queries = self.q_lora_rank * (h + n * self.query_key_head_dim)
+        keys_values = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * n * (
+            self.qk_head_dim + self.v_head_dim)
+        return queries + keys_values + n * self.v_head_dim * h
+
     def num_parameters(self, vocab_size: int, active: bool = False) -> int:
         """Parameters with a `vocab_size`-row embedding (unpadded: as published model cards count them); `active`:
         those one token goes through (an MoE model's top-k experts only)."""
-        h, d = self.hidden_size, self.kv_channels
-        attention = h * d * (self.num_attention_heads + 2 * self.num_query_groups) + self.num_attention_heads * d * h
-        per_layer = attention + self.mlp_parameters(active) + self._norm_parameters_per_layer()
+        h = self.hidden_size
+        per_layer = self.attention_parameters() + self.mlp_parameters(active) + self._norm_parameters_per_layer()
         embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
 
     def _norm_parameters_per_layer(self) -> int:
+        if self.multi_latent_attention:  # and the compressed query's and KV's norms
+            return 2 * self.hidden_size + self.q_lora_rank + self.kv_lora_rank
         return 2 * self.hidden_size + (2 * self.kv_channels if self.qk_layernorm else 0)
 
     def attention_flops_per_token(self, causal: bool = True) -> float:
-        """One layer's score and value matmuls, forward+backward, for one token: 6·(heads·head_dim)·s over the causal
-        half of the score matrix, 12·… over all of it (how torchtitan counts)."""
-        return (6.0 if causal else 12.0) * self.kv_channels * self.num_attention_heads * self.seq_length
+        """One layer's score and value matmuls, forward+backward, for one token: 6·heads·(query/key + value
+        channels)·s over all of the score matrix (how torchtitan counts), half of it causal."""
+        channels = self.query_key_head_dim + self.value_head_dim
+        return (3.0 if causal else 6.0) * channels * self.num_attention_heads * self.seq_length
 
     def layer_flops_per_token(self, causal: bool = True, recompute: Optional[RecomputeGranularity] = None) -> float:
         """One decoder layer's forward+backward FLOPs for one token: 6 × the matmul parameters it goes through
         (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms
         excluded) + its attention; with `recompute`, what the backward pass repeats: the whole forward (full) or
         attention's (selective) — hardware FLOPs, not model FLOPs."""
-        h, d = self.hidden_size, self.kv_channels
-        projections = h * d * (self.num_attention_heads + 2 * self.num_query_groups) + self.num_attention_heads * d * h
-        matmuls = 6.0 * (projections + self.mlp_parameters(active=True))
+        matmuls = 6.0 * (self.attention_parameters() + self.mlp_parameters(active=True))
         attention = self.attention_flops_per_token(causal)
         repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
         return matmuls + attention + repeated

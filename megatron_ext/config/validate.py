@@ -139,7 +139,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     shape = ModelShape.of(m)
     heads, groups = shape.num_attention_heads, shape.num_query_groups
     require(
-        m.hidden_size % heads == 0 or m.kv_channels is not None,
+        m.hidden_size % heads == 0 or m.kv_channels is not None or m.multi_latent_attention,
         "model.hidden_size",
         m.hidden_size,
         f"must be divisible by model.num_attention_heads={heads} (or set model.kv_channels)",
@@ -177,6 +177,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
         "TransformerEngine is not importable here; use auto or local",
     )
 
+    _validate_mla(cfg)
     _validate_pipeline(cfg)
     for key in ("hidden_dropout", "attention_dropout"):
         require(0.0 <= getattr(m, key) < 1.0, f"model.{key}", getattr(m, key), "must be in [0, 1)")
@@ -422,6 +423,17 @@ def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
     require(not (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
             "model.moe_router_pre_softmax", False, "top-1 routing with softmax scores needs the softmax over all "
             "experts first (over the one chosen it is always 1, with zero gradient): set it true")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    require((groups is None) == (group_topk is None), "model.moe_router_group_topk", group_topk,
+            "group-limited routing needs both model.moe_router_num_groups and moe_router_group_topk (or neither)")
+    if groups is not None:
+        require(experts % groups == 0, "model.moe_router_num_groups", groups,
+                f"must divide model.num_moe_experts={experts} (equal groups)")
+        require(group_topk <= groups and group_topk <= m.moe_router_topk and
+                m.moe_router_topk <= group_topk * (experts // groups), "model.moe_router_group_topk", group_topk,
+                f"must be at most model.moe_router_num_groups={groups} and model.moe_router_topk="
+                f"{m.moe_router_topk} (a group is scored by its best topk/group_topk experts), and its groups must "
+                f"hold the top-{m.moe_router_topk}")
     require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
             "model.moe_router_enable_expert_bias", True, "megatron-core's expert bias works with sigmoid scores: set "
             "model.moe_router_score_function=sigmoid")
@@ -438,6 +450,33 @@ def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
                            (not cfg.train.cuda_graphs, "train.cuda_graphs", True),
                            (not cfg.optimizer.optimizer_cpu_offload, "optimizer.optimizer_cpu_offload", True)]:
         require(ok, key, value, "is not verified with MoE models here: set it false (docs/moe.md)")
+
+
+def _validate_mla(cfg: RecipeConfig) -> None:
+    """Multi-latent attention: the keys it replaces, its ranks under TP, and what is not wired with it yet."""
+    m, p = cfg.model, cfg.parallel
+    if not m.multi_latent_attention:
+        return
+    tp = p.tensor_model_parallel_size
+    for key in ("num_query_groups", "kv_channels"):
+        require(getattr(m, key) is None, f"model.{key}", getattr(m, key), "does not apply to multi-latent attention "
+                "(each head's keys and values come from the compressed KV; its sizes are model.qk_head_dim, "
+                "qk_pos_emb_head_dim, v_head_dim): set it null")
+    require(not m.qk_layernorm, "model.qk_layernorm", True, "multi-latent attention has its own norms (over the "
+            "compressed query and KV), always on: set it false")
+    for key, size in (("q_lora_rank", m.q_lora_rank), ("kv_lora_rank", m.kv_lora_rank + m.qk_pos_emb_head_dim)):
+        require(size % tp == 0, f"model.{key}", getattr(m, key), f"the {key.split('_')[0]} "
+                f"down-projection's {size} outputs are split over parallel.tensor_model_parallel_size={tp}: make them "
+                "a multiple of it" + (" (with model.qk_pos_emb_head_dim)" if key == "kv_lora_rank" else ""))
+    require(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size,
+            "is not wired for multi-latent attention here yet (its keys and values differ in head size, which the "
+            "ring attention does not pass): set it 1")
+    require(m.rope_scaling_factor is None, "model.rope_scaling_factor", m.rope_scaling_factor,
+            "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN "
+            "(not wired here yet): set it null")
+    require(not cfg.data.reset_position_ids, "data.reset_position_ids", True, "megatron-core's multi-latent "
+            "attention numbers positions 0..seq_length-1 itself and cannot restart them at documents: set it false "
+            "(data.reset_attention_mask still keeps attention within each document)")
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

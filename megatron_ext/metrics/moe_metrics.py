@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import ModelConfig, RecipeConfig
 
 log = logging.getLogger("megatron_ext")
 
@@ -44,12 +44,22 @@ def load_statistics(counts: torch.Tensor, tokens: torch.Tensor, topk: int) -> di
     }
 
 
+def collapse_remedy(model: ModelConfig) -> str:
+    """What to change against a routing collapse, given the balancing the model already has."""
+    if model.moe_router_enable_expert_bias:
+        return "raise model.moe_router_bias_update_rate (the expert bias's step), or lower the learning rate"
+    if model.moe_router_load_balancing_type == "none":
+        return ("balance the load: model.moe_router_load_balancing_type=aux_loss or seq_aux_loss, or the expert bias "
+                "(model.moe_router_enable_expert_bias=true with sigmoid scores)")
+    return "raise model.moe_aux_loss_coeff, or lower the learning rate"
+
+
 class CollapseDetector:
     """Names a layer whose busiest expert took more than `share` of the tokens for `intervals` log intervals in a
-    row, once until it recovers."""
+    row, once until it recovers, with `remedy` (:func:`collapse_remedy`)."""
 
-    def __init__(self, share: Optional[float], intervals: int):
-        self.share, self.intervals = share, intervals
+    def __init__(self, share: Optional[float], intervals: int, remedy: str):
+        self.share, self.intervals, self.remedy = share, intervals, remedy
         self.streak: dict[int, int] = {}
 
     def update(self, max_load: dict[int, float], busiest: dict[int, int], even: float) -> list[str]:
@@ -63,8 +73,7 @@ class CollapseDetector:
                 warnings.append(
                     f"routing collapse in MoE layer {layer}: expert {busiest[layer]} took {100 * load:.0f}% of the "
                     f"layer's tokens, above logging.moe_collapse_share={self.share:g}, for {self.intervals} log "
-                    f"intervals in a row (an even split gives each expert {100 * even:.1f}%): raise "
-                    "model.moe_aux_loss_coeff (or use seq_aux_loss / the expert bias), or lower the learning rate")
+                    f"intervals in a row (an even split gives each expert {100 * even:.1f}%): {self.remedy}")
         return warnings
 
 
@@ -82,7 +91,7 @@ class RouterMetrics:
         self.capacity = m.moe_expert_capacity_factor is not None
         self.counts = torch.zeros(self.num_layers, self.experts, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
-        self.collapse = CollapseDetector(g.moe_collapse_share, g.moe_collapse_intervals)
+        self.collapse = CollapseDetector(g.moe_collapse_share, g.moe_collapse_intervals, collapse_remedy(m))
         for chunk in model_chunks if self.moe else []:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):

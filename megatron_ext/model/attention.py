@@ -18,9 +18,10 @@ from megatron_ext.model.document_mask import flex_document_attention, visible
 class CausalCoreAttention(MegatronModule):
     """megatron-core's ``core_attention`` interface for causal self-attention.
 
-    Takes megatron's [s, b, heads, dim] query/key/value (key/value may have fewer, grouped heads) and, as
+    Takes megatron's [s, b, heads, dim] query/key/value (key/value may have fewer, grouped heads; under multi-latent
+    attention the values another head size, `v_channels`, than the queries and keys, `k_channels`) and, as
     ``attention_mask``, None or the sequence's document ids (:func:`megatron_ext.data.datasets.document_ids`),
-    and returns [s, b, heads·dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
+    and returns [s, b, heads·value dim]; subclasses implement :meth:`attend` on [b, heads, s, dim].
     """
 
     def __init__(
@@ -33,12 +34,15 @@ class CausalCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: object = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"{type(self).__name__} supports causal masks only, got {attn_mask_type}")
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(k_channels or config.kv_channels)
+        self.same_head_sizes = (k_channels or config.kv_channels) == (v_channels or config.kv_channels)
         # A Python bool, not a shape comparison: torch.compile with dynamic shapes would turn the
         # comparison into a SymBool, which SDPA rejects.
         self.grouped_query = config.num_query_groups not in (None, config.num_attention_heads)

@@ -19,7 +19,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import RowParallelLinear
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -28,6 +28,7 @@ from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
 from megatron_ext.model.fused_output import FusedOutputGPTModel
+from megatron_ext.model.mla import mla_local_layer_spec, mla_transformer_config
 from megatron_ext.model.moe import (
     moe_transformer_config,
     reduce_experts_over_expert_data_parallel,
@@ -89,6 +90,10 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
     norm = RMSNorm
     if liger:
         from liger_kernel.megatron import LigerMegatronRMSNorm as norm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if config.multi_latent_attention:
+        return TransformerBlockSubmodules(layer_specs=[mla_local_layer_spec(config.num_moe_experts, norm)] * layers,
+                                          layer_norm=norm)
     layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm",
                                                    qk_layernorm=config.qk_layernorm))
     layer.submodules.input_layernorm = norm
@@ -102,9 +107,7 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
     attention.core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
     if config.qk_layernorm:  # over each head's channels; megatron-core sums their gradients over TP itself
         attention.q_layernorm = attention.k_layernorm = norm
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm
-    )
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
 
 
 def use_liger_kernels(cross_entropy: bool = True) -> None:
@@ -137,14 +140,14 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
     m, p = cfg.model, cfg.parallel
     dtype = PARAMETER_DTYPES[cfg.train.precision]
     vpp = p.virtual_pipeline_model_parallel_size
-    return TransformerConfig(
+    mla = mla_transformer_config(cfg)
+    return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=ModelShape.of(m).ffn_hidden_size,
         kv_channels=m.kv_channels,
-        qk_layernorm=m.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=m.layernorm_epsilon,
         gated_linear_unit=True,
@@ -192,6 +195,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         offload_modules=list(cfg.train.offload_modules),
         min_offloaded_tensor_size=cfg.train.min_offloaded_tensor_size,
         **moe_transformer_config(cfg),
+        **(mla or {"qk_layernorm": m.qk_layernorm}),
     )
 
 
@@ -206,6 +210,10 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
     else:
         spec = "megatron-core local"
         attention = "ring attention over CP" if config.context_parallel_size > 1 else "torch SDPA"
+    if config.multi_latent_attention:
+        attention = (f"multi-latent (query rank {config.q_lora_rank}, KV rank {config.kv_lora_rank}, head channels "
+                     f"{config.qk_head_dim}+{config.qk_pos_emb_head_dim} rotary / value {config.v_head_dim}) through "
+                     f"{attention}")
     precision = ("bf16" if config.bf16 else "fp16 with dynamic loss scaling" if config.fp16 else "fp32") + (
         f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE)" if config.fp8 else ", no FP8")
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]

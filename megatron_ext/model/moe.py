@@ -32,6 +32,9 @@ def moe_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         # router logits and top-k in fp32 whatever the training precision: bf16 scores tie and flip choices
         moe_router_dtype="fp32",
         moe_expert_capacity_factor=m.moe_expert_capacity_factor,
@@ -56,8 +59,12 @@ def describe_moe(chunks: list[torch.nn.Module], config: Any) -> str:
         ", expert bias" if config.moe_router_enable_expert_bias else "")
     capacity = config.moe_expert_capacity_factor
     shared = config.moe_shared_expert_intermediate_size
-    return (f"MoE: {config.num_moe_experts} experts per layer, top-{config.moe_router_topk} "
-            f"({config.moe_router_score_function}); {mlp.num_local_experts} on this rank as "
+    groups = (f" from the best {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
+              if config.moe_router_num_groups else "")
+    scaling = config.moe_router_topk_scaling_factor
+    return (f"MoE: {config.num_moe_experts} experts per layer, top-{config.moe_router_topk}{groups} "
+            f"({config.moe_router_score_function}{f', weights × {scaling:g}' if scaling else ''}); "
+            f"{mlp.num_local_experts} on this rank as "
             f"{type(mlp.experts).__name__}; {config.moe_token_dispatcher_type} dispatcher; {balance}; "
             + ("dropless" if capacity is None else f"capacity factor {capacity:g} ({config.moe_token_drop_policy})")
             + (f"; shared experts of width {shared}" if shared else ""))

@@ -129,6 +129,8 @@ class RingAttention(CausalCoreAttention):
         super().__init__(config, *args, **kwargs)
         if self.dropout_p > 0:
             raise ValueError("RingAttention does not implement attention dropout")
+        if not self.same_head_sizes:  # the ring passes keys and values stacked in one tensor
+            raise ValueError("RingAttention needs keys and values of one head size (multi-latent attention's differ)")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                documents: Optional[torch.Tensor]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
-from megatron_ext.metrics.moe_metrics import CollapseDetector, load_statistics
+from megatron_ext.metrics.moe_metrics import CollapseDetector, collapse_remedy, load_statistics
 from tests.launch import ROOT
 
 TINY_MOE = ROOT / "configs" / "tiny_moe.yaml"  # 8 experts, EP2 × PP2 on 4 ranks
@@ -94,14 +94,24 @@ def test_load_statistics_per_layer():
 
 
 def test_routing_collapse_is_warned_once_after_the_set_number_of_intervals_and_again_after_a_recovery():
-    detector = CollapseDetector(share=0.5, intervals=3)
+    detector = CollapseDetector(share=0.5, intervals=3, remedy="raise it")
     loads = [0.9, 0.9, 0.9, 0.9, 0.3, 0.9, 0.9, 0.9]
     warned = [detector.update({3: load, 1: 0.25}, {3: 5, 1: 0}, even=0.25) for load in loads]
     assert [len(w) for w in warned] == [0, 0, 1, 0, 0, 0, 0, 1]
     assert warned[2][0].startswith("routing collapse in MoE layer 3: expert 5 took 90% of the layer's tokens, above "
                                    "logging.moe_collapse_share=0.5, for 3 log intervals in a row (an even split gives "
-                                   "each expert 25.0%)")
-    assert CollapseDetector(share=None, intervals=3).update({1: 1.0}, {1: 0}, even=0.25) == []
+                                   "each expert 25.0%): raise it")
+    assert CollapseDetector(share=None, intervals=3, remedy="").update({1: 1.0}, {1: 0}, even=0.25) == []
+
+
+@pytest.mark.parametrize("overrides, remedy", [
+    ([], "raise model.moe_aux_loss_coeff, or lower the learning rate"),
+    (["model.moe_router_load_balancing_type=none"], "balance the load: model.moe_router_load_balancing_type=aux_loss"),
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true"],
+     "raise model.moe_router_bias_update_rate (the expert bias's step)"),
+])
+def test_the_collapse_remedy_is_one_the_model_does_not_already_use(overrides, remedy):
+    assert collapse_remedy(load_config(TINY_MOE, overrides).model).startswith(remedy)
 
 
 def test_a_checkpoint_with_the_earlier_pre_mlp_norm_key_loads(monkeypatch, tmp_path):

@@ -90,6 +90,11 @@ PATCHED = [
     # NVRx 0.6.0's agent drops the failures it saw when it runs out of restarts
     Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._invoke_run_with_any_failed_policy",
             "b2e2ac0dca2a2d6b", "resilience/agent.py"),
+    # MLA's shared rotary key: its gradient summed over TP (megatron-core leaves each rank its own heads' share)
+    Patched("megatron.core.transformer.multi_latent_attention.MLASelfAttention._qkv_down_projection",
+            "6e1c7d106c8c3ac1", "model/mla.py"),
+    Patched("megatron.core.transformer.multi_latent_attention.MLASelfAttention.get_query_key_value_tensors",
+            "e19fa46a2a0b1b23", "model/mla.py"),
 ]
 
 

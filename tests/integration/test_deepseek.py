@@ -1,0 +1,84 @@
+"""A DeepSeek-V3-style model end to end on CPU/gloo (fp32, dropless): configs/tiny_deepseek.yaml at the parity
+matrix's small size — multi-latent attention, 8 routed experts and a shared one, sigmoid scores limited to the best of 2
+expert groups, weights scaled by 2.5, the expert bias (stepped fast here, so that it steers the routing within the
+compared steps) and a per-sequence aux loss.
+
+EP2 × PP2 trains it as one process does, step by step within the parity matrix's bounds, from the same initial weights
+(saved at EP1); stopped at STOP and resumed it repeats the uninterrupted run exactly; its checkpoint at STOP goes on
+under TP2 + SP × EP2 (the MLA projections and the experts split over TP) as the one process does, within the reshard
+bounds.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from megatron_ext.checkpoint.layout import iteration_dir, write_tracker
+from tests.conftest import PARITY_STEPS, parity_overrides
+from tests.integration.test_moe import MOE_TOLERANCE, _assert_matches, _missing
+from tests.integration.test_training import RESHARD_TOLERANCE
+from tests.launch import ROOT, SINGLE_PROCESS, read_scalars, run_pretrain
+
+TINY_DEEPSEEK = ROOT / "configs" / "tiny_deepseek.yaml"
+STEPS, STOP = PARITY_STEPS, 3
+AUX = "moe/seq_load_balancing_loss"
+TOLERANCE = {**{("moe/seq_load_balancing_loss" if tag == "moe/load_balancing_loss" else tag): bound
+                for tag, bound in MOE_TOLERANCE.items()}}
+# the parity matrix's small model has grouped queries; multi-latent attention has none
+SMALL = ["model.num_query_groups=null", "model.moe_router_bias_update_rate=0.05"]
+SINGLE = [*SINGLE_PROCESS, "parallel.expert_model_parallel_size=1"]
+FULL_LAYOUT = ["TP1 × CP1 × DP2 × PP2", "expert layers: world=4 = ETP1 × EP2 × expert-DP1 × PP2",
+               "attention: multi-latent (query rank 96, KV rank 64, head channels 32+16 rotary / value 32) through "
+               "torch SDPA",
+               "MoE: 8 experts per layer, top-2 from the best 1 of 2 groups (sigmoid, weights × 2.5); 4 on this rank as "
+               "SequentialMLP; alltoall dispatcher; seq_aux_loss × 0.0001, expert bias; dropless; shared experts of "
+               "width 128"]
+RESHARDED_LAYOUT = ["TP2 × CP1 × DP2 × PP1", "expert layers: world=4 = ETP2 × EP2 × expert-DP1 × PP1",
+                    "kernels: sequence parallel"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Initial weights (EP1); the 1-process run; EP2×PP2 uninterrupted, saving at STOP in the format that reshards;
+    that checkpoint alone resumed at EP2×PP2, and continued at TP2+SP × EP2."""
+    root = tmp_path_factory.mktemp("deepseek")
+    init = root / "init"
+    run_pretrain(1, [*parity_overrides(None, root / "unused", 0), *SMALL, *SINGLE, f"checkpoint.save={init}",
+                     "logging.tensorboard_dir=null"], config=TINY_DEEPSEEK)
+
+    def overrides(tb: str) -> list[str]:
+        return [*parity_overrides(init, root / tb, STEPS), *SMALL, "checkpoint.save=null"]
+
+    run_pretrain(1, [*overrides("single"), *SINGLE], config=TINY_DEEPSEEK)
+    full = run_pretrain(4, [*overrides("full"), f"checkpoint.save={root / 'saved'}", f"checkpoint.save_interval={STOP}",
+                            "checkpoint.optimizer_format=fully_reshardable"], config=TINY_DEEPSEEK)
+    ckpt = root / "ckpt"
+    shutil.copytree(iteration_dir(root / "saved", STOP), iteration_dir(ckpt, STOP))
+    write_tracker(ckpt, STOP)
+    run_pretrain(4, [*overrides("resumed"), f"checkpoint.load={ckpt}"], config=TINY_DEEPSEEK)
+    resharded = run_pretrain(4, [*overrides("resharded"), f"checkpoint.load={ckpt}",
+                                 "parallel.pipeline_model_parallel_size=1", "parallel.tensor_model_parallel_size=2",
+                                 "parallel.sequence_parallel=true"], config=TINY_DEEPSEEK)
+    return {"root": root, "full_log": full.stdout + full.stderr, "resharded_log": resharded.stdout + resharded.stderr}
+
+
+def test_ep2_pp2_matches_single_process(runs):
+    assert not _missing(runs["full_log"], FULL_LAYOUT), runs["full_log"][:5000]
+    _assert_matches(runs["root"] / "full", runs["root"] / "single", TOLERANCE, range(1, STEPS + 1), "deepseek ep2_pp2")
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
+    for tag in ("train/lm_loss", "train/grad_norm", AUX, "moe/load_cv"):
+        full, resumed = read_scalars(runs["root"] / "full", tag), read_scalars(runs["root"] / "resumed", tag)
+        assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)), tag
+        assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}
+
+
+def test_its_checkpoint_continues_under_tp2_sp_ep2_as_one_process_does(runs):
+    log = runs["resharded_log"]
+    assert not _missing(log, RESHARDED_LAYOUT), log[:5000]
+    steps = range(STOP + 1, STEPS + 1)
+    bounds = {**TOLERANCE, **RESHARD_TOLERANCE}
+    _assert_matches(runs["root"] / "resharded", runs["root"] / "single", bounds, steps, "deepseek tp2_sp_ep2 resharded")

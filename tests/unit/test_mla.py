@@ -1,0 +1,99 @@
+"""Multi-latent attention (DeepSeek-V3's) and DeepSeek-V3's routing keys: the config rules, and the parameter counts
+of the model shape and the planner against the model megatron-core builds from them (one CPU process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext.config.schema import load_config
+from megatron_ext.config.shape import ModelShape
+from megatron_ext.config.validate import validate
+from megatron_ext.errors import ConfigError
+from megatron_ext.planner.layout import RankShape
+from tests.launch import TINY
+
+VOCAB = 256
+# a tiny DeepSeek-V3: every head's query/key 16 + 8 rotary channels, values 12; query and KV ranks 32 and 24
+MLA = ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.q_lora_rank=32",
+       "model.kv_lora_rank=24", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=12",
+       "model.seq_length=32", f"model.vocab_size={VOCAB}", "train.precision=fp32", "train.fused_cross_entropy=false"]
+ROUTED = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_shared_expert_intermediate_size=64",
+          "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+          "model.moe_router_num_groups=2", "model.moe_router_group_topk=1", "model.moe_router_topk_scaling_factor=2.5",
+          "model.moe_router_load_balancing_type=none"]
+ONE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+               "parallel.sequence_parallel=false"]
+
+
+def _built(overrides: list[str]) -> dict:
+    """In a spawned world of one: the built model's parameter count, its first layer's parameter sizes (experts
+    apart), and one forward/backward pass's loss and whether every parameter got a gradient."""
+    from megatron.core import tensor_parallel
+
+    from recipes.convert import build_model, model_parallel_world
+
+    cfg = load_config(TINY, overrides)
+    with model_parallel_world(cfg):
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        model = build_model(cfg, VOCAB).train()
+        tokens = torch.randint(0, VOCAB, (2, cfg.model.seq_length))
+        loss = model(tokens, None, attention_mask=None, labels=tokens).mean()
+        loss.backward()
+        return {"parameters": sum(p.numel() for p in model.parameters()),
+                "layer": [p.numel() for n, p in model.named_parameters()
+                          if n.startswith("decoder.layers.0.") and ".experts." not in n],
+                "softmax_scale": model.decoder.layers[0].self_attention.core_attention.softmax_scale,
+                "loss": loss.item(), "all_have_gradients": all(p.grad is not None for p in model.parameters())}
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["dense", "moe"])
+def test_counts_equal_the_model_megatron_core_builds(megatron, routed):
+    overrides = [*MLA, *ONE_PROCESS, *(ROUTED if routed else [])]
+    built = megatron(_built, overrides)
+    cfg = load_config(TINY, overrides)
+    shape = ModelShape.of(cfg.model)
+    assert built["parameters"] == shape.num_parameters(VOCAB)
+    assert built["layer"] == RankShape.of(cfg, VOCAB).layer_params()
+    assert built["softmax_scale"] == pytest.approx((16 + 8) ** -0.5)  # MLA's own: over query/key channels
+    assert built["all_have_gradients"] and 5.0 < built["loss"] < 6.5  # ≈ ln 256 at initialisation
+
+
+def test_flops_count_the_latent_projections_and_both_head_sizes():
+    """Narayanan et al.'s count as Megatron-LM's num_floating_point_operations has it for MLA (its norm terms
+    aside): 6 × the projection weights + 3·heads·s·(query/key + value channels) per token, causal."""
+    cfg = load_config(TINY, MLA)
+    s, n, h, layers = 32, cfg.model.num_attention_heads, cfg.model.hidden_size, cfg.model.num_layers
+    q = 32 * (h + n * (16 + 8))
+    kv = 24 * (n * (16 + 12)) + h * (24 + 8)
+    projections = q + kv + n * 12 * h
+    mlp = 3 * h * ModelShape.of(cfg.model).ffn_hidden_size
+    per_layer = 6 * (projections + mlp) + 3 * n * s * (16 + 8 + 12)
+    assert ModelShape.of(cfg.model).flops_per_token(VOCAB) == layers * per_layer + 6 * VOCAB * h
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_query_groups=2"], "model.num_query_groups=2 is invalid: does not apply to multi-latent attention"),
+    (["model.kv_channels=16"], "model.kv_channels=16 is invalid: does not apply to multi-latent attention"),
+    (["model.qk_layernorm=true"], "has its own norms (over the compressed query and KV), always on"),
+    (["model.q_lora_rank=33"], "the q down-projection's 33 outputs are split over parallel.tensor_model_parallel_size=2"),
+    (["model.kv_lora_rank=23"], "the kv down-projection's 31 outputs are split over"),
+    (["parallel.context_parallel_size=2"], "is not wired for multi-latent attention here yet"),
+    (["model.rope_scaling_factor=8"], "does not apply to multi-latent attention, whose long-context scaling is YaRN"),
+    (["data.reset_position_ids=true"], "cannot restart them at documents"),
+    ([*ROUTED, "model.moe_router_num_groups=3"], "model.moe_router_num_groups=3 is invalid: must divide"),
+    ([*ROUTED, "model.moe_router_group_topk=null"], "needs both model.moe_router_num_groups and"),
+    ([*ROUTED, "model.moe_router_group_topk=3"], "model.moe_router_group_topk=3 is invalid: must be at most"),
+    ([*ROUTED, "model.moe_router_topk_scaling_factor=0"], "model.moe_router_topk_scaling_factor=0.0 is invalid: must "
+                                                           "be > 0"),
+])
+def test_each_rule_is_one_config_error_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:  # a range when the config is read, a rule when it is validated
+        validate(load_config(TINY, [*MLA, "parallel.sequence_parallel=true", *overrides]), 8)
+    assert message in str(error.value), str(error.value)
+
+
+def test_a_tiny_deepseek_layout_validates():
+    validate(load_config(TINY, [*MLA, *ROUTED, "parallel.sequence_parallel=true",
+                                "parallel.expert_model_parallel_size=2"]), 8)
