@@ -185,15 +185,15 @@ class RankShape:
     def layer_params(self) -> list[int]:
         """One decoder layer's parameter sizes on a TP rank, in ``named_parameters`` order, its experts left out
         (:meth:`expert_params`): an MoE layer's MLP is its router (whole on every rank) and shared experts."""
-        h, d, t = self.hidden, self.head_dim, self.tp
-        attention = [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t]
-        attention += [d, d] if self.qk_norm else []
-        m = self.model
+        h, d, t, m = self.hidden, self.head_dim, self.tp, self.model
         if m.multi_latent_attention:  # the output, q down/up, KV down/up projections (column-parallel), their norms
             q_rank, kv_rank, n = m.q_lora_rank, m.kv_lora_rank, self.heads
             attention = [h, h * n * m.v_head_dim // t, q_rank * h // t, n * m.query_key_head_dim * q_rank // t,
                          (kv_rank + m.qk_pos_emb_head_dim) * h // t, n * (m.qk_head_dim + m.v_head_dim) * kv_rank // t,
                          q_rank, kv_rank]
+        else:
+            attention = [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t]
+            attention += [d, d] if self.qk_norm else []
         if not self.experts:
             return [*attention, h, 2 * self.ffn * h // t, self.ffn * h // t]
         shared = [2 * self.shared_ffn * h // t, self.shared_ffn * h // t] if self.shared_ffn else []
