@@ -93,11 +93,11 @@ def destroy_distributed() -> None:
 
 def stop_data_parallel_communication(chunks: Sequence[torch.nn.Module]) -> int:
     """Wait for the collectives Megatron-FSDP still has in flight, and return how many parameter all-gathers that
-    was: after the optimizer step it starts gathering the updated parameters for the next forward pass (every bucket's:
-    5 in flight at the end of the parity matrix's ZeRO-3 run without a final evaluation, whose forward pass would
-    consume them), which nothing else waits for. Destroying the process groups under them is a use-after-free in the communication threads: a rank
-    ended by SIGSEGV at the end of a finished ZeRO-3 run (seen twice on CPU/gloo in CI). Megatron-FSDP warns about
-    exactly the gathers this waits for, so its warning is silenced here."""
+    was: after the optimizer step it starts gathering the updated parameters for the next forward pass (every
+    bucket's: 5 in flight at the end of the parity matrix's ZeRO-3 run without a final evaluation, whose forward pass
+    would consume them), which nothing else waits for. Destroying the process groups under them is a use-after-free
+    in the communication threads: a rank ended by SIGSEGV at the end of a finished ZeRO-3 run (seen twice on CPU/gloo
+    in CI). Megatron-FSDP warns about exactly the gathers this waits for, so its warning is silenced here."""
     in_flight = 0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="There are still pending all-gather tasks")

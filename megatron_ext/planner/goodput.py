@@ -77,9 +77,11 @@ class CheckpointInterval:
         return asdict(self)
 
 
-def checkpoint_write_s(cfg: RecipeConfig, write_gb_s: float = DEFAULT_WRITE_GB_S) -> float:
-    """Seconds to write one checkpoint of `cfg` (weights and optimizer state) at `write_gb_s` (aggregate)."""
-    return checkpoint_bytes(cfg, model_vocab_size(cfg)) / 1e9 / write_gb_s
+def checkpoint_write_s(cfg: RecipeConfig, write_gb_s: float = DEFAULT_WRITE_GB_S,
+                       vocab_size: Optional[int] = None) -> float:
+    """Seconds to write one checkpoint of `cfg` (weights and optimizer state) at `write_gb_s` (aggregate); the
+    vocabulary is the model's (:func:`model_vocab_size`, which may read the tokenizer) unless given."""
+    return checkpoint_bytes(cfg, vocab_size or model_vocab_size(cfg)) / 1e9 / write_gb_s
 
 
 def save_stall_s(checkpoint_bytes_per_gpu: float, write_gb_s_per_gpu: float, asynchronous: bool) -> float:
@@ -113,5 +115,6 @@ def recipe_checkpoint_interval(cfg: RecipeConfig, gpus: int, step_s: float, voca
     size = checkpoint_bytes(cfg, vocab_size)
     asynchronous = cfg.checkpoint.async_save is not False
     return checkpoint_interval(step_s, save_stall_s(size / gpus, write_gb_s / gpus, asynchronous), gpus,
-                               cfg.checkpoint.save_interval, checkpoint_write_s(cfg, write_gb_s) if asynchronous else 0.0,
+                               cfg.checkpoint.save_interval,
+                               checkpoint_write_s(cfg, write_gb_s, vocab_size) if asynchronous else 0.0,
                                failures_per_gpu_hour, restart_s)
