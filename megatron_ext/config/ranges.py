@@ -46,12 +46,14 @@ RANGES: dict[str, Range] = {
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "seq_length", "vocab_size", "make_vocab_size_divisible_by", "num_moe_experts", "moe_ffn_hidden_size",
         "moe_router_topk", "moe_shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-        "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups", "moe_router_group_topk")},
+        "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups", "moe_router_group_topk", "mtp_num_layers")},
+    "model.mtp_loss_scaling_factor": ABOVE_0,
     "model.rotary_base": ABOVE_1, "model.rope_scaling_factor": ABOVE_0,
     "model.layernorm_epsilon": Range(0, 1, low_open=True), "model.init_method_std": ABOVE_0,
     "model.hidden_dropout": PROBABILITY, "model.attention_dropout": PROBABILITY,
     "model.moe_aux_loss_coeff": AT_LEAST_0, "model.moe_router_bias_update_rate": AT_LEAST_0,
     "model.moe_expert_capacity_factor": ABOVE_0, "model.moe_router_topk_scaling_factor": ABOVE_0,
+    "model.moe_layer_freq": AT_LEAST_0,  # N >= 1 or 0/1 flags: config/validate.py's rule, which knows which it is
     **{f"parallel.{key}": AT_LEAST_1 for key in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",

@@ -111,8 +111,11 @@ class ModelConfig:
     qk_head_dim: int = 128  # each head's non-rotary query/key channels
     qk_pos_emb_head_dim: int = 64  # each head's rotary query/key channels (the key's shared by all heads)
     v_head_dim: int = 128  # each head's value channels
-    # Mixture-of-Experts (docs/moe.md): every decoder layer's MLP becomes this many experts and a router; null = dense
+    # Mixture-of-Experts (docs/moe.md): an MoE layer's MLP is this many experts and a router; null = dense
     num_moe_experts: Optional[int] = None
+    # which decoder layers are MoE layers, the others dense SwiGLUs of ffn_hidden_size: N = every N-th from the first
+    # (1: all), or a 0/1 flag per layer (DeepSeek-V3's first three dense: [0, 0, 0, 1, ...])
+    moe_layer_freq: Union[int, list[int]] = 1
     moe_ffn_hidden_size: Optional[int] = None  # each expert's SwiGLU width; null = ffn_hidden_size
     moe_router_topk: int = 2  # experts each token is routed to
     moe_router_score_function: MoEScoreFunction = "softmax"  # router scores: softmax, or sigmoid (with expert bias)
@@ -143,6 +146,11 @@ class ModelConfig:
     # the experts' GEMMs as one grouped GEMM (TransformerEngine's TEGroupedMLP): auto = on in TE layers; true needs
     # them; off = one GEMM per expert (megatron-core's SequentialMLP)
     moe_grouped_gemm: AutoBool = AUTO
+    # multi-token prediction (DeepSeek-V3: 1): this many extra layers after the last, the k-th predicting the token k+1
+    # ahead from the previous one's output and the embedding of the token k ahead, through the shared output layer;
+    # their losses (mtp/loss_k) added, scaled, to the main loss in training; null = off
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight (their mean over the MTP layers; DeepSeek-V3: 0.3 → 0.1)
 
 
 @dataclass

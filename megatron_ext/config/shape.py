@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 from megatron_ext.config.schema import ModelConfig, RecipeConfig, RecomputeGranularity
 
@@ -25,10 +25,19 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tensor_parallel_s
     return multiple * math.ceil(vocab_size / multiple)
 
 
+def moe_layer_pattern(moe_layer_freq: Union[int, list[int]], num_layers: int) -> tuple[int, ...]:
+    """Which decoder layers are MoE layers (1) and which dense (0), as megatron-core reads ``moe_layer_freq``: an
+    integer N makes every N-th layer from the first an MoE layer, a list gives each layer's flag."""
+    if isinstance(moe_layer_freq, int):
+        return tuple(int(i % moe_layer_freq == 0) for i in range(num_layers))
+    return tuple(int(flag) for flag in moe_layer_freq)
+
+
 # the model.* key of each ModelShape field named otherwise (tied_embeddings is that key negated)
 _CONFIG_KEY = {"tied_embeddings": "untie_embeddings_and_output_weights", "num_experts": "num_moe_experts",
                "expert_ffn_hidden_size": "moe_ffn_hidden_size", "router_topk": "moe_router_topk",
-               "shared_expert_ffn_hidden_size": "moe_shared_expert_intermediate_size"}
+               "shared_expert_ffn_hidden_size": "moe_shared_expert_intermediate_size",
+               "moe_layers": "moe_layer_freq"}
 
 
 @dataclass(frozen=True)
@@ -42,10 +51,13 @@ class ModelShape:
     seq_length: int
     tied_embeddings: bool
     qk_layernorm: bool = False  # a norm over each query and key head
-    num_experts: int = 0  # experts per MoE layer (every layer); 0 = dense
+    num_experts: int = 0  # experts per MoE layer; 0 = dense
     expert_ffn_hidden_size: int = 0  # each expert's SwiGLU width
     router_topk: int = 0  # experts per token
     shared_expert_ffn_hidden_size: int = 0  # the shared experts' SwiGLU width, 0 = none
+    # per decoder layer, 1 for an MoE layer and 0 for a dense one (ffn_hidden_size wide); () for a dense model
+    moe_layers: tuple[int, ...] = ()
+    mtp_num_layers: int = 0  # multi-token prediction layers after the decoder, each of the last layer's kind
     # multi-latent attention (0 where it is off)
     multi_latent_attention: bool = False
     q_lora_rank: int = 0
@@ -76,6 +88,8 @@ class ModelShape:
             expert_ffn_hidden_size=(m.get("moe_ffn_hidden_size") or ffn) if experts else 0,
             router_topk=m.get("moe_router_topk", ModelConfig.moe_router_topk) if experts else 0,
             shared_expert_ffn_hidden_size=(m.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+            moe_layers=moe_layer_pattern(m.get("moe_layer_freq", 1), m["num_layers"]) if experts else (),
+            mtp_num_layers=m.get("mtp_num_layers") or 0,
             multi_latent_attention=mla, **latent,
         )
 
@@ -91,11 +105,16 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def mlp_parameters(self, active: bool = False) -> int:
-        """One layer's MLP parameters: the SwiGLU's, or an MoE layer's router, experts and shared experts (`active`:
-        only the top-k experts a token goes through)."""
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0; num_layers + k: the k-th MTP layer's, of the last layer's kind) is
+        an MoE layer."""
+        return self.is_moe and bool(self.moe_layers[min(layer, self.num_layers - 1)])
+
+    def mlp_parameters(self, active: bool = False, moe: bool = True) -> int:
+        """One layer's MLP parameters: the SwiGLU's, or (`moe`, in an MoE model) an MoE layer's router, experts and
+        shared experts (`active`: only the top-k experts a token goes through)."""
         h = self.hidden_size
-        if not self.is_moe:
+        if not (moe and self.is_moe):
             return 3 * h * self.ffn_hidden_size
         experts = self.router_topk if active else self.num_experts
         return h * self.num_experts + experts * 3 * h * self.expert_ffn_hidden_size + 3 * h * (
@@ -128,9 +147,18 @@ class ModelShape:
         """Parameters with a `vocab_size`-row embedding (unpadded: as published model cards count them); `active`:
         those one token goes through (an MoE model's top-k experts only)."""
         h = self.hidden_size
-        per_layer = self.attention_parameters() + self.mlp_parameters(active) + self._norm_parameters_per_layer()
+        layers = self.num_layers + self.mtp_num_layers
+        per_layer = self.attention_parameters() + self._norm_parameters_per_layer()
+        mlps = sum(self.mlp_parameters(active, self.is_moe_layer(layer)) for layer in range(layers))
         embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
+        return layers * per_layer + mlps + embeddings + h + self.mtp_num_layers * self.mtp_projection_parameters()
+
+    def mtp_projection_parameters(self) -> int:
+        """What an MTP layer has besides its decoder layer: the norms of the embedding and of the previous hidden
+        states, the projection of the two back to the hidden size, its final norm (the embedding and the output layer
+        are the model's)."""
+        h = self.hidden_size
+        return 3 * h + 2 * h * h
 
     def _norm_parameters_per_layer(self) -> int:
         if self.multi_latent_attention:  # and the compressed query's and KV's norms
@@ -143,12 +171,13 @@ class ModelShape:
         channels = self.query_key_head_dim + self.value_head_dim
         return (3.0 if causal else 6.0) * channels * self.num_attention_heads * self.seq_length
 
-    def layer_flops_per_token(self, causal: bool = True, recompute: Optional[RecomputeGranularity] = None) -> float:
-        """One decoder layer's forward+backward FLOPs for one token: 6 × the matmul parameters it goes through
-        (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms
+    def layer_flops_per_token(self, layer: int, causal: bool = True,
+                              recompute: Optional[RecomputeGranularity] = None) -> float:
+        """Decoder layer `layer`'s (from 0) forward+backward FLOPs for one token: 6 × the matmul parameters it goes
+        through (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms
         excluded) + its attention; with `recompute`, what the backward pass repeats: the whole forward (full) or
         attention's (selective) — hardware FLOPs, not model FLOPs."""
-        matmuls = 6.0 * (self.attention_parameters() + self.mlp_parameters(active=True))
+        matmuls = 6.0 * (self.attention_parameters() + self.mlp_parameters(True, self.is_moe_layer(layer)))
         attention = self.attention_flops_per_token(causal)
         repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
         return matmuls + attention + repeated
@@ -159,8 +188,22 @@ class ModelShape:
 
     def flops_per_token(self, vocab_size: int, causal: bool = True) -> float:
         """Forward+backward model FLOPs for one token (Megatron-LM's count with `causal`, as
-        ``num_floating_point_operations``): every layer's and the output layer's (embedding lookups excluded)."""
-        return self.num_layers * self.layer_flops_per_token(causal) + self.output_layer_flops_per_token(vocab_size)
+        ``num_floating_point_operations``, its norm terms aside): every layer's and the output layer's (embedding
+        lookups excluded), and each MTP layer's: its projection, its decoder layer and the output layer again."""
+        return self.layers_flops_per_token(range(self.num_layers), causal) + self.output_layer_flops_per_token(
+            vocab_size) + self.mtp_flops_per_token(vocab_size, causal)
+
+    def mtp_flops_per_token(self, vocab_size: int, causal: bool = True,
+                            recompute: Optional[RecomputeGranularity] = None) -> float:
+        """The MTP layers' forward+backward FLOPs for one token (0 without MTP)."""
+        per_layer = 6.0 * 2 * self.hidden_size ** 2 + self.output_layer_flops_per_token(vocab_size)
+        return self.mtp_num_layers * per_layer + self.layers_flops_per_token(
+            range(self.num_layers, self.num_layers + self.mtp_num_layers), causal, recompute)
+
+    def layers_flops_per_token(self, layers: Iterable[int], causal: bool = True,
+                               recompute: Optional[RecomputeGranularity] = None) -> float:
+        """:meth:`layer_flops_per_token` summed over `layers`."""
+        return sum(self.layer_flops_per_token(layer, causal, recompute) for layer in layers)
 
 
 def model_flops_per_token(cfg: RecipeConfig, vocab_size: int, causal: bool = True) -> float:

@@ -15,6 +15,7 @@ import typing
 from typing import Any, Optional
 
 from megatron_ext.config.schema import (
+    ModelConfig,
     RecipeConfig,
     allowed_values,
     collective_timeout_minutes,
@@ -121,6 +122,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     `te_available`: TransformerEngine imports; `fp8_capable`: this GPU has FP8 tensor cores (sm89+).
     """
     _check_enum_values(cfg)
+    _validate_moe_layer_freq(cfg.model)
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size
@@ -178,6 +180,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     )
 
     _validate_mla(cfg)
+    _validate_mtp(cfg)
     _validate_pipeline(cfg)
     for key in ("hidden_dropout", "attention_dropout"):
         require(0.0 <= getattr(m, key) < 1.0, f"model.{key}", getattr(m, key), "must be in [0, 1)")
@@ -391,6 +394,21 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
         require(ok, key, value, why)
 
 
+def _validate_moe_layer_freq(m: ModelConfig) -> None:
+    """model.moe_layer_freq, before anything reads the model's shape (which resolves it)."""
+    freq = m.moe_layer_freq
+    if m.num_moe_experts is None:
+        require(freq == 1, "model.moe_layer_freq", freq, "says which layers of an MoE model are MoE layers: set "
+                "model.num_moe_experts, or leave it 1")
+    elif isinstance(freq, int):
+        require(freq >= 1, "model.moe_layer_freq", freq, "must be N >= 1 (every N-th layer from the first an MoE "
+                "layer) or a 0/1 flag per layer")
+    else:
+        require(len(freq) == m.num_layers and set(freq) <= {0, 1} and 1 in freq, "model.moe_layer_freq", list(freq),
+                f"must be a 0/1 flag for each of the model.num_layers={m.num_layers} layers (1 = MoE), at least one "
+                f"of them 1")
+
+
 def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
     """Mixture-of-Experts: the router's settings, and the expert layout (EP × ETP groups inside the world's
     non-pipeline ranks, as megatron-core's expert process groups are drawn), before megatron-core refuses them."""
@@ -477,6 +495,26 @@ def _validate_mla(cfg: RecipeConfig) -> None:
     require(not cfg.data.reset_position_ids, "data.reset_position_ids", True, "megatron-core's multi-latent "
             "attention numbers positions 0..seq_length-1 itself and cannot restart them at documents: set it false "
             "(data.reset_attention_mask still keeps attention within each document)")
+
+
+def _validate_mtp(cfg: RecipeConfig) -> None:
+    """Multi-token prediction: what it is verified with here (its layers sit on the last pipeline stage, megatron-core's
+    default placement)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.mtp_num_layers is None:
+        return
+    require(m.untie_embeddings_and_output_weights, "model.untie_embeddings_and_output_weights", False,
+            "multi-token prediction is verified here with an output layer of its own (DeepSeek-V3's): set it true")
+    require(not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True, "computes the main loss only; "
+            "multi-token prediction's losses need megatron-core's output layer: set it false")
+    for ok, key, value in [(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size),
+                           (p.virtual_pipeline_model_parallel_size is None,
+                            "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size),
+                           (not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
+                           (not cfg.data.reset_attention_mask, "data.reset_attention_mask", True),
+                           (not cfg.data.reset_position_ids, "data.reset_position_ids", True)]:
+        require(ok, key, value, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
+                f"set it {'null' if key.endswith('virtual_pipeline_model_parallel_size') else 'false' if value is True else 1}")
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

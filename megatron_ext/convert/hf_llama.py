@@ -348,6 +348,9 @@ def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
             if getattr(m, key) != value:
                 raise ConversionError(f"model.{key}={getattr(m, key)!r}: this MoE model is exported as {family}, "
                                       f"whose router and experts have no such setting (only {key}={value!r} converts)")
+        if not all(model.moe_layers):
+            raise ConversionError(f"model.moe_layer_freq={m.moe_layer_freq!r}: this MoE model is exported as {family}, "
+                                  f"which has an MoE layer everywhere (only moe_layer_freq=1 converts)")
     return LlamaShape(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,

@@ -24,6 +24,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.config.schema import ModelConfig, RecipeConfig
+from megatron_ext.config.shape import ModelShape
 
 log = logging.getLogger("megatron_ext")
 
@@ -85,12 +86,18 @@ class RouterMetrics:
         m, g = cfg.model, cfg.logging
         self.num_layers, self.log_interval = m.num_layers, g.log_interval
         self.moe = m.num_moe_experts is not None
+        self.moe_layer_freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq)
+        self.mtp_layers = m.mtp_num_layers
+        # numbered from 1 (a decoder router's layer_number), multi-token prediction's after the decoder's
+        shape = ModelShape.of(m)
+        self.moe_layers = [i + 1 for i in range(shape.num_layers + shape.mtp_num_layers) if shape.is_moe_layer(i)]
         tracked = TRACKED_LOSSES.get(m.moe_router_load_balancing_type)
         self.tracked = [tracked] if self.moe and tracked and m.moe_aux_loss_coeff > 0 else []
         self.topk, self.experts = m.moe_router_topk, m.num_moe_experts or 0
         self.capacity = m.moe_expert_capacity_factor is not None
-        self.counts = torch.zeros(self.num_layers, self.experts, dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
+        layers = shape.num_layers + shape.mtp_num_layers
+        self.counts = torch.zeros(layers, self.experts, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(layers, dtype=torch.int64, device=device)
         self.collapse = CollapseDetector(g.moe_collapse_share, g.moe_collapse_intervals, collapse_remedy(m))
         for chunk in model_chunks if self.moe else []:
             for module in chunk.modules():
@@ -101,7 +108,7 @@ class RouterMetrics:
         if not (router.training and torch.is_grad_enabled()):  # training micro batches only, as the aux loss
             return
         routing_map = output[1]
-        layer = router.layer_number - 1
+        layer = router.layer_number - 1 + (self.num_layers if router.is_mtp_layer else 0)
         self.counts[layer] += routing_map.sum(dim=0)
         self.tokens[layer] += routing_map.shape[0]
 
@@ -122,6 +129,7 @@ class RouterMetrics:
         losses: dict[str, torch.Tensor] = {}
         get_moe_metrics_tracker().report(loss_scale=1 / num_microbatches, iteration=0, force_initialize=True,
                                          track_names=list(self.tracked), num_layers=self.num_layers,
+                                         moe_layer_freq=self.moe_layer_freq, mtp_num_layers=self.mtp_layers,
                                          total_loss_dict=losses)
         return {f"moe/{name}": losses[name] for name in self.tracked}
 
@@ -132,13 +140,13 @@ class RouterMetrics:
         busiest = self.counts.argmax(dim=1).tolist()
         self.counts.zero_()
         self.tokens.zero_()
-        layers = range(1, self.num_layers + 1)
+        layers = self.moe_layers
         scalars = {f"moe/layer{layer}/{name}": values[layer - 1] for name, values in stats.items()
                    if name != "dropped" or self.capacity for layer in layers}
-        scalars["moe/max_load"] = max(stats["max_load"])
-        scalars["moe/load_cv"] = sum(stats["load_cv"]) / self.num_layers
+        scalars["moe/max_load"] = max(stats["max_load"][layer - 1] for layer in layers)
+        scalars["moe/load_cv"] = sum(stats["load_cv"][layer - 1] for layer in layers) / len(layers)
         if self.capacity:
-            scalars["moe/dropped"] = sum(stats["dropped"]) / self.num_layers
+            scalars["moe/dropped"] = sum(stats["dropped"][layer - 1] for layer in layers) / len(layers)
         warnings = self.collapse.update({layer: stats["max_load"][layer - 1] for layer in layers},
                                         {layer: busiest[layer - 1] for layer in layers}, self.topk / self.experts)
         if dist.get_rank() == 0:

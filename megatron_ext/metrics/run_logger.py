@@ -68,6 +68,12 @@ def breakdown_shares(breakdown: dict[str, float]) -> dict[str, float]:
             for name, seconds in breakdown_scalars(breakdown).items()}
 
 
+def _console_name(tag: str) -> str:
+    """A model-wide extra scalar's name on the console line: an MoE one without its section (``moe/load_cv`` → load
+    cv), others with it (``mtp/loss_1`` → mtp loss 1)."""
+    return (tag.split("/", 1)[1] if tag.startswith("moe/") else tag.replace("/", " ")).replace("_", " ")
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), capped where a diverged loss would overflow it."""
     return math.exp(min(loss, 50.0))
@@ -164,8 +170,8 @@ class RunLogger:
         spread (perf/step_time_{min,max}_s, perf/slowest_rank) to TensorBoard and the console line; `breakdown`,
         the ranks' mean seconds per step in each part of the step over that interval (metrics.step_time), adds
         time/<part>_s and time/other_s (the rest of the step) and the parts' shares to the console line; `loss_scale`
-        (fp16) adds train/loss_scale; `extra` (an MoE model's moe/… scalars) goes to TensorBoard, and its model-wide
-        ones (moe/<name>, not moe/layer<i>/<name>) to the console line."""
+        (fp16) adds train/loss_scale; `extra` (an MoE model's moe/… scalars, multi-token prediction's mtp/loss_k) goes
+        to TensorBoard, and its model-wide ones (not moe/layer<i>/<name>) to the console line."""
         self.time_left.add(step_time)
         scalars = {
             "train/lm_loss": loss,
@@ -202,7 +208,7 @@ class RunLogger:
             line = (f"step {iteration:>6,}/{self.train_iters:,} | loss {loss:.4f} | lr {lr:.3e} | "
                     f"grad-norm {grad_norm:.3f} | "
                     + (f"loss scale {loss_scale:,.0f} | " if loss_scale is not None else "")
-                    + "".join(f"{tag.split('/', 1)[1].replace('_', ' ')} {value:.4f} | "
+                    + "".join(f"{_console_name(tag)} {value:.4f} | "
                               for tag, value in (extra or {}).items() if tag.count("/") == 1) +
                     f"{scalars['train/tokens_per_sec']:,.0f} tok/s ({scalars['train/tokens_per_sec_per_gpu']:,.0f} "
                     f"per {'GPU' if torch.cuda.is_available() else 'process'}) | {step_time * 1000:.0f} ms")

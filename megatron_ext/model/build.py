@@ -23,6 +23,7 @@ from megatron_ext.model.llama import (
     use_liger_kernels,
 )
 from megatron_ext.model.moe import describe_moe
+from megatron_ext.model.mtp import describe_mtp
 
 log = logging.getLogger("megatron_ext")
 
@@ -55,6 +56,8 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
                  f"backend: {'NCCL/GPU' if on_gpu else 'gloo/CPU rehearsal'}")
     if cfg.model.num_moe_experts is not None:
         notes.append(describe_moe(chunks, config))
+    if config.mtp_num_layers:
+        notes.append(describe_mtp(config))
     if use_te and not config.gradient_accumulation_fusion:
         notes.append("TE gradient-accumulation fusion is off: megatron-core's output layer needs apex's "
                      "fused_weight_gradient_mlp_cuda for it, which is not installed here")

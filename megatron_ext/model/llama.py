@@ -21,10 +21,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_ext.config.schema import RecipeConfig
-from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.config.shape import ModelShape, moe_layer_pattern, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
 from megatron_ext.model.fused_output import FusedOutputGPTModel
@@ -33,6 +35,7 @@ from megatron_ext.model.moe import (
     moe_transformer_config,
     reduce_experts_over_expert_data_parallel,
 )
+from megatron_ext.model.mtp import mtp_block_spec, mtp_transformer_config
 from megatron_ext.model.ring_attention import RingAttention
 
 
@@ -83,22 +86,31 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
                liger: bool = False) -> TransformerBlockSubmodules:
     """This chunk's decoder layers: TE fused layers, or megatron-core local layers with an SP-capable
     RMSNorm (liger-kernel's with `liger`) and SDPA core attention (ring attention when the sequence is split
-    across CP ranks); an MoE model's MLPs are megatron-core's MoE layers (one GEMM per expert in local layers)."""
+    across CP ranks); an MoE model's MLPs are megatron-core's MoE layers (one GEMM per expert in local layers) where
+    ``moe_layer_freq`` says, dense SwiGLUs elsewhere."""
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
     norm = RMSNorm
     if liger:
         from liger_kernel.megatron import LigerMegatronRMSNorm as norm
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    specs = {moe: _local_layer_spec(config, norm, moe) for moe in (False, True)}
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers) if config.num_moe_experts else ()
+    layers = range(first, first + get_num_layers_to_build(config, vp_stage=vp_stage))
+    return TransformerBlockSubmodules(layer_specs=[specs[bool(pattern and pattern[i])] for i in layers],
+                                      layer_norm=norm)
+
+
+def _local_layer_spec(config: TransformerConfig, norm: type, moe: bool) -> ModuleSpec:
+    experts = config.num_moe_experts if moe else None
     if config.multi_latent_attention:
-        return TransformerBlockSubmodules(layer_specs=[mla_local_layer_spec(config.num_moe_experts, norm)] * layers,
-                                          layer_norm=norm)
-    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm",
+        return mla_local_layer_spec(experts, norm)
+    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
                                                    qk_layernorm=config.qk_layernorm))
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
-    if config.num_moe_experts:
+    if experts:
         # megatron-core 0.19.2's local spec saves the pre-MLP norm as the dense TE layer's fused norm
         # (mlp.linear_fc1.layer_norm_weight) even before MoE layers, where its TE spec keeps the norm apart
         # (pre_mlp_layernorm.weight): saved under TE's key, a checkpoint moves between the specs (Megatron-LM PR 6270)
@@ -107,7 +119,7 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
     attention.core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
     if config.qk_layernorm:  # over each head's channels; megatron-core sums their gradients over TP itself
         attention.q_layernorm = attention.k_layernorm = norm
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
+    return layer
 
 
 def use_liger_kernels(cross_entropy: bool = True) -> None:
@@ -195,6 +207,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         offload_modules=list(cfg.train.offload_modules),
         min_offloaded_tensor_size=cfg.train.min_offloaded_tensor_size,
         **moe_transformer_config(cfg),
+        **mtp_transformer_config(cfg),
         **(mla or {"qk_layernorm": m.qk_layernorm}),
     )
 
@@ -247,9 +260,11 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        decoder = block_spec(config, use_te, stage, cfg.train.liger_kernels)
         chunks.append(model_class(
             config=config,
-            transformer_layer_spec=block_spec(config, use_te, stage, cfg.train.liger_kernels),
+            transformer_layer_spec=decoder,
+            mtp_block_spec=mtp_block_spec(config, decoder, use_te, stage),
             vocab_size=padded,
             max_sequence_length=cfg.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

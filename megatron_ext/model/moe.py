@@ -1,9 +1,10 @@
 """Mixture-of-Experts layers: the recipe's ``model.moe_*`` keys as megatron-core's MoE settings (its MoELayer, router
 and token dispatchers build and run the experts), and what the recipe adds around them.
 
-Every decoder layer of an MoE recipe is an MoE layer (Mixtral, Qwen3-MoE): attention as in the dense model, then a
-router choosing ``moe_router_topk`` of ``num_moe_experts`` SwiGLU experts per token, split over the expert-parallel
-ranks (``parallel.expert_model_parallel_size``) and, inside each expert, over ``expert_tensor_parallel_size``.
+An MoE recipe's decoder layers are MoE layers (all of them in Mixtral and Qwen3-MoE; those ``model.moe_layer_freq``
+marks, e.g. all but DeepSeek-V3's first three, the others dense): attention as in the dense model, then a router
+choosing ``moe_router_topk`` of ``num_moe_experts`` SwiGLU experts per token, split over the expert-parallel ranks
+(``parallel.expert_model_parallel_size``) and, inside each expert, over ``expert_tensor_parallel_size``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_ext.config.schema import RecipeConfig, expert_tensor_parallel_size
-from megatron_ext.config.shape import ModelShape
+from megatron_ext.config.shape import ModelShape, moe_layer_pattern
 
 
 def moe_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
@@ -24,6 +25,7 @@ def moe_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
         return {}
     return dict(
         num_moe_experts=m.num_moe_experts,
+        moe_layer_freq=m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq),
         moe_ffn_hidden_size=ModelShape.of(m).expert_ffn_hidden_size,
         moe_router_topk=m.moe_router_topk,
         moe_router_score_function=m.moe_router_score_function,
@@ -62,7 +64,9 @@ def describe_moe(chunks: list[torch.nn.Module], config: Any) -> str:
     groups = (f" from the best {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
               if config.moe_router_num_groups else "")
     scaling = config.moe_router_topk_scaling_factor
-    return (f"MoE: {config.num_moe_experts} experts per layer, top-{config.moe_router_topk}{groups} "
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    where = "per layer" if all(pattern) else f"in {sum(pattern)} of the {len(pattern)} layers (the others dense)"
+    return (f"MoE: {config.num_moe_experts} experts {where}, top-{config.moe_router_topk}{groups} "
             f"({config.moe_router_score_function}{f', weights × {scaling:g}' if scaling else ''}); "
             f"{mlp.num_local_experts} on this rank as "
             f"{type(mlp.experts).__name__}; {config.moe_token_dispatcher_type} dispatcher; {balance}; "

@@ -8,11 +8,12 @@ from typing import Optional
 
 from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.planner.layout import RankShape
-from megatron_ext.planner.static_memory import stage_chunks
+from megatron_ext.planner.static_memory import mtp_layers, stage_chunks
 
 
-def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
-    """Bytes one decoder layer saves for backward per micro batch on one rank (flash attention).
+def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True, moe: bool = True) -> int:
+    """Bytes one decoder layer (an MoE layer with `moe`, in an MoE model) saves for backward per micro batch on one
+    rank (flash attention).
 
     Per token with t = TP, D = activation bytes, Hq = heads·head_dim, Hkv = groups·head_dim, f = FFN:
     sequence-parallel part (÷t with SP, else replicated): two norms (each its input in D + fp32
@@ -38,11 +39,12 @@ def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
     norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
     seq_part = tokens // seq_shard * (2 * norm + 2 * h * d_bytes)
     hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
-    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + (0 if shape.experts else 5 * shape.ffn)) // t
+    moe_layer = moe and shape.experts > 0
+    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + (0 if moe_layer else 5 * shape.ffn)) // t
     if shape.qk_norm:  # each head's query and key normed as the layer norms are, with an fp32 rstd per head
         per_channel = d_bytes if fused_norm else 2 * 4
         tp_part += tokens * ((hq + hkv) * per_channel + (shape.heads + shape.groups) * 4) // t
-    if shape.experts:
+    if moe_layer:
         tp_part += _moe_activation_bytes(shape, tokens // seq_shard)
     # selective: the checkpoint keeps q, k, v (and megatron's int32 mask-type tensor) instead of the lse
     lse = 4 if cfg.train.recompute_granularity == "selective" else tokens * 4 * shape.heads // t
@@ -88,23 +90,30 @@ def offloaded_layer_bytes(cfg: RecipeConfig, fused_norm: bool = True) -> int:
     return int(tokens * sum(per_token[m] for m in modules))
 
 
-def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: int, pre: bool, post: bool,
+def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: range, pre: bool, post: bool,
                            fused_norm: bool = True) -> int:
-    """Bytes one model chunk saves for backward per micro batch: its layers, embedding and loss."""
+    """Bytes one model chunk saves for backward per micro batch: its decoder `layers` (numbered from 0 in the whole
+    model), embedding and loss, and with the loss the MTP layers (each a decoder layer, its input norms and projection,
+    and an output layer and loss of its own)."""
     shape = RankShape.of(cfg, vocab_size)
     d_bytes, h = shape.bytes_per_value, shape.hidden
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
     seq_shard = shape.tp if shape.sp else 1
-    total = layers * layer_activation_bytes(cfg, fused_norm)
+    model = shape.model
+    total = sum(layer_activation_bytes(cfg, fused_norm, model.is_moe_layer(layer)) for layer in layers)
     if cfg.train.recompute_granularity == "full" and layers:
         total += 4 * cfg.model.seq_length * shape.head_dim  # fp32 rotary table, shared by the layers
     if pre:  # token ids (int64), and the out-of-shard mask of the vocab-parallel embedding
         total += tokens * 8 + (tokens if shape.tp > 1 else 0)
     if post:
         norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
-        total += tokens // seq_shard * (norm + h * d_bytes)  # final norm, output layer input
-        total += output_loss_bytes(cfg, shape, tokens)[0]
-        total += tokens * (1 + 8 + 4)  # CE target mask and masked targets, the loss mask
+        output = tokens // seq_shard * (norm + h * d_bytes)  # final norm, output layer input
+        output += output_loss_bytes(cfg, shape, tokens)[0]
+        output += tokens * (1 + 8 + 4)  # CE target mask and masked targets, the loss mask
+        mtp = mtp_layers(shape)
+        total += output * (1 + len(mtp)) + sum(
+            layer_activation_bytes(cfg, fused_norm, model.is_moe_layer(layer))
+            + tokens // seq_shard * (2 * norm + 2 * h * d_bytes) for layer in mtp)  # + enorm, hnorm, eh_proj input
     return total
 
 
@@ -143,16 +152,18 @@ def stage_activation_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, 
     m = microbatches_per_step(cfg, world_size)
     chunks = stage_chunks(tuple(pipeline_stage_layers(cfg)), vpp, pp_rank)
     n = microbatches_in_flight(pp, vpp, m, pp_rank)
+    # the in-flight micro batches are spread over the chunks: counted at the chunk that saves the most (they differ
+    # where some layers are MoE layers and some dense)
     layers = chunks[0][0]
-    body = chunk_activation_bytes(cfg, vocab_size, layers, False, False, fused_norm)
+    body = max(chunk_activation_bytes(cfg, vocab_size, chunk, False, False, fused_norm) for chunk, _, _ in chunks)
     total = n * body
     # Activation offload keeps two layers' saved tensors on the device: megatron-core's last group of each
     # module (not offloaded, so its reload cannot stall the backward pass) and the one being copied.
-    total -= max(n * layers - 2, 0) * offloaded_layer_bytes(cfg, fused_norm)
+    total -= max(n * len(layers) - 2, 0) * offloaded_layer_bytes(cfg, fused_norm)
     if any(pre for _, pre, _ in chunks):  # chunk 0 holds at most ceil(n / vpp) of the in-flight ones
-        total += -(-n // len(chunks)) * (chunk_activation_bytes(cfg, vocab_size, 0, True, False, fused_norm))
+        total += -(-n // len(chunks)) * (chunk_activation_bytes(cfg, vocab_size, range(0), True, False, fused_norm))
     if any(post for *_, post in chunks):  # the loss chunk runs its backward right after its forward
-        total += chunk_activation_bytes(cfg, vocab_size, 0, False, True, fused_norm)
+        total += chunk_activation_bytes(cfg, vocab_size, range(0), False, True, fused_norm)
     # deallocate_pipeline_outputs is off: every in-flight output sent downstream stays allocated.
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
     sent = n - (1 if pp_rank == pp - 1 else 0) if pp > 1 else 0

@@ -12,7 +12,14 @@ from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.activations import layer_activation_bytes, output_loss_bytes, stage_activation_bytes
 from megatron_ext.planner.layout import GIB, Layout, RankShape
-from megatron_ext.planner.static_memory import expert_static, sharded_static, stage_chunks, stage_static
+from megatron_ext.planner.static_memory import (
+    expert_static,
+    largest_layer_elements,
+    sharded_static,
+    stage_chunks,
+    stage_layer_indices,
+    stage_static,
+)
 from megatron_ext.planner.step_time import kernel_efficiency, step_time
 
 NON_TORCH_RESERVE_GIB = 2.0  # CUDA context + cuBLAS/NCCL workspaces: memory torch's allocator never sees
@@ -69,11 +76,13 @@ def stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: i
     no_recompute = cfg if cfg.train.recompute_granularity is None else dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
     # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
-    buffers = layer_activation_bytes(no_recompute) * (2 if layout.recompute == "full" else 1)
+    largest = max(layer_activation_bytes(no_recompute, moe=shape.model.is_moe_layer(layer))
+                  for layer in stage_layer_indices(stages, layout.vpp, pp_rank))
+    buffers = largest * (2 if layout.recompute == "full" else 1)
     if layout.sp:
         buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
     if layout.sharding:  # gathered layers, and one layer's unsharded gradients before their reduce-scatter
-        buffers += (gathered + sum(shape.layer_params())) * d_bytes
+        buffers += (gathered + largest_layer_elements(shape)) * d_bytes
     if stage_chunks(stages, layout.vpp, pp_rank)[-1][2]:
         buffers += output_loss_bytes(cfg, shape, tokens)[1]
     if cfg.data.reset_attention_mask:  # document ids and FlexAttention's block mask, per micro batch

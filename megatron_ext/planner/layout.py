@@ -146,7 +146,7 @@ class RankShape:
     bytes_per_value: int  # params_dtype / activation dtype
     model: ModelShape  # the whole model's shape, for its FLOP count
     qk_norm: bool = False
-    experts: int = 0  # MoE: experts per layer (0: dense)
+    experts: int = 0  # MoE: experts per MoE layer (0: dense)
     expert_ffn: int = 0
     topk: int = 0
     shared_ffn: int = 0  # the shared experts' width (0: none)
@@ -158,7 +158,7 @@ class RankShape:
         m, p = cfg.model, cfg.parallel
         # by value: a search asks for the shape of each candidate layout many times over (and config sections are
         # mutable, so not by identity)
-        key = (tuple(vars(m).values()), p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
+        key = (tuple(tuple(v) if isinstance(v, list) else v for v in vars(m).values()), p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
                p.expert_model_parallel_size, p.expert_tensor_parallel_size, cfg.train.precision, vocab_size)
         if key not in _SHAPES:
             if len(_SHAPES) >= 4096:
@@ -182,9 +182,10 @@ class RankShape:
             etp=expert_tensor_parallel_size(cfg),
         )
 
-    def layer_params(self) -> list[int]:
+    def layer_params(self, moe: bool = True) -> list[int]:
         """One decoder layer's parameter sizes on a TP rank, in ``named_parameters`` order, its experts left out
-        (:meth:`expert_params`): an MoE layer's MLP is its router (whole on every rank) and shared experts."""
+        (:meth:`expert_params`): an MoE layer's MLP (`moe`, in an MoE model) is its router (whole on every rank) and
+        shared experts."""
         h, d, t, m = self.hidden, self.head_dim, self.tp, self.model
         if m.multi_latent_attention:  # the output, q down/up, KV down/up projections (column-parallel), their norms
             q_rank, kv_rank, n = m.q_lora_rank, m.kv_lora_rank, self.heads
@@ -194,7 +195,7 @@ class RankShape:
         else:
             attention = [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t]
             attention += [d, d] if self.qk_norm else []
-        if not self.experts:
+        if not (moe and self.experts):
             return [*attention, h, 2 * self.ffn * h // t, self.ffn * h // t]
         shared = [2 * self.shared_ffn * h // t, self.shared_ffn * h // t] if self.shared_ffn else []
         return [*attention, h, self.experts * h, *shared]

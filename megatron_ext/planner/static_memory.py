@@ -18,23 +18,44 @@ from megatron_ext.config.shape import ModelShape
 from megatron_ext.planner.layout import RankShape
 
 
-def stage_chunks(stages: tuple[int, ...], vpp: Optional[int], pp_rank: int) -> list[tuple[int, bool, bool]]:
-    """(layers, holds the embedding, holds the output layer) for each model chunk of a stage; `stages`: each
-    stage's decoder layers (:func:`pipeline_stage_layers`)."""
+def stage_chunks(stages: tuple[int, ...], vpp: Optional[int], pp_rank: int) -> list[tuple[range, bool, bool]]:
+    """(its decoder layers, numbered from 0 in the whole model; holds the embedding; holds the output layer) for each
+    model chunk of a stage; `stages`: each stage's decoder layers (:func:`pipeline_stage_layers`). Chunk c of every
+    stage comes before chunk c + 1 of any, as megatron-core numbers them (``get_transformer_layer_offset``)."""
     v, pp = vpp or 1, len(stages)
-    per_chunk = stages[pp_rank] // v
-    return [(per_chunk, pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == v - 1) for c in range(v)]
+    per_round, before, per_chunk = sum(n // v for n in stages), sum(n // v for n in stages[:pp_rank]), \
+        stages[pp_rank] // v
+    return [(range(c * per_round + before, c * per_round + before + per_chunk), pp_rank == 0 and c == 0,
+             pp_rank == pp - 1 and c == v - 1) for c in range(v)]
 
 
-def chunk_params(shape: RankShape, pp: int, layers: int, pre: bool, post: bool) -> list[tuple[int, bool]]:
-    """(numel, is a shared embedding copy) per parameter of one chunk, in ``named_parameters`` order."""
-    embedding = shape.vocab * shape.hidden // shape.tp
+def mtp_layers(shape: RankShape) -> range:
+    """The multi-token-prediction layers, numbered on after the decoder's (all on the last pipeline stage)."""
+    return range(shape.layers, shape.layers + shape.model.mtp_num_layers)
+
+
+def stage_layer_indices(stages: tuple[int, ...], vpp: Optional[int], pp_rank: int) -> list[int]:
+    """The decoder layers (numbered from 0 in the whole model) of a stage's chunks."""
+    return [layer for layers, _, _ in stage_chunks(stages, vpp, pp_rank) for layer in layers]
+
+
+def chunk_params(shape: RankShape, pp: int, layers: range, pre: bool, post: bool) -> list[tuple[int, bool]]:
+    """(numel, is a shared embedding copy) per parameter of one chunk holding `layers` (and, with the output layer,
+    the MTP layers), in ``named_parameters`` order."""
+    h, model = shape.hidden, shape.model
+    embedding = shape.vocab * h // shape.tp
     params: list[tuple[int, bool]] = []
-    if pre:  # a tied embedding on a stage without the output layer is kept in sync with the last stage
-        params.append((embedding, shape.tied and pp > 1 and not post))
-    params += [(n, False) for _ in range(layers) for n in shape.layer_params()]
+    mtp = mtp_layers(shape) if post else range(0)
+    # a tied or MTP-read embedding is kept in sync between the first stage and a copy on the last
+    if pre or mtp:
+        params.append((embedding, pp > 1 and not (pre and post) and (shape.tied or bool(model.mtp_num_layers))))
+    params += [(n, False) for layer in layers for n in shape.layer_params(model.is_moe_layer(layer))]
     if post:
-        params.append((shape.hidden, False))  # final norm
+        params.append((h, False))  # final norm
+        # each MTP layer: its embedding and hidden-state norms, their projection (column-parallel), its decoder layer,
+        # its final norm
+        params += [(n, False) for layer in mtp
+                   for n in (h, h, 2 * h * h // shape.tp, *shape.layer_params(model.is_moe_layer(layer)), h)]
         if not shape.tied or not pre:  # the tied copy on the last stage when PP > 1
             params.append((embedding, shape.tied))
     return params
@@ -103,7 +124,8 @@ def stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], 
     owned = [0] * dp_cp
     for c, (layers, pre, post) in enumerate(stage_chunks(stages, vpp, pp_rank)):
         if experts:
-            params = [(n, False) for _ in range(layers) for n in shape.expert_params()]
+            held = [*layers, *(mtp_layers(shape) if post else [])]
+            params = [(n, False) for layer in held if shape.model.is_moe_layer(layer) for n in shape.expert_params()]
         else:
             params = chunk_params(shape, len(stages), layers, pre, post)
         bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
@@ -129,7 +151,7 @@ def expert_static(shape: RankShape, world_size: int, stages: tuple[int, ...], vp
 
 def model_elements(shape: RankShape) -> int:
     """Parameter elements of one TP rank's part of the whole model (PP 1)."""
-    return sum(n for n, _ in chunk_params(shape, 1, shape.layers, True, True))
+    return sum(n for n, _ in chunk_params(shape, 1, range(shape.layers), True, True))
 
 
 def sharded_static(shape: RankShape, dp_cp: int, sharding: ShardingStrategy, replicas: int = 1,
@@ -144,8 +166,13 @@ def sharded_static(shape: RankShape, dp_cp: int, sharding: ShardingStrategy, rep
     shard = -(-whole // (dp_cp // replicas))
     owned = -(-whole // dp_cp) if outer == "optim" and replicas > 1 else shard
     if sharding == "optim_grads_params":
-        return shard, shard, owned, 2 * sum(shape.layer_params())
+        return shard, shard, owned, 2 * largest_layer_elements(shape)
     return whole, shard, owned, 0
+
+
+def largest_layer_elements(shape: RankShape) -> int:
+    """Parameter elements of the largest decoder layer on a TP rank, its experts left out."""
+    return max(sum(shape.layer_params(shape.model.is_moe_layer(layer))) for layer in range(shape.layers))
 
 
 def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,

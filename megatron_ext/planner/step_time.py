@@ -3,13 +3,19 @@ CP / MoE / PP communication, the bubble, the DP gradient sync, the optimizer ste
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 from megatron_ext.config.kernels import compiles_layers
 from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.layout import Layout, RankShape
-from megatron_ext.planner.static_memory import expert_static, model_elements, stage_static
+from megatron_ext.planner.static_memory import (
+    expert_static,
+    model_elements,
+    mtp_layers,
+    stage_layer_indices,
+    stage_static,
+)
 
 LATENCY_INTRA_S = 8e-6  # per collective or p2p message inside a node
 LATENCY_INTER_S = 25e-6  # per collective or p2p message across nodes
@@ -31,11 +37,15 @@ OFFLOAD_COPY_BYTES = 4  # per offloaded element and direction: its fp32 gradient
 CP_STEP_LAUNCH_S = 10e-6  # per ring step of context-parallel attention: extra kernel launches and sync
 
 
-def stage_flops_per_token(shape: RankShape, layers: int, output_layer: bool, recompute: Optional[str]) -> float:
-    """Forward+backward FLOPs per token of `layers` layers (and the output layer) plus recompute: the model's own
-    count (:class:`ModelShape`), on the padded vocabulary as the run log counts it."""
-    output = shape.model.output_layer_flops_per_token(shape.vocab) if output_layer else 0.0
-    return layers * shape.model.layer_flops_per_token(recompute=recompute) + output
+def stage_flops_per_token(shape: RankShape, layers: Iterable[int], output_layer: bool,
+                          recompute: Optional[str]) -> float:
+    """Forward+backward FLOPs per token of decoder `layers` (numbered from 0 in the whole model; and the output
+    layer and the MTP layers after it) plus recompute: the model's own count (:class:`ModelShape`), on the padded
+    vocabulary as the run log counts it."""
+    model = shape.model
+    output = model.output_layer_flops_per_token(shape.vocab) + model.mtp_flops_per_token(shape.vocab) if (
+        output_layer) else 0.0
+    return model.layers_flops_per_token(layers, recompute=recompute) + output
 
 
 def ring_seconds(bytes_: float, n: int, bus_gb_s: float, latency: float, factor: float = 1.0) -> float:
@@ -74,7 +84,11 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
     peak = gpu.peak_bf16_tflops * 1e12 * mfu
     # one micro batch through the slowest stage (its layers, the last's with the output layer), fwd + bwd
     stages = tuple(pipeline_stage_layers(cfg))
-    flops, layers = max((stage_flops_per_token(shape, n, r == pp - 1, layout.recompute), n) for r, n in enumerate(stages))
+    flops, slowest = max((stage_flops_per_token(shape, indices, r == pp - 1, layout.recompute), indices)
+                         for r in range(pp) for indices in [stage_layer_indices(stages, layout.vpp, r)])
+    if pp == 1 or slowest == stage_layer_indices(stages, layout.vpp, pp - 1):  # the last stage, with the MTP layers
+        slowest = [*slowest, *mtp_layers(shape)]
+    layers, moe_layers = len(slowest), sum(shape.model.is_moe_layer(layer) for layer in slowest)
     flops *= layout.mbs * shape.seq
     compute = flops / (tp * cp) / peak
 
@@ -98,10 +112,10 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
         sequence_tokens = tokens // (tp if layout.sp else 1)
         bw, lat = link(shape.etp * shape.ep)  # expert ranks: ETP fastest, then EP
         routed = sequence_tokens * shape.topk * shape.hidden * d_bytes
-        moe_comm = layers * 4 * ((shape.ep - 1) / shape.ep * routed / (bw * 1e9) + lat) if shape.ep > 1 else 0.0
+        moe_comm = moe_layers * 4 * ((shape.ep - 1) / shape.ep * routed / (bw * 1e9) + lat) if shape.ep > 1 else 0.0
         if shape.etp > 1:  # the routed tokens gathered over expert TP and their outputs reduce-scattered back
             bw, lat = link(shape.etp)
-            moe_comm += layers * 4 * ring_seconds(routed * shape.etp, shape.etp, bw, lat)
+            moe_comm += moe_layers * 4 * ring_seconds(routed * shape.etp, shape.etp, bw, lat)
 
     p2p = 0.0
     if pp > 1:

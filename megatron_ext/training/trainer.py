@@ -47,6 +47,7 @@ from megatron_ext.distributed.parallel import (
     wrap_with_ddp,
 )
 from megatron_ext.metrics.moe_metrics import RouterMetrics
+from megatron_ext.metrics.mtp_metrics import MTPMetrics
 from megatron_ext.metrics.profiler import StepProfiler
 from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
@@ -214,6 +215,7 @@ class Trainer:
         self.pending = PendingSteps(_device())
         self.decide_before_update = decides_before_update(self.cfg)  # such runs settle every step
         self.router_metrics = RouterMetrics(self.cfg, _device(), self.model)
+        self.mtp_metrics = MTPMetrics(self.cfg, _device())
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
                                      ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
@@ -291,7 +293,8 @@ class Trainer:
             self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
         with self.metrics.timers.region("loss_sync"):
-            router = self.router_metrics.step(self.iteration + 1, self.num_microbatches)
+            router = {**self.router_metrics.step(self.iteration + 1, self.num_microbatches),
+                      **self.mtp_metrics.step(self.num_microbatches)}
             # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
             flags = local_nonfinite(losses, self.model, _device(), check_grads=self.cfg.train.precision != "fp16")
             self.pending.add(self.iteration + 1, losses, flags, router, self.optimizer.param_groups[0]["lr"])

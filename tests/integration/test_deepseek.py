@@ -1,7 +1,8 @@
 """A DeepSeek-V3-style model end to end on CPU/gloo (fp32, dropless): configs/tiny_deepseek.yaml at the parity
-matrix's small size — multi-latent attention, 8 routed experts and a shared one, sigmoid scores limited to the best of 2
-expert groups, weights scaled by 2.5, the expert bias (stepped fast here, so that it steers the routing within the
-compared steps) and a per-sequence aux loss.
+matrix's small size — multi-latent attention, a dense first layer, then 8 routed experts and a shared one, sigmoid
+scores limited to the best of 2 expert groups, weights scaled by 2.5, the expert bias (stepped fast here, so that it
+steers the routing within the compared steps), a per-sequence aux loss and one multi-token-prediction layer on the last
+stage.
 
 EP2 × PP2 trains it as one process does, step by step within the parity matrix's bounds, from the same initial weights
 (saved at EP1); stopped at STOP and resumed it repeats the uninterrupted run exactly; its checkpoint at STOP goes on
@@ -23,17 +24,21 @@ from tests.launch import ROOT, SINGLE_PROCESS, read_scalars, run_pretrain
 
 TINY_DEEPSEEK = ROOT / "configs" / "tiny_deepseek.yaml"
 STEPS, STOP = PARITY_STEPS, 3
-AUX = "moe/seq_load_balancing_loss"
+AUX, MTP = "moe/seq_load_balancing_loss", "mtp/loss_1"
 TOLERANCE = {(AUX if tag == "moe/load_balancing_loss" else tag): bound for tag, bound in MOE_TOLERANCE.items()}
+TOLERANCE[MTP] = TOLERANCE["train/lm_loss"]
 # the parity matrix's small model has grouped queries; multi-latent attention has none
 SMALL = ["model.num_query_groups=null", "model.moe_router_bias_update_rate=0.05"]
 SINGLE = [*SINGLE_PROCESS, "parallel.expert_model_parallel_size=1"]
 FULL_LAYOUT = ["TP1 × CP1 × DP2 × PP2", "expert layers: world=4 = ETP1 × EP2 × expert-DP1 × PP2",
                "attention: multi-latent (query rank 96, KV rank 64, head channels 32+16 rotary / value 32) through "
                "torch SDPA",
-               "MoE: 8 experts per layer, top-2 from the best 1 of 2 groups (sigmoid, weights × 2.5); 4 on this rank as "
+               "MoE: 8 experts in 3 of the 4 layers (the others dense), top-2 from the best 1 of 2 groups (sigmoid, weights "
+               "× 2.5); 4 on this rank as "
                "SequentialMLP; alltoall dispatcher; seq_aux_loss × 0.0001, expert bias; dropless; shared experts of "
-               "width 128"]
+               "width 128",
+               "multi-token prediction: 1 layer (an MoE layer as the last decoder layer) on the last pipeline stage, "
+               "predicting 2 tokens ahead; MTP losses × 0.1 into the gradients, logged as mtp/loss_k"]
 RESHARDED_LAYOUT = ["TP2 × CP1 × DP2 × PP1", "expert layers: world=4 = ETP2 × EP2 × expert-DP1 × PP1",
                     "kernels: sequence parallel"]
 
@@ -65,11 +70,14 @@ def runs(tmp_path_factory) -> dict:
 
 def test_ep2_pp2_matches_single_process(runs):
     assert not _missing(runs["full_log"], FULL_LAYOUT), runs["full_log"][:5000]
+    # the router statistics are the MoE layers' (layers 2-4 and the MTP layer, numbered 5), the dense first has none
+    assert [bool(read_scalars(runs["root"] / "full", f"moe/layer{layer}/max_load")) for layer in range(1, 6)] == [
+        False, True, True, True, True]
     _assert_matches(runs["root"] / "full", runs["root"] / "single", TOLERANCE, range(1, STEPS + 1), "deepseek ep2_pp2")
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
-    for tag in ("train/lm_loss", "train/grad_norm", AUX, "moe/load_cv"):
+    for tag in ("train/lm_loss", "train/grad_norm", AUX, "moe/load_cv", MTP):
         full, resumed = read_scalars(runs["root"] / "full", tag), read_scalars(runs["root"] / "resumed", tag)
         assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)), tag
         assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}

@@ -31,10 +31,12 @@ WORKER_LAYOUTS = {
                                                "parallel.overlap_grad_reduce=true"], False),
     "tp2_pp2_sp_distopt_bf16_tied": (4, [BF16, TIED], False),
     "cp2_dp2_distopt_bf16": (4, [*TP1, *PP1, BF16, "parallel.context_parallel_size=2"], False),
-    # MoE (Qwen3-style q/k norms, shared experts): the experts' buffers sharded over expert-DP2, the rest over DP4
-    "dp4_ep2_moe_shared_qk_norm_bf16": (4, [*TP1, *PP1, BF16, "model.num_moe_experts=4", "model.moe_ffn_hidden_size=96",
-                                            "model.moe_shared_expert_intermediate_size=64", "model.qk_layernorm=true",
-                                            "parallel.expert_model_parallel_size=2"], True),
+    # MoE (Qwen3-style q/k norms, shared experts; a first dense layer and an MTP layer as DeepSeek-V3's): the experts'
+    # buffers sharded over expert-DP2, the rest over DP4
+    "dp4_ep2_moe_shared_qk_norm_first_dense_mtp_bf16": (
+        4, [*TP1, *PP1, BF16, "model.num_moe_experts=4", "model.moe_ffn_hidden_size=96",
+            "model.moe_shared_expert_intermediate_size=64", "model.qk_layernorm=true", "model.moe_layer_freq=[0,1,1,1]",
+            "model.mtp_num_layers=1", "parallel.expert_model_parallel_size=2"], True),
 }
 
 
@@ -65,7 +67,7 @@ def test_planner_matches_megatron_core_memory(name, tmp_path):
         assert measured == expected, (name, r["rank"])
         if activations:
             # CPU rule: torch's composite RMSNorm (fp32 copies); flash SDPA on both sides
-            estimate = planner.chunk_activation_bytes(cfg, VOCAB, cfg.model.num_layers, True, True,
+            estimate = planner.chunk_activation_bytes(cfg, VOCAB, range(cfg.model.num_layers), True, True,
                                                       fused_norm=False)
             got = r["activations"]["bytes"]
             print(f"{name} rank {r['rank']} activations: measured {got}, planner {estimate} "

@@ -62,6 +62,10 @@ def test_moe_settings_mixtral_has_no_counterpart_for_refuse_export():
     shared = load_config(TINY.parent / "tiny_moe.yaml", ["model.moe_shared_expert_intermediate_size=256"])
     with pytest.raises(ConversionError, match="exported as Mixtral, whose router and experts have no such setting"):
         hf_llama.shape_from_recipe(shared, 1000)
+    first_dense = load_config(TINY.parent / "tiny_moe.yaml", ["model.moe_layer_freq=[0,1,1,1]"])
+    with pytest.raises(ConversionError, match=r"model.moe_layer_freq=\[0, 1, 1, 1\]: this MoE model is exported as "
+                                              r"Mixtral, which has an MoE layer everywhere"):
+        hf_llama.shape_from_recipe(first_dense, 1000)
 
 
 def test_qwen3_moe_configs_read_with_their_router_and_what_differs_is_one_error(tmp_path):

@@ -1,5 +1,6 @@
-"""Multi-latent attention (DeepSeek-V3's) and DeepSeek-V3's routing keys: the config rules, and the parameter counts
-of the model shape and the planner against the model megatron-core builds from them (one CPU process)."""
+"""Multi-latent attention (DeepSeek-V3's), its routing keys, first dense layers and multi-token prediction: the config
+rules, and the parameter and FLOP counts of the model shape and the planner against the model megatron-core builds
+from them (one CPU process) and Megatron-LM's formula."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron_ext.config.shape import ModelShape
 from megatron_ext.config.validate import validate
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.layout import RankShape
+from megatron_ext.planner.static_memory import chunk_params
 from tests.launch import TINY
 
 VOCAB = 256
@@ -27,8 +29,9 @@ ONE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model
 
 
 def _built(overrides: list[str]) -> dict:
-    """In a spawned world of one: the built model's parameter count, its first layer's parameter sizes (experts
-    apart), and one forward/backward pass's loss and whether every parameter got a gradient."""
+    """In a spawned world of one: the built model's parameter count, each layer's parameter sizes (experts apart)
+    and whether it is an MoE layer, and one forward/backward pass's loss and whether every parameter got a
+    gradient."""
     from megatron.core import tensor_parallel
 
     from recipes.convert import build_model, model_parallel_world
@@ -42,20 +45,28 @@ def _built(overrides: list[str]) -> dict:
         loss = model(tokens, None, attention_mask=None, labels=tokens).mean()
         loss.backward()
         return {"parameters": sum(p.numel() for p in model.parameters()),
-                "layer": [p.numel() for n, p in model.named_parameters()
-                          if n.startswith("decoder.layers.0.") and ".experts." not in n],
+                "layers": [[p.numel() for n, p in layer.named_parameters() if ".experts." not in f".{n}"]
+                           for layer in model.decoder.layers],
+                "moe_layers": [hasattr(layer.mlp, "router") for layer in model.decoder.layers],
+                "named": [p.numel() for n, p in model.named_parameters() if ".experts." not in n],
                 "softmax_scale": model.decoder.layers[0].self_attention.core_attention.softmax_scale,
                 "loss": loss.item(), "all_have_gradients": all(p.grad is not None for p in model.parameters())}
 
 
-@pytest.mark.parametrize("routed", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("routed", [[], ROUTED, [*ROUTED, "model.moe_layer_freq=[0,1,0,1]", "model.mtp_num_layers=2"]],
+                         ids=["dense", "moe", "moe_every_other_layer_from_the_second_and_two_mtp_layers"])
 def test_counts_equal_the_model_megatron_core_builds(megatron, routed):
-    overrides = [*MLA, *ONE_PROCESS, *(ROUTED if routed else [])]
+    overrides = [*MLA, *ONE_PROCESS, *routed]
     built = megatron(_built, overrides)
     cfg = load_config(TINY, overrides)
     shape = ModelShape.of(cfg.model)
+    assert built["moe_layers"] == [shape.is_moe_layer(layer) for layer in range(shape.num_layers)] == (
+        [False, True, False, True] if "model.moe_layer_freq=[0,1,0,1]" in routed else [bool(routed)] * 4)
     assert built["parameters"] == shape.num_parameters(VOCAB)
-    assert built["layer"] == RankShape.of(cfg, VOCAB).layer_params()
+    rank = RankShape.of(cfg, VOCAB)
+    assert built["layers"] == [rank.layer_params(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)]
+    # every parameter but the experts', in the order megatron-core's buffers lay them out (the MTP layers' too)
+    assert built["named"] == [n for n, _ in chunk_params(rank, 1, range(shape.num_layers), True, True)]
     assert built["softmax_scale"] == pytest.approx((16 + 8) ** -0.5)  # MLA's own: over query/key channels
     assert built["all_have_gradients"] and 5.0 < built["loss"] < 6.5  # ≈ ln 256 at initialisation
 
@@ -73,6 +84,24 @@ def test_flops_count_the_latent_projections_and_both_head_sizes():
     assert ModelShape.of(cfg.model).flops_per_token(VOCAB) == layers * per_layer + 6 * VOCAB * h
 
 
+def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
+    """With model.moe_layer_freq a dense layer counts the dense SwiGLU (ffn_hidden_size wide) and an MoE layer its
+    router, top-k experts and shared expert; an integer N marks every N-th layer from the first."""
+    first_dense = ModelShape.of(load_config(TINY, [*MLA, *ROUTED, "model.moe_layer_freq=[0,1,1,1]"]).model)
+    every_other = ModelShape.of(load_config(TINY, [*MLA, *ROUTED, "model.moe_layer_freq=2"]).model)
+    assert (first_dense.moe_layers, every_other.moe_layers) == ((0, 1, 1, 1), (1, 0, 1, 0))
+    h, ffn, expert = first_dense.hidden_size, first_dense.ffn_hidden_size, first_dense.expert_ffn_hidden_size
+    dense_mlp, moe_mlp = 3 * h * ffn, h * 4 + 2 * 3 * h * expert + 3 * h * 64  # router, top-2, the shared expert
+    attention = 6 * first_dense.attention_parameters() + first_dense.attention_flops_per_token()
+    assert first_dense.flops_per_token(VOCAB) == 4 * attention + 6 * (dense_mlp + 3 * moe_mlp) + 6 * VOCAB * h
+    assert every_other.flops_per_token(VOCAB) == 4 * attention + 6 * (2 * dense_mlp + 2 * moe_mlp) + 6 * VOCAB * h
+    # each MTP layer: its projection of [embedding; hidden] (2h × h), a layer of the last one's kind, the output layer
+    mtp = ModelShape.of(load_config(TINY, [*MLA, *ROUTED, "model.moe_layer_freq=[0,1,1,1]",
+                                           "model.mtp_num_layers=2"]).model)
+    assert mtp.flops_per_token(VOCAB) - first_dense.flops_per_token(VOCAB) == 2 * (
+        6 * 2 * h * h + attention + 6 * moe_mlp + 6 * VOCAB * h)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_query_groups=2"], "model.num_query_groups=2 is invalid: does not apply to multi-latent attention"),
     (["model.kv_channels=16"], "model.kv_channels=16 is invalid: does not apply to multi-latent attention"),
@@ -85,6 +114,20 @@ def test_flops_count_the_latent_projections_and_both_head_sizes():
     ([*ROUTED, "model.moe_router_num_groups=3"], "model.moe_router_num_groups=3 is invalid: must divide"),
     ([*ROUTED, "model.moe_router_group_topk=null"], "needs both model.moe_router_num_groups and"),
     ([*ROUTED, "model.moe_router_group_topk=3"], "model.moe_router_group_topk=3 is invalid: must be at most"),
+    ([*ROUTED, "model.moe_layer_freq=[0,1]"], "model.moe_layer_freq=[0, 1] is invalid: must be a 0/1 flag for each "
+                                               "of the model.num_layers=4 layers"),
+    ([*ROUTED, "model.moe_layer_freq=[0,0,0,0]"], "(1 = MoE), at least one of them 1"),
+    ([*ROUTED, "model.moe_layer_freq=[0,2,1,1]"], "must be a 0/1 flag"),
+    ([*ROUTED, "model.moe_layer_freq=0"], "model.moe_layer_freq=0 is invalid: must be N >= 1"),
+    (["model.moe_layer_freq=2"], "says which layers of an MoE model are MoE layers: set model.num_moe_experts"),
+    (["model.mtp_num_layers=1", "model.untie_embeddings_and_output_weights=false"], "model.untie_embeddings_and_"
+     "output_weights=False is invalid: multi-token prediction is verified here with an output layer of its own"),
+    (["model.mtp_num_layers=1", "parallel.pipeline_model_parallel_size=2",
+      "parallel.virtual_pipeline_model_parallel_size=2"], "parallel.virtual_pipeline_model_parallel_size=2 is invalid: "
+     "is not verified with multi-token prediction (model.mtp_num_layers) here yet: set it null"),
+    (["model.mtp_num_layers=1", "data.reset_attention_mask=true"], "data.reset_attention_mask=True is invalid: is not "
+     "verified with multi-token prediction"),
+    (["model.mtp_num_layers=0"], "model.mtp_num_layers=0 is invalid: must be >= 1"),
     ([*ROUTED, "model.moe_router_topk_scaling_factor=0"], "model.moe_router_topk_scaling_factor=0.0 is invalid: must "
                                                            "be > 0"),
 ])

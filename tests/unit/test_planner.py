@@ -266,7 +266,7 @@ def test_the_planner_counts_the_runs_flops(recipe):
     vocab = cfg.model.vocab_size or 32_000
     shape = planner.RankShape.of(cfg, vocab)
     run_flops = model_flops_per_token(cfg, vocab)
-    assert planner.stage_flops_per_token(shape, shape.layers, True, None) == pytest.approx(run_flops, rel=1e-12)
+    assert planner.stage_flops_per_token(shape, range(shape.layers), True, None) == pytest.approx(run_flops, rel=1e-12)
     gpus = re.search(r"_(\d+)gpu_", recipe)
     world = int(gpus[1]) if gpus else 8  # the tiny recipes: a node
     e = planner.estimate(cfg, world, 8, GPUS["h100-80gb"], vocab)
@@ -411,8 +411,8 @@ def test_uneven_pipeline_stages_are_searched_and_modelled_as_the_model_builds_th
     assert middle == 16 * layer and last == 15 * layer + shape.hidden + shape.vocab * shape.hidden // 8
     e = planner.estimate(uneven, 128, 8, GPUS["h100-80gb"], vocab)
     recompute, mbs = uneven.train.recompute_granularity, uneven.train.micro_batch_size
-    slowest = max(planner.stage_flops_per_token(shape, 16, False, recompute),
-                  planner.stage_flops_per_token(shape, 15, True, recompute))
+    slowest = max(planner.stage_flops_per_token(shape, range(15, 31), False, recompute),
+                  planner.stage_flops_per_token(shape, range(111, 126), True, recompute))
     expected = e.num_microbatches * mbs * uneven.model.seq_length * slowest / 8 / (
         989e12 * planner.kernel_efficiency(uneven))
     assert e.time["compute"] == pytest.approx(expected, rel=1e-9)
@@ -436,3 +436,33 @@ def test_the_planner_and_its_command_run_where_torch_and_megatron_core_cannot_be
     proc = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("layers, pp, vpp, first, last", [
+    (8, 2, None, None, None), (8, 2, 2, None, None), (10, 4, None, 1, 3), (12, 3, 2, 2, 4), (14, 4, 2, None, 2)])
+def test_each_chunk_holds_the_layers_megatron_core_builds_there(layers, pp, vpp, first, last):
+    """The planner's chunks number their layers as megatron-core's model build does (which layers are MoE layers,
+    and so each stage's parameters, activations and FLOPs, follow from it)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_ext.config.schema import pipeline_stage_layers
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+        f"model.num_layers={layers}", f"parallel.pipeline_model_parallel_size={pp}",
+        f"parallel.virtual_pipeline_model_parallel_size={vpp or 'null'}",
+        f"parallel.num_layers_in_first_pipeline_stage={first if first is not None else 'null'}",
+        f"parallel.num_layers_in_last_pipeline_stage={last if last is not None else 'null'}"])
+    config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                               pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+    for rank in range(pp):
+        built = []
+        for chunk in range(vpp or 1):
+            offset = get_transformer_layer_offset(config, vp_stage=chunk if vpp else None, pp_rank=rank)
+            built.append(range(offset, offset + get_num_layers_to_build(config, vp_stage=chunk if vpp else None,
+                                                                         pp_rank=rank)))
+        chunks = planner.static_memory.stage_chunks(tuple(pipeline_stage_layers(cfg)), vpp, rank)
+        assert [layers for layers, _, _ in chunks] == built, rank
