@@ -9,7 +9,7 @@ rank's log).
 from __future__ import annotations
 
 import errno
-from typing import ClassVar
+from typing import Any, ClassVar
 
 EXIT_FAILED = 1  # anything else: the traceback in the rank's log says more
 EXIT_USER_ERROR = 2  # config, data, tokenizer or checkpoint: fix what the message names and run again
@@ -95,3 +95,9 @@ class DatasetError(RecipeError, ValueError):
 
 class BadRecordError(DatasetError):
     """Unusable input; the message starts with `file:line:` (or `file:` for whole-file problems)."""
+
+
+def require(ok: bool, key: str, value: Any, valid: str) -> None:
+    """Raise the ConfigError `key=value is invalid: valid` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {valid}")

@@ -9,8 +9,8 @@ import os
 from typing import Mapping
 
 from megatron_ext.config.schema import AUTO, RecipeConfig
-from megatron_ext.config.validate import require, require_packed_sequence_layout
-from megatron_ext.errors import ConfigError
+from megatron_ext.config.validate import require_packed_sequence_layout
+from megatron_ext.errors import ConfigError, require
 
 FLEX_BLOCK = 128  # FlexAttention's block size: the block mask holds one entry per FLEX_BLOCK² query×key block
 

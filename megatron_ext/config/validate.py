@@ -14,24 +14,17 @@ import importlib.util
 import typing
 from typing import Any, Optional
 
+from megatron_ext.config.model_rules import validate_mla, validate_moe, validate_moe_layer_freq, validate_mtp
 from megatron_ext.config.schema import (
-    ModelConfig,
     RecipeConfig,
     allowed_values,
     collective_timeout_minutes,
-    expert_tensor_parallel_size,
     hang_timeout_s,
     lr_decay_iterations,
     shown_value,
 )
 from megatron_ext.config.shape import ModelShape
-from megatron_ext.errors import ConfigError
-
-
-def require(ok: bool, key: str, value: Any, valid: str) -> None:
-    """Raise the ConfigError `key=value is invalid: valid` unless `ok`."""
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+from megatron_ext.errors import ConfigError, require
 
 
 @functools.cache
@@ -122,7 +115,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     `te_available`: TransformerEngine imports; `fp8_capable`: this GPU has FP8 tensor cores (sm89+).
     """
     _check_enum_values(cfg)
-    _validate_moe_layer_freq(cfg.model)
+    validate_moe_layer_freq(cfg.model)
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     vpp = p.virtual_pipeline_model_parallel_size
@@ -179,8 +172,8 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
         "TransformerEngine is not importable here; use auto or local",
     )
 
-    _validate_mla(cfg)
-    _validate_mtp(cfg)
+    validate_mla(cfg)
+    validate_mtp(cfg)
     _validate_pipeline(cfg)
     for key in ("hidden_dropout", "attention_dropout"):
         require(0.0 <= getattr(m, key) < 1.0, f"model.{key}", getattr(m, key), "must be in [0, 1)")
@@ -225,7 +218,7 @@ def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = Fal
     _validate_precision(cfg, te_available, fp8_capable)
     _validate_kernels(cfg, te_available)
     _validate_megatron_fsdp(cfg, dp * cp)
-    _validate_moe(cfg, world_size)
+    validate_moe(cfg, world_size)
     _validate_optimizer_offload(cfg)
     _validate_activation_offload(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
@@ -392,129 +385,6 @@ def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:
          "or fp32"),
     ]:
         require(ok, key, value, why)
-
-
-def _validate_moe_layer_freq(m: ModelConfig) -> None:
-    """model.moe_layer_freq, before anything reads the model's shape (which resolves it)."""
-    freq = m.moe_layer_freq
-    if m.num_moe_experts is None:
-        require(freq == 1, "model.moe_layer_freq", freq, "says which layers of an MoE model are MoE layers: set "
-                "model.num_moe_experts, or leave it 1")
-    elif isinstance(freq, int):
-        require(freq >= 1, "model.moe_layer_freq", freq, "must be N >= 1 (every N-th layer from the first an MoE "
-                "layer) or a 0/1 flag per layer")
-    else:
-        require(len(freq) == m.num_layers and set(freq) <= {0, 1} and 1 in freq, "model.moe_layer_freq", list(freq),
-                f"must be a 0/1 flag for each of the model.num_layers={m.num_layers} layers (1 = MoE), at least one "
-                f"of them 1")
-
-
-def _validate_moe(cfg: RecipeConfig, world_size: int) -> None:
-    """Mixture-of-Experts: the router's settings, and the expert layout (EP × ETP groups inside the world's
-    non-pipeline ranks, as megatron-core's expert process groups are drawn), before megatron-core refuses them."""
-    m, p = cfg.model, cfg.parallel
-    experts, ep, etp = m.num_moe_experts, p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if experts is None:
-        require(ep == 1, "parallel.expert_model_parallel_size", ep, "splits the experts of an MoE model: set "
-                "model.num_moe_experts, or leave it 1")
-        require(etp is None, "parallel.expert_tensor_parallel_size", etp, "splits the experts of an MoE model: set "
-                "model.num_moe_experts, or leave it null")
-        return
-    etp = expert_tensor_parallel_size(cfg)
-    shape = ModelShape.of(m)
-    require(experts >= 2, "model.num_moe_experts", experts, "an MoE layer needs at least 2 experts (null = dense)")
-    require(1 <= m.moe_router_topk <= experts, "model.moe_router_topk", m.moe_router_topk,
-            f"must be in 1..model.num_moe_experts={experts}")
-    require(ep >= 1 and experts % ep == 0, "parallel.expert_model_parallel_size", ep,
-            f"must divide model.num_moe_experts={experts} (each EP rank holds the same number of experts); valid: "
-            f"{[d for d in range(1, experts + 1) if experts % d == 0]}")
-    require(etp >= 1 and shape.expert_ffn_hidden_size % etp == 0, "parallel.expert_tensor_parallel_size", etp,
-            f"must divide the experts' width {shape.expert_ffn_hidden_size} (model.moe_ffn_hidden_size)")
-    non_pipeline = world_size // pp
-    require(non_pipeline % (ep * etp) == 0, "parallel.expert_model_parallel_size", ep,
-            f"EP × expert_tensor_parallel_size = {ep}×{etp} = {ep * etp} must divide the {non_pipeline} ranks of each "
-            f"pipeline stage (world size {world_size} / PP {pp}): the expert layers regroup those ranks into "
-            f"EP×ETP×expert-DP")
-    require(tp == 1 or p.sequence_parallel, "parallel.sequence_parallel", False,
-            "megatron-core's MoE layer trains under tensor parallelism only with sequence parallelism: set it true")
-    require(not (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
-            "model.moe_router_pre_softmax", False, "top-1 routing with softmax scores needs the softmax over all "
-            "experts first (over the one chosen it is always 1, with zero gradient): set it true")
-    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
-    require((groups is None) == (group_topk is None), "model.moe_router_group_topk", group_topk,
-            "group-limited routing needs both model.moe_router_num_groups and moe_router_group_topk (or neither)")
-    if groups is not None:
-        require(experts % groups == 0, "model.moe_router_num_groups", groups,
-                f"must divide model.num_moe_experts={experts} (equal groups)")
-        require(group_topk <= groups and group_topk <= m.moe_router_topk and
-                m.moe_router_topk <= group_topk * (experts // groups), "model.moe_router_group_topk", group_topk,
-                f"must be at most model.moe_router_num_groups={groups} and model.moe_router_topk="
-                f"{m.moe_router_topk} (a group is scored by its best topk/group_topk experts), and its groups must "
-                f"hold the top-{m.moe_router_topk}")
-    require(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
-            "model.moe_router_enable_expert_bias", True, "megatron-core's expert bias works with sigmoid scores: set "
-            "model.moe_router_score_function=sigmoid")
-    capacity = m.moe_expert_capacity_factor
-    require(capacity is not None or not m.moe_pad_expert_input_to_capacity, "model.moe_pad_expert_input_to_capacity",
-            True, "pads to the capacity: set model.moe_expert_capacity_factor")
-    shared = m.moe_shared_expert_intermediate_size
-    require(shared is None or (shared > 0 and shared % tp == 0), "model.moe_shared_expert_intermediate_size", shared,
-            f"must be a positive multiple of parallel.tensor_model_parallel_size={tp}, or null")
-    require(m.moe_grouped_gemm is not True or m.attention_backend != "local", "model.moe_grouped_gemm", True,
-            "the grouped GEMM is TransformerEngine's (TEGroupedMLP): set model.attention_backend=auto or te")
-    # combinations no MoE run here has verified yet
-    for ok, key, value in [(not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
-                           (not cfg.train.cuda_graphs, "train.cuda_graphs", True),
-                           (not cfg.optimizer.optimizer_cpu_offload, "optimizer.optimizer_cpu_offload", True)]:
-        require(ok, key, value, "is not verified with MoE models here: set it false (docs/moe.md)")
-
-
-def _validate_mla(cfg: RecipeConfig) -> None:
-    """Multi-latent attention: the keys it replaces, its ranks under TP, and what is not wired with it yet."""
-    m, p = cfg.model, cfg.parallel
-    if not m.multi_latent_attention:
-        return
-    tp = p.tensor_model_parallel_size
-    for key in ("num_query_groups", "kv_channels"):
-        require(getattr(m, key) is None, f"model.{key}", getattr(m, key), "does not apply to multi-latent attention "
-                "(each head's keys and values come from the compressed KV; its sizes are model.qk_head_dim, "
-                "qk_pos_emb_head_dim, v_head_dim): set it null")
-    require(not m.qk_layernorm, "model.qk_layernorm", True, "multi-latent attention has its own norms (over the "
-            "compressed query and KV), always on: set it false")
-    for key, size in (("q_lora_rank", m.q_lora_rank), ("kv_lora_rank", m.kv_lora_rank + m.qk_pos_emb_head_dim)):
-        require(size % tp == 0, f"model.{key}", getattr(m, key), f"the {key.split('_')[0]} "
-                f"down-projection's {size} outputs are split over parallel.tensor_model_parallel_size={tp}: make them "
-                "a multiple of it" + (" (with model.qk_pos_emb_head_dim)" if key == "kv_lora_rank" else ""))
-    require(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size,
-            "is not wired for multi-latent attention here yet (its keys and values differ in head size, which the "
-            "ring attention does not pass): set it 1")
-    require(m.rope_scaling_factor is None, "model.rope_scaling_factor", m.rope_scaling_factor,
-            "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN "
-            "(not wired here yet): set it null")
-    require(not cfg.data.reset_position_ids, "data.reset_position_ids", True, "megatron-core's multi-latent "
-            "attention numbers positions 0..seq_length-1 itself and cannot restart them at documents: set it false "
-            "(data.reset_attention_mask still keeps attention within each document)")
-
-
-def _validate_mtp(cfg: RecipeConfig) -> None:
-    """Multi-token prediction: what it is verified with here (its layers sit on the last pipeline stage, megatron-core's
-    default placement)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if m.mtp_num_layers is None:
-        return
-    require(m.untie_embeddings_and_output_weights, "model.untie_embeddings_and_output_weights", False,
-            "multi-token prediction is verified here with an output layer of its own (DeepSeek-V3's): set it true")
-    require(not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True, "computes the main loss only; "
-            "multi-token prediction's losses need megatron-core's output layer: set it false")
-    for ok, key, value in [(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size),
-                           (p.virtual_pipeline_model_parallel_size is None,
-                            "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size),
-                           (not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
-                           (not cfg.data.reset_attention_mask, "data.reset_attention_mask", True),
-                           (not cfg.data.reset_position_ids, "data.reset_position_ids", True)]:
-        require(ok, key, value, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
-                f"set it {'null' if key.endswith('virtual_pipeline_model_parallel_size') else 'false' if value is True else 1}")
 
 
 def _validate_pipeline(cfg: RecipeConfig) -> None:

@@ -16,10 +16,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.config.paths import blend_prefixes
 from megatron_ext.config.schema import RecipeConfig
-from megatron_ext.config.validate import require
 from megatron_ext.data.datasets import max_token_id
 from megatron_ext.data.tokenizer import load_tokenizer
-from megatron_ext.errors import ConfigError, TokenizerError
+from megatron_ext.errors import ConfigError, TokenizerError, require
 
 
 def validate_data(cfg: RecipeConfig) -> None:
