@@ -6,6 +6,8 @@ import logging
 import re
 import warnings
 
+from megatron_ext.distributed import deferred_compile
+
 # megatron-core warns at import time that TE/Apex are missing; the layer spec actually chosen
 # (TE, or local + SDPA) is logged at start-up instead, so these would only be noise.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed")
@@ -14,6 +16,8 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not in
 # torch.utils.cpp_extension is imported (megatron-core >= 0.17 imports it in tensor_parallel.random): true, and
 # nothing to act on in a CPU rehearsal; on a GPU it is never said.
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+deferred_compile.install()
 
 
 class _Dropping(logging.Filter):
