@@ -177,7 +177,10 @@ class ModelShape:
         through (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms
         excluded) + its attention; with `recompute`, what the backward pass repeats: the whole forward (full) or
         attention's (selective) — hardware FLOPs, not model FLOPs."""
-        matmuls = 6.0 * (self.attention_parameters() + self.mlp_parameters(True, self.is_moe_layer(layer)))
+        return self._layer_flops_per_token(self.is_moe_layer(layer), causal, recompute)
+
+    def _layer_flops_per_token(self, moe: bool, causal: bool, recompute: Optional[RecomputeGranularity]) -> float:
+        matmuls = 6.0 * (self.attention_parameters() + self.mlp_parameters(True, moe))
         attention = self.attention_flops_per_token(causal)
         repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
         return matmuls + attention + repeated
@@ -202,8 +205,13 @@ class ModelShape:
 
     def layers_flops_per_token(self, layers: Iterable[int], causal: bool = True,
                                recompute: Optional[RecomputeGranularity] = None) -> float:
-        """:meth:`layer_flops_per_token` summed over `layers`."""
-        return sum(self.layer_flops_per_token(layer, causal, recompute) for layer in layers)
+        """:meth:`layer_flops_per_token` summed over `layers` (each kind of layer counted once, then multiplied: the
+        planner asks for many stages of many layouts)."""
+        layers = list(layers)
+        moe = sum(map(self.is_moe_layer, layers))
+        dense = len(layers) - moe
+        return sum(n * self._layer_flops_per_token(kind, causal, recompute) for kind, n in ((True, moe), (False, dense))
+                   if n)
 
 
 def model_flops_per_token(cfg: RecipeConfig, vocab_size: int, causal: bool = True) -> float:

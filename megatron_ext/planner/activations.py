@@ -100,7 +100,9 @@ def chunk_activation_bytes(cfg: RecipeConfig, vocab_size: int, layers: range, pr
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length // shape.cp
     seq_shard = shape.tp if shape.sp else 1
     model = shape.model
-    total = sum(layer_activation_bytes(cfg, fused_norm, model.is_moe_layer(layer)) for layer in layers)
+    moe = sum(map(model.is_moe_layer, layers))  # each kind of layer computed once: the search asks many times
+    total = sum(n * layer_activation_bytes(cfg, fused_norm, kind) for kind, n in ((True, moe), (False, len(layers) - moe))
+                if n)
     if cfg.train.recompute_granularity == "full" and layers:
         total += 4 * cfg.model.seq_length * shape.head_dim  # fp32 rotary table, shared by the layers
     if pre:  # token ids (int64), and the out-of-shard mask of the vocab-parallel embedding

@@ -76,8 +76,8 @@ def stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: i
     no_recompute = cfg if cfg.train.recompute_granularity is None else dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
     # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
-    largest = max(layer_activation_bytes(no_recompute, moe=shape.model.is_moe_layer(layer))
-                  for layer in stage_layer_indices(stages, layout.vpp, pp_rank))
+    largest = max(layer_activation_bytes(no_recompute, moe=moe) for moe in {
+        shape.model.is_moe_layer(layer) for layer in stage_layer_indices(stages, layout.vpp, pp_rank)})
     buffers = largest * (2 if layout.recompute == "full" else 1)
     if layout.sp:
         buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear

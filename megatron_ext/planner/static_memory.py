@@ -49,13 +49,14 @@ def chunk_params(shape: RankShape, pp: int, layers: range, pre: bool, post: bool
     # a tied or MTP-read embedding is kept in sync between the first stage and a copy on the last
     if pre or mtp:
         params.append((embedding, pp > 1 and not (pre and post) and (shape.tied or bool(model.mtp_num_layers))))
-    params += [(n, False) for layer in layers for n in shape.layer_params(model.is_moe_layer(layer))]
+    kinds = {moe: [(n, False) for n in shape.layer_params(moe)] for moe in (False, True)}
+    params += [param for layer in layers for param in kinds[model.is_moe_layer(layer)]]
     if post:
         params.append((h, False))  # final norm
         # each MTP layer: its embedding and hidden-state norms, their projection (column-parallel), its decoder layer,
         # its final norm
-        params += [(n, False) for layer in mtp
-                   for n in (h, h, 2 * h * h // shape.tp, *shape.layer_params(model.is_moe_layer(layer)), h)]
+        params += [param for layer in mtp for param in [(h, False), (h, False), (2 * h * h // shape.tp, False),
+                                                        *kinds[model.is_moe_layer(layer)], (h, False)]]
         if not shape.tied or not pre:  # the tied copy on the last stage when PP > 1
             params.append((embedding, shape.tied))
     return params
@@ -172,7 +173,8 @@ def sharded_static(shape: RankShape, dp_cp: int, sharding: ShardingStrategy, rep
 
 def largest_layer_elements(shape: RankShape) -> int:
     """Parameter elements of the largest decoder layer on a TP rank, its experts left out."""
-    return max(sum(shape.layer_params(shape.model.is_moe_layer(layer))) for layer in range(shape.layers))
+    kinds = {shape.model.is_moe_layer(layer) for layer in range(shape.layers)}
+    return max(sum(shape.layer_params(moe)) for moe in kinds)
 
 
 def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_rank: int,
