@@ -86,10 +86,10 @@ class RouterMetrics:
         m, g = cfg.model, cfg.logging
         self.num_layers, self.log_interval = m.num_layers, g.log_interval
         self.moe = m.num_moe_experts is not None
-        self.moe_layer_freq = m.moe_layer_freq if isinstance(m.moe_layer_freq, int) else list(m.moe_layer_freq)
         self.mtp_layers = m.mtp_num_layers
         # numbered from 1 (a decoder router's layer_number), multi-token prediction's after the decoder's
         shape = ModelShape.of(m)
+        self.moe_layer_pattern = list(shape.moe_layers)  # as megatron-core's tracker takes moe_layer_freq
         self.moe_layers = [i + 1 for i in range(shape.num_layers + shape.mtp_num_layers) if shape.is_moe_layer(i)]
         tracked = TRACKED_LOSSES.get(m.moe_router_load_balancing_type)
         self.tracked = [tracked] if self.moe and tracked and m.moe_aux_loss_coeff > 0 else []
@@ -129,7 +129,7 @@ class RouterMetrics:
         losses: dict[str, torch.Tensor] = {}
         get_moe_metrics_tracker().report(loss_scale=1 / num_microbatches, iteration=0, force_initialize=True,
                                          track_names=list(self.tracked), num_layers=self.num_layers,
-                                         moe_layer_freq=self.moe_layer_freq, mtp_num_layers=self.mtp_layers,
+                                         moe_layer_freq=self.moe_layer_pattern, mtp_num_layers=self.mtp_layers,
                                          total_loss_dict=losses)
         return {f"moe/{name}": losses[name] for name in self.tracked}
 
