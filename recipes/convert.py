@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints in and out of the recipe's dist_checkpointing format.
+"""Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints in and out of the recipe's
+dist_checkpointing format.
 
     python -m recipes.convert import-hf --hf-dir DIR --output CKPT_DIR \\
         [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M] [--expert-model-parallel-size E]
@@ -33,7 +34,9 @@ import torch
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import padded_vocab_size
 from megatron_ext.config.validate import validate_layout
-from megatron_ext.convert import hf_llama
+from megatron_ext.convert import families
+from megatron_ext.convert.hf_files import check_tensors
+from megatron_ext.convert.weight_mapping import hf_to_megatron, megatron_to_hf, vocab_padding
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
 
 _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -223,23 +226,25 @@ def _sentencepiece_vocab(path: Path) -> int:
 
 def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_parallel: int = 1,
               expert_parallel: int = 1) -> Path:
-    """Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE directory → weights-only dist checkpoint + recipe.yaml at
+    """Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 directory → weights-only dist checkpoint + recipe.yaml at
     `output` (its layout: TP × PP, and for MoE models EP, over TP·PP·EP GPUs)."""
     hf_dir, output = Path(hf_dir), Path(output).absolute()
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir} is not a directory")
-    shape = hf_llama.read_config(hf_dir)
-    reader = hf_llama.SafetensorsReader(hf_dir)
-    dtype = hf_llama.check_tensors(reader, shape, hf_dir / "config.json")
+    shape, reader = families.read_hf_dir(hf_dir)
+    family = families.family_of(shape)
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if shape.tied else {}  # transformers may save it
+    dtype = check_tensors(reader, family.hf_shapes(shape), {**family.tensor_copies(shape), **tied},
+                          hf_dir / "config.json", f"a {shape.num_layers}-layer {shape.architecture}")
     if dtype == torch.float16:  # the recipe trains in fp32 or bf16; widening fp16 is exact
         print(f"note: {hf_dir} holds float16 weights; importing them as float32 (exact)", file=sys.stderr)
         dtype = torch.float32
 
     cfg = RecipeConfig()
     cfg.recipe.name = f"{hf_dir.name}-continued"
-    cfg.recipe.description = (f"continued pretraining of the {hf_llama.ARCHITECTURES[shape.model_type]} imported from "
+    cfg.recipe.description = (f"continued pretraining of the {shape.architecture} imported from "
                               f"{hf_dir.absolute()}")
-    for key, value in hf_llama.recipe_model_fields(shape, tensor_parallel).items():
+    for key, value in family.recipe_model_fields(shape, tensor_parallel).items():
         setattr(cfg.model, key, value)
     cfg.parallel.tensor_model_parallel_size = tensor_parallel
     cfg.parallel.pipeline_model_parallel_size = pipeline_parallel
@@ -288,7 +293,7 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
 
     # Built at TP1/PP1 with the padded rows the recipe will build at `tensor_parallel`.
     build_cfg = copy.deepcopy(cfg)
-    divisor, padded = hf_llama.vocab_padding(shape.vocab_size, tensor_parallel)
+    divisor, padded = vocab_padding(shape.vocab_size, tensor_parallel)
     portable = sorted({tp for tp in (1, 2, 4, 8, tensor_parallel)
                        if padded_vocab_size(shape.vocab_size, divisor, tp) == padded})
     build_cfg.model.make_vocab_size_divisible_by = padded
@@ -298,7 +303,8 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
         state = model.state_dict()
         pending = {k for k in state if not k.endswith("._extra_state")}
         with torch.no_grad():
-            for name, tensor in hf_llama.hf_to_megatron(reader.get, shape, padded):
+            for name, tensor in hf_to_megatron(reader.get, family.weight_mappings(shape), padded,
+                                                 family.qkv_codec(shape)):
                 if name not in pending or state[name].shape != tensor.shape:
                     raise RuntimeError(f"weight mapping bug: {name} {tuple(tensor.shape)} does not fit")
                 state[name].copy_(tensor)
@@ -368,14 +374,15 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
 
 def export_hf(checkpoint: Path, output: Path) -> Path:
     """Latest checkpoint under `checkpoint` (any layout) → Hugging Face directory at `output`: Llama, or with
-    qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE."""
+    qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE; with multi-latent attention
+    DeepSeek-V3."""
     from safetensors.torch import save_file
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
     saved = read_checkpoint(checkpoint)
     cfg = layout_config(saved)
     try:
-        shape = hf_llama.shape_from_recipe(cfg, saved.vocab_size)
+        shape = families.shape_from_recipe(cfg, saved.vocab_size)
     except ConversionError as e:
         raise ConversionError(f"{saved.iteration_dir}: {e}") from None
     if saved.vocab_size > saved.padded_vocab:
@@ -390,7 +397,10 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
         with model_parallel_world(cfg):
             model = build_model(cfg, saved.vocab_size, initialize=False)
             load_weights(model, saved)
-            tensors = hf_llama.megatron_to_hf(model.state_dict(), shape)
+            family = families.family_of(shape)
+            tensors = megatron_to_hf(model.state_dict(), family.weight_mappings(shape), shape.vocab_size,
+                                     family.qkv_codec(shape))
+            tensors.update({copy: tensors[source].clone() for copy, source in family.tensor_copies(shape).items()})
             dtype = model.embedding.word_embeddings.weight.dtype
             del model
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
@@ -399,7 +409,7 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
             bos, eos = _copy_hf_tokenizer(tokenizer, staging)
         elif tokenizer is not None:
             bos, eos = _write_tokenizer(tokenizer, staging, cfg.model.seq_length)
-        config = hf_llama.hf_config(shape, dtype, bos, eos)
+        config = family.hf_config(shape, dtype, bos, eos)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return output
 

@@ -89,6 +89,8 @@ def validate_mla(cfg: RecipeConfig) -> None:
     """Multi-latent attention: the keys it replaces, its ranks under TP, and what is not wired with it yet."""
     m, p = cfg.model, cfg.parallel
     if not m.multi_latent_attention:
+        require(m.rope_type == "rope", "model.rope_type", m.rope_type, "(YaRN) is multi-latent attention's; other "
+                "models' long-context scaling is model.rope_scaling_factor (Llama 3.1's): set it rope")
         return
     tp = p.tensor_model_parallel_size
     for key in ("num_query_groups", "kv_channels"):
@@ -97,6 +99,8 @@ def validate_mla(cfg: RecipeConfig) -> None:
                 "qk_pos_emb_head_dim, v_head_dim): set it null")
     require(not m.qk_layernorm, "model.qk_layernorm", True, "multi-latent attention has its own norms (over the "
             "compressed query and KV), always on: set it false")
+    require(m.qk_pos_emb_head_dim % 2 == 0, "model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim,
+            "is rotated in pairs of channels: make it even")
     for key, size in (("q_lora_rank", m.q_lora_rank), ("kv_lora_rank", m.kv_lora_rank + m.qk_pos_emb_head_dim)):
         require(size % tp == 0, f"model.{key}", getattr(m, key), f"the {key.split('_')[0]} "
                 f"down-projection's {size} outputs are split over parallel.tensor_model_parallel_size={tp}: make them "
@@ -105,8 +109,11 @@ def validate_mla(cfg: RecipeConfig) -> None:
             "is not wired for multi-latent attention here yet (its keys and values differ in head size, which the "
             "ring attention does not pass): set it 1")
     require(m.rope_scaling_factor is None, "model.rope_scaling_factor", m.rope_scaling_factor,
-            "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN "
-            "(not wired here yet): set it null")
+            "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN: "
+            "set it null (and model.rope_type=yarn with model.rotary_scaling_factor)")
+    if m.rope_type == "yarn":
+        require(m.beta_fast > m.beta_slow, "model.beta_fast", m.beta_fast, f"must exceed model.beta_slow="
+                f"{m.beta_slow:g} (YaRN interpolates the frequencies between the two)")
     require(not cfg.data.reset_position_ids, "data.reset_position_ids", True, "megatron-core's multi-latent "
             "attention numbers positions 0..seq_length-1 itself and cannot restart them at documents: set it false "
             "(data.reset_attention_mask still keeps attention within each document)")

@@ -51,6 +51,10 @@ OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "ml
 # Mixture-of-Experts (megatron-core's TransformerConfig names and values)
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 MoEScoreFunction = Literal["softmax", "sigmoid"]
+RopeType = Literal["rope", "yarn"]  # megatron-core's MLA rotary embeddings
+# the model keys that set YaRN (model.rope_type=yarn), named as megatron-core's MLATransformerConfig fields
+YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim")
 MoETokenDispatcher = Literal["alltoall", "allgather"]
 MoETokenDropPolicy = Literal["probs", "position"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
@@ -111,6 +115,15 @@ class ModelConfig:
     qk_head_dim: int = 128  # each head's non-rotary query/key channels
     qk_pos_emb_head_dim: int = 64  # each head's rotary query/key channels (the key's shared by all heads)
     v_head_dim: int = 128  # each head's value channels
+    # the rotary part's RoPE under multi-latent attention: rope (plain, model.rotary_base), or yarn (DeepSeek-V3's and
+    # Kimi K2's long-context scaling, set by the keys below; megatron-core's names and defaults)
+    rope_type: RopeType = "rope"
+    rotary_scaling_factor: float = 40.0  # yarn: the context's extension (DeepSeek-V3: 40, Kimi K2: 32)
+    original_max_position_embeddings: int = 4096  # yarn: the context the frequencies were first trained for
+    beta_fast: float = 32.0  # yarn: frequencies turning more often than this over that context are kept
+    beta_slow: float = 1.0  # yarn: frequencies turning less often than this are interpolated fully
+    mscale: float = 1.0  # yarn: cos/sin are scaled by (0.1·mscale·ln(factor) + 1) / the same with mscale_all_dim
+    mscale_all_dim: float = 0.0  # yarn: the softmax scale is multiplied by (0.1·this·ln(factor) + 1)² (DeepSeek-V3: 1)
     # Mixture-of-Experts (docs/moe.md): an MoE layer's MLP is this many experts and a router; null = dense
     num_moe_experts: Optional[int] = None
     # which decoder layers are MoE layers, the others dense SwiGLUs of ffn_hidden_size: N = every N-th from the first

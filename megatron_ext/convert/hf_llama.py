@@ -27,16 +27,15 @@ RoPE needs no permutation: Hugging Face Llama checkpoints already use the half-r
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional
+from typing import Any, Collection, Iterator, Optional
 
 import torch
 
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape
+from megatron_ext.convert.hf_files import field, shared_config_fields
+from megatron_ext.convert.weight_mapping import QKVCodec, WeightMapping, vocab_padding
 from megatron_ext.errors import ConversionError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",  # model_type: architecture
@@ -46,11 +45,6 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
 # Imported recipes train at most this many tokens per sample by default (override model.seq_length).
 SEQ_LENGTH_CAP = 4096
-# The TP sizes an imported checkpoint loads under without re-importing (see vocab_padding).
-PORTABLE_TP = 8
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports contain; recomputed by both sides
 
 
 @dataclass(frozen=True)
@@ -81,6 +75,10 @@ class LlamaShape:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.model_type]
+
+    @property
     def model_type(self) -> str:
         if self.qk_norm:
             return "qwen3_moe" if self.num_experts else "qwen3"
@@ -89,19 +87,6 @@ class LlamaShape:
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face config.json
-
-
-def _field(config: dict[str, Any], name: str, source: str, default: Any = None, kind: type = int) -> Any:
-    value = config.get(name, default)
-    if value is None:
-        raise ConversionError(f"{source}: required field {name!r} is missing")
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ConversionError(f"{source}: {name}={value!r} must be a positive integer")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise ConversionError(f"{source}: {name}={value!r} must be a positive number")
-    if kind is bool and not isinstance(value, bool):
-        raise ConversionError(f"{source}: {name}={value!r} must be true or false")
-    return value
 
 
 def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[float]]:
@@ -136,29 +121,9 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[float]]:
     return float(theta), float(factor)
 
 
-def read_config(hf_dir: Path) -> LlamaShape:
-    """Parse and check ``hf_dir/config.json``: a plain Llama our model reproduces exactly."""
-    path = hf_dir / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{path} not found (a Hugging Face model directory has config.json)")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{path}: expected a JSON object")
-    source = str(path)
-    architectures = config.get("architectures")
-    model_type = config.get("model_type")
-    if architectures is not None:
-        by_architecture = {name: kind for kind, name in ARCHITECTURES.items()}
-        if len(architectures) != 1 or architectures[0] not in by_architecture:
-            raise ConversionError(f"{source}: architectures={architectures!r} is not supported; "
-                                  f"one of {sorted(by_architecture)} converts")
-        model_type = by_architecture[architectures[0]]
-    elif model_type not in ARCHITECTURES:
-        raise ConversionError(f"{source}: neither architectures nor model_type says this is one of "
-                              f"{sorted(ARCHITECTURES)} (model_type={model_type!r})")
+def shape_from_config(config: dict[str, Any], source: str, model_type: str, tensors: Collection[str]) -> LlamaShape:
+    """Check config.json's fields (read from `source`) of a model of `model_type`: one our model reproduces exactly.
+    (`tensors`, the names in its safetensors files, decide nothing here: these families have no optional tensors.)"""
     family = {"mixtral": _mixtral_fields, "qwen3": _qwen3_fields, "qwen3_moe": _qwen3_moe_fields}.get(
         model_type, lambda *_: {})(config, source)
     for flag in ("attention_bias", "mlp_bias"):
@@ -169,9 +134,9 @@ def read_config(hf_dir: Path) -> LlamaShape:
     if act != "silu":
         raise ConversionError(f"{source}: hidden_act={act!r} is not supported (only silu, i.e. SwiGLU)")
 
-    hidden = _field(config, "hidden_size", source)
-    heads = _field(config, "num_attention_heads", source)
-    kv_heads = _field(config, "num_key_value_heads", source, default=heads)
+    hidden = field(config, "hidden_size", source)
+    heads = field(config, "num_attention_heads", source)
+    kv_heads = field(config, "num_key_value_heads", source, default=heads)
     if heads % kv_heads:
         raise ConversionError(f"{source}: num_key_value_heads={kv_heads} must divide "
                               f"num_attention_heads={heads}")
@@ -181,29 +146,29 @@ def read_config(hf_dir: Path) -> LlamaShape:
             raise ConversionError(f"{source}: hidden_size={hidden} is not divisible by "
                                   f"num_attention_heads={heads} and head_dim is not given")
         head_dim = hidden // heads
-    head_dim = _field({"head_dim": head_dim}, "head_dim", source)
+    head_dim = field({"head_dim": head_dim}, "head_dim", source)
     theta, scaling = _rope(config, source)
     return LlamaShape(**{
-        "ffn_hidden_size": _field(config, "intermediate_size", source), **family}, **dict(
-        num_layers=_field(config, "num_hidden_layers", source),
+        "ffn_hidden_size": field(config, "intermediate_size", source), **family}, **dict(
+        num_layers=field(config, "num_hidden_layers", source),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        vocab_size=_field(config, "vocab_size", source),
+        vocab_size=field(config, "vocab_size", source),
         rope_theta=theta,
         rope_scaling_factor=scaling,
-        rms_norm_eps=_field(config, "rms_norm_eps", source, default=1e-6, kind=float),
-        tied=_field(config, "tie_word_embeddings", source, default=False, kind=bool),
-        max_position_embeddings=_field(config, "max_position_embeddings", source, default=2048),
-        init_std=_field(config, "initializer_range", source, default=0.02, kind=float),
+        rms_norm_eps=field(config, "rms_norm_eps", source, default=1e-6, kind=float),
+        tied=field(config, "tie_word_embeddings", source, default=False, kind=bool),
+        max_position_embeddings=field(config, "max_position_embeddings", source, default=2048),
+        init_std=field(config, "initializer_range", source, default=0.02, kind=float),
     ))
 
 
 def _router_fields(config: dict[str, Any], source: str, experts_key: str, aux_loss_default: float
                    ) -> dict[str, Any]:
-    experts = _field(config, experts_key, source)
-    topk = _field(config, "num_experts_per_tok", source)
+    experts = field(config, experts_key, source)
+    topk = field(config, "num_experts_per_tok", source)
     if topk > experts:
         raise ConversionError(f"{source}: num_experts_per_tok={topk} exceeds {experts_key}={experts}")
     coef = config.get("router_aux_loss_coef", aux_loss_default)
@@ -239,15 +204,14 @@ def _qwen3_moe_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     # the published configs say num_experts; transformers 5 writes its attribute num_local_experts
     experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
     return {**_qwen3_fields(config, source), **_router_fields(config, source, experts_key, 0.001),
-            "ffn_hidden_size": _field(config, "moe_intermediate_size", source),
-            "norm_topk_prob": _field(config, "norm_topk_prob", source, default=False, kind=bool)}
+            "ffn_hidden_size": field(config, "moe_intermediate_size", source),
+            "norm_topk_prob": field(config, "norm_topk_prob", source, default=False, kind=bool)}
 
 
 def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
               eos_id: Optional[int]) -> dict[str, Any]:
     """config.json for the transformers class of `shape`'s family (legacy rope keys: read by transformers 4 and
     5)."""
-    dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
     rope_scaling = None
     if shape.rope_scaling_factor is not None:
         rope_scaling = {"rope_type": "llama3", "factor": shape.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
@@ -272,40 +236,15 @@ def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
         "rope_scaling": rope_scaling,
-        "vocab_size": shape.vocab_size,
-        "tie_word_embeddings": shape.tied,
-        "attention_bias": False,
         **family,
-        "initializer_range": shape.init_std,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "dtype": dtype_name,
-        "torch_dtype": dtype_name,  # the key transformers < 4.56 reads
+        **shared_config_fields(shape, dtype, bos_id, eos_id),
     }
 
 
 # ---------------------------------------------------------------------------------------------
 # Recipe config
-
-
-def vocab_padding(vocab_size: int, tensor_parallel_size: int) -> tuple[int, int]:
-    """(make_vocab_size_divisible_by, padded rows) giving the same padded rows at TP 1, 2, 4, 8 and `tp`.
-
-    Megatron pads to a multiple of ``m × TP``. With ``L = lcm(8, tp)`` and ``m = ceil(V / L)`` the
-    padded size is ``L·m`` for every TP dividing L (it is ≤ L-1 rows past V), so one imported
-    checkpoint loads under all of them. Only for tiny vocabularies (``(L-1)·m ≥ V``) does that
-    fail; then fall back to megatron's usual 128 × tp, which fixes the checkpoint to this TP.
-    """
-    lcm = math.lcm(PORTABLE_TP, tensor_parallel_size)
-    divisor = math.ceil(vocab_size / lcm)
-    if (lcm - 1) * divisor < vocab_size:
-        return divisor, lcm * divisor
-    multiple = 128 * tensor_parallel_size
-    return 128, multiple * math.ceil(vocab_size / multiple)
 
 
 def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[str, Any]:
@@ -374,104 +313,8 @@ def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors
-
-
-class SafetensorsReader:
-    """Tensors of a Hugging Face directory (one model.safetensors, or shards + index), read one at a time."""
-
-    def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
-
-        index = hf_dir / "model.safetensors.index.json"
-        single = hf_dir / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConversionError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
-            files = {name: hf_dir / file for name, file in weight_map.items()}
-        elif single.is_file():
-            files = None
-        else:
-            found = sorted(p.name for p in hf_dir.glob("*.bin")) if hf_dir.is_dir() else []
-            hint = f" (found {', '.join(found)}: convert .bin weights to safetensors first)" if found else ""
-            raise ConversionError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json "
-                                  f"found{hint}")
-        self._handles: dict[Path, Any] = {}
-        self.files: dict[str, Path] = {}
-        for path in sorted(set(files.values())) if files is not None else [single]:
-            if not path.is_file():
-                raise ConversionError(f"{path} not found (listed in {index.name})")
-            try:
-                self._handles[path] = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
-        for path, handle in self._handles.items():
-            for name in handle.keys():
-                if files is not None and files.get(name) != path:
-                    continue  # the index decides which shard owns a name
-                self.files[name] = path
-        if files is not None:
-            for name, path in files.items():
-                if name not in self.files:
-                    raise ConversionError(f"{path}: tensor {name!r} listed in {index.name} is missing")
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.files[name]].get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> Optional[torch.dtype]:
-        return _SAFETENSORS_DTYPES.get(self._handles[self.files[name]].get_slice(name).get_dtype())
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.files[name]].get_tensor(name)
-
-
-def check_tensors(reader: SafetensorsReader, shape: LlamaShape, config_path: Path) -> torch.dtype:
-    """Every expected tensor present with the shape config.json implies; returns the weights' dtype."""
-    expected = hf_shapes(shape)
-    for name, want in expected.items():
-        if name not in reader.files:
-            raise ConversionError(f"tensor {name!r} is missing from the safetensors files of "
-                                  f"{config_path.parent}")
-        got = reader.shape(name)
-        if got != want:
-            raise ConversionError(f"{reader.files[name]}: tensor {name!r} has shape {list(got)}, but "
-                                  f"{config_path} implies {list(want)}")
-    for name in reader.files:
-        if name in expected or name.endswith(_IGNORED_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and shape.tied:
-            if not torch.equal(reader.get(name), reader.get("model.embed_tokens.weight")):
-                raise ConversionError(f"{reader.files[name]}: lm_head.weight differs from "
-                                      f"model.embed_tokens.weight but {config_path} says "
-                                      "tie_word_embeddings=true")
-            continue
-        raise ConversionError(f"{reader.files[name]}: unexpected tensor {name!r} for a "
-                              f"{shape.num_layers}-layer {ARCHITECTURES[shape.model_type]} as described by "
-                              f"{config_path}")
-    dtype = reader.dtype("model.embed_tokens.weight")
-    if dtype is None:
-        raise ConversionError(f"{reader.files['model.embed_tokens.weight']}: weights must be float32, "
-                              "bfloat16 or float16")
-    return dtype
-
-
-# ---------------------------------------------------------------------------------------------
 # The weight mapping: one table serves import, export and the input checks
 # (megatron names are those of the TP1/PP1 local-spec GPTModel's state_dict; "{i}" is the layer)
-
-WeightKind = Literal["direct", "vocab_rows", "qkv", "gate_up"]
-
-
-@dataclass(frozen=True)
-class WeightMapping:
-    """One megatron tensor and the Hugging Face tensors it is made of, and how."""
-
-    megatron: str
-    hf: tuple[str, ...]
-    kind: WeightKind  # direct: the same tensor; vocab_rows: padded rows; qkv / gate_up: fused along rows
-
 
 _GLOBAL_BEFORE = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab_rows")]
 _ATTENTION = [
@@ -527,7 +370,7 @@ def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
         else:
             per_layer += [(m, 0) for m in _DENSE_MLP]
         for m, e in per_layer:
-            yield WeightMapping(m.megatron.format(i=i, e=e), tuple(n.format(i=i, e=e) for n in m.hf), m.kind)
+            yield m.format(i=i, e=e)
     yield from _GLOBAL_AFTER
     if not shape.tied:
         yield _UNTIED_OUTPUT
@@ -551,11 +394,6 @@ def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
 # Weight layouts (megatron names are those of the TP1/PP1 local-spec GPTModel's state_dict)
 
 
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    # Zero rows: no real token looks them up, and their logits start at 0 (as Megatron-LM pads).
-    return torch.cat([weight, weight.new_zeros(rows - weight.size(0), weight.size(1))])
-
-
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LlamaShape) -> torch.Tensor:
     groups, d = shape.num_kv_heads, shape.head_dim
     per_group = [q.reshape(groups, shape.heads_per_group * d, -1), k.reshape(groups, d, -1),
@@ -570,31 +408,11 @@ def _split_qkv(qkv: torch.Tensor, shape: LlamaShape) -> tuple[torch.Tensor, ...]
     return tuple(t.reshape(-1, qkv.size(-1)) for t in (q, k, v))
 
 
-def hf_to_megatron(get: Callable[[str], torch.Tensor], shape: LlamaShape,
-                   padded_vocab: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(megatron name, tensor) pairs, produced one layer at a time so memory stays near one model."""
-    for m in weight_mappings(shape):
-        parts = [get(name) for name in m.hf]
-        if m.kind == "vocab_rows":
-            yield m.megatron, _pad_rows(parts[0], padded_vocab)
-        elif m.kind == "qkv":
-            yield m.megatron, _fuse_qkv(*parts, shape)
-        else:  # direct, or gate_up: [gate; up]
-            yield m.megatron, torch.cat(parts) if len(parts) > 1 else parts[0]
+def qkv_codec(shape: LlamaShape) -> QKVCodec:
+    """How this shape's q, k, v projections fuse into megatron-core's ``linear_qkv`` and split back."""
+    return (lambda q, k, v: _fuse_qkv(q, k, v, shape)), (lambda qkv: _split_qkv(qkv, shape))
 
 
-def megatron_to_hf(state: Mapping[str, torch.Tensor], shape: LlamaShape) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors (padding rows dropped), each contiguous and owning its memory for safetensors."""
-    out = {}
-    for m in weight_mappings(shape):
-        tensor = state[m.megatron]
-        if m.kind == "vocab_rows":
-            parts = (tensor[: shape.vocab_size],)
-        elif m.kind == "qkv":
-            parts = _split_qkv(tensor, shape)
-        elif m.kind == "gate_up":
-            parts = torch.chunk(tensor, 2, dim=0)
-        else:
-            parts = (tensor,)
-        out.update(zip(m.hf, parts))
-    return {name: t.detach().contiguous().clone() for name, t in out.items()}
+def tensor_copies(shape: LlamaShape) -> dict[str, str]:
+    """Tensors the Hugging Face checkpoint holds twice (none in these families; a tied output layer is not saved)."""
+    return {}

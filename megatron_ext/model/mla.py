@@ -24,20 +24,22 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import YARN_KEYS, RecipeConfig
 from megatron_ext.model.attention import SDPAttention
 
 
 def mla_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
-    """``MLATransformerConfig`` fields for the recipe's MLA keys ({} without MLA). Plain RoPE over the rotary part
-    (megatron-core's default is YaRN), and the compressed query's and KV's norms on (``qk_layernorm``: megatron-core
-    drops them otherwise)."""
+    """``MLATransformerConfig`` fields for the recipe's MLA keys ({} without MLA): the rotary part's RoPE (its base
+    read from this config by megatron-core's MLA, not from the GPTModel's), YaRN's keys only with it (megatron-core
+    takes the softmax scale's mscale from them whatever the RoPE), and the compressed query's and KV's norms on
+    (``qk_layernorm``: megatron-core drops them otherwise)."""
     m = cfg.model
     if not m.multi_latent_attention:
         return {}
+    yarn = {key: getattr(m, key) for key in YARN_KEYS} if m.rope_type == "yarn" else {"mscale_all_dim": 0.0}
     return dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                 qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
-                rope_type="rope", qk_layernorm=True)
+                rope_type=m.rope_type, rotary_base=m.rotary_base, **yarn, qk_layernorm=True)
 
 
 class TensorParallelMLA(MLASelfAttention):

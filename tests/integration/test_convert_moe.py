@@ -1,7 +1,9 @@
-"""Hugging Face Mixtral and Qwen3-MoE import/export, proven against transformers: a small random MixtralForCausalLM
-and Qwen3MoeForCausalLM (4 experts, top-2, 2 layers) are saved with transformers and imported; our model's logits must
-match transformers' at EP1 in-process and at EP2 and EP2 × TP2 (+SP) under torchrun, and export must give back every
-tensor bit for bit.
+"""Hugging Face Mixtral, Qwen3-MoE and DeepSeek-V3 import/export, proven against transformers: a small random
+MixtralForCausalLM and Qwen3MoeForCausalLM (4 experts, top-2, 2 layers) and DeepseekV3ForCausalLM (MLA with q and kv
+LoRA, a first dense layer, 8 routed experts in 4 groups with a learned bias, 2 shared experts, YaRN, an odd vocabulary,
+an MTP layer in DeepSeek-V3's published form) are saved with transformers and imported; our model's logits must match
+transformers' at EP1 in-process and at EP2 and EP2 × TP2 (+SP) — DeepSeek also TP2+SP — under one torchrun, and
+export must give back every tensor bit for bit.
 """
 
 from __future__ import annotations
@@ -14,36 +16,89 @@ import torch
 
 from megatron_ext.config.schema import load_config
 from recipes import convert
-from tests.integration.test_convert import TOLERANCE, assert_same_model, hf_logits, max_diff, scale_weights, torchrun
+from tests.integration.test_convert import (
+    TOLERANCE,
+    assert_same_model,
+    hf_logits,
+    max_diff,
+    safetensors_state,
+    scale_weights,
+    torchrun,
+)
 from tests.workers.convert_logits_worker import checkpoint_logits
 
 EXPERTS, TOPK, VOCAB = 4, 2, 1003
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             num_experts_per_tok=TOPK, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=1e6,
-             tie_word_embeddings=False)
+             num_experts_per_tok=TOPK, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+SOFTMAX_TOP2 = dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=96,
+                    moe_router_score_function="softmax", rotary_base=1e6)
 # family: (config class, model class, its config fields beyond SHAPE, the router the import must choose)
 FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(intermediate_size=96, num_local_experts=EXPERTS, router_aux_loss_coef=0.02),
-                dict(moe_router_pre_softmax=False, moe_aux_loss_coeff=0.02, qk_layernorm=False)),
+                dict(intermediate_size=96, num_local_experts=EXPERTS, router_aux_loss_coef=0.02, rope_theta=1e6),
+                dict(moe_router_pre_softmax=False, moe_aux_loss_coeff=0.02, qk_layernorm=False, **SOFTMAX_TOP2)),
     # the top-k weights not renormalised (softmax over all experts first), a head dimension other than hidden / heads
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(moe_intermediate_size=96, intermediate_size=256, num_experts=EXPERTS, norm_topk_prob=False,
-                       head_dim=32, router_aux_loss_coef=0.001),
-                  dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001, qk_layernorm=True)),
+                       head_dim=32, router_aux_loss_coef=0.001, rope_theta=1e6),
+                  dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.001, qk_layernorm=True, **SOFTMAX_TOP2)),
+    # 3 layers, the first dense; top-4 of 8 experts from the best 2 of 4 groups; YaRN with a base other than 10000
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_hidden_layers=3, num_key_value_heads=4, rms_norm_eps=1e-6, num_experts_per_tok=4,
+                         intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+                         n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=32,
+                         kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         rope_parameters=YARN),
+                    dict(num_moe_experts=8, moe_router_topk=4, moe_ffn_hidden_size=32, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                         moe_layer_freq=[0, 1, 1], moe_shared_expert_intermediate_size=64, moe_router_num_groups=4,
+                         moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, rope_type="yarn",
+                         rotary_base=50000.0, rotary_scaling_factor=4.0, mscale_all_dim=1.0, mtp_num_layers=1)),
 }
 
 
 def make_moe_model(path: Path, family: str, seed: int = 0) -> Path:
     """A random fp32 model of `family` saved with save_pretrained (sharded), its weights scaled as test_convert's
-    Llamas' are."""
+    Llamas' are (DeepSeek-V3: a random expert bias too, and an MTP layer added)."""
     import transformers
 
     config_class, model_class, fields, _ = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**SHAPE, **fields)
-    scale_weights(getattr(transformers, model_class)(config)).save_pretrained(path, max_shard_size="200KB")
+    config = getattr(transformers, config_class)(**{**SHAPE, **fields})
+    model = scale_weights(getattr(transformers, model_class)(config))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
+            buffer.copy_(0.3 * torch.randn_like(buffer))
+    model.save_pretrained(path, max_shard_size="200KB")
+    if family == "deepseek_v3":
+        add_mtp_layer(path)
     return path
+
+
+def add_mtp_layer(hf_dir: Path) -> None:
+    """DeepSeek-V3's published MTP layer, which transformers does not save: model.layers.{N} (N = the layer count) with
+    a decoder layer's tensors (here the last layer's, perturbed), enorm, hnorm, eh_proj, shared_head.norm, and its
+    own copies of the embedding and output layer — in a shard of its own, listed in the index."""
+    from safetensors.torch import save_file
+
+    state = safetensors_state(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, f"model.layers.{config['num_hidden_layers']}"
+    generator = torch.Generator().manual_seed(11)
+    layer = {name.replace(f"model.layers.{last}.", f"{mtp}."): t + 0.1 * torch.randn(t.shape, generator=generator)
+             for name, t in state.items() if name.startswith(f"model.layers.{last}.")}
+    hidden = config["hidden_size"]
+    layer.update({f"{mtp}.enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=generator),
+                  f"{mtp}.hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=generator),
+                  f"{mtp}.shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=generator),
+                  f"{mtp}.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator) / (2 * hidden) ** 0.5,
+                  f"{mtp}.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+                  f"{mtp}.shared_head.head.weight": state["lm_head.weight"].clone()})
+    save_file(layer, str(hf_dir / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in layer})
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +120,7 @@ def tokens() -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_writes_an_moe_recipe_with_the_models_router(models, family):
     cfg = load_config(models[family]["ckpt"] / "recipe.yaml")
-    m = cfg.model
-    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (EXPERTS, TOPK, 96)
-    assert m.moe_router_score_function == "softmax" and m.rotary_base == 1e6
-    assert {key: getattr(m, key) for key in FAMILIES[family][3]} == FAMILIES[family][3]
+    assert {key: getattr(cfg.model, key) for key in FAMILIES[family][3]} == FAMILIES[family][3]
     assert cfg.parallel.expert_model_parallel_size == 2 and cfg.recipe.gpus == 2
 
 
@@ -81,16 +133,19 @@ def test_import_reproduces_transformers_logits_at_ep1(megatron, models, tokens, 
     assert diff <= TOLERANCE and theirs.abs().max() > 1.0
 
 
-def test_ep2_and_ep2_tp2_reproduce_transformers_logits(models, tokens, tmp_path):
+def test_ep2_ep2_tp2_and_mla_tp2_reproduce_transformers_logits(models, tokens, tmp_path):
     torch.save(tokens, tmp_path / "tokens.pt")
-    layouts = [(1, 2, False), (2, 2, True)]  # (TP, EP, SP) in one world of 4: DP4 × EP2, and TP2 × DP2 × EP2
+    # (TP, EP, SP) in one world of 4: DP4 × EP2, TP2 × DP2 × EP2, and for MLA TP2 × DP2 with SP
+    layouts = {family: [(1, 2, False), (2, 2, True)] + ([(2, 1, True)] if family == "deepseek_v3" else [])
+               for family in FAMILIES}
     jobs = [{"checkpoint": str(models[family]["ckpt"]), "tp": tp, "pp": 1, "sp": sp, "ep": ep,
-             "output": str(tmp_path / f"{family}_tp{tp}_ep{ep}.pt")} for family in FAMILIES for tp, ep, sp in layouts]
+             "output": str(tmp_path / f"{family}_tp{tp}_ep{ep}.pt")} for family in FAMILIES
+            for tp, ep, sp in layouts[family]]
     (tmp_path / "jobs.json").write_text(json.dumps({"tokens": str(tmp_path / "tokens.pt"), "jobs": jobs}))
     torchrun(4, ["-m", "tests.workers.convert_logits_worker", str(tmp_path / "jobs.json")])
     for family in FAMILIES:
         theirs = hf_logits(models[family]["hf"], tokens)
-        for tp, ep, _ in layouts:
+        for tp, ep, _ in layouts[family]:
             diff = max_diff(torch.load(tmp_path / f"{family}_tp{tp}_ep{ep}.pt"), theirs)
             print(f"{family} TP{tp} × EP{ep}: max |Δlogit| = {diff:.2e}")
             assert diff <= TOLERANCE, (family, tp, ep)
@@ -106,6 +161,7 @@ def test_export_gives_back_every_tensor_bit_exactly(megatron, models, tokens, fa
     # the published form (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
     original = {("num_experts" if key == "num_local_experts" and family == "qwen3_moe" else key): value
                 for key, value in original.items()}
-    for key in ("num_experts_per_tok", "router_aux_loss_coef", *FAMILIES[family][2]):
-        if key != "intermediate_size":  # Qwen3-MoE's dense width: no layer of the model uses it
+    original["rope_theta"] = original["rope_parameters"]["rope_theta"]  # transformers 5 writes it there
+    for key in ("num_experts_per_tok", *FAMILIES[family][2]):
+        if (family, key) != ("qwen3_moe", "intermediate_size"):  # Qwen3-MoE's dense width: no layer uses it
             assert config[key] == original[key], key

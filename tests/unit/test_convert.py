@@ -34,10 +34,10 @@ def _mixtral_config(tmp_path: Path, **changes) -> Path:
 def test_mixtral_configs_read_as_moe_and_what_the_recipe_cannot_compute_is_one_error(tmp_path):
     import pytest
 
-    from megatron_ext.convert import hf_llama
+    from megatron_ext.convert import families, hf_llama
     from megatron_ext.errors import ConversionError
 
-    shape = hf_llama.read_config(_mixtral_config(tmp_path))
+    shape = families.read_config(_mixtral_config(tmp_path))
     assert (shape.num_experts, shape.router_topk, shape.ffn_hidden_size, shape.model_type) == (4, 2, 96, "mixtral")
     names = set(hf_llama.hf_shapes(shape))
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names and not any("mlp" in n for n in names)
@@ -48,7 +48,7 @@ def test_mixtral_configs_read_as_moe_and_what_the_recipe_cannot_compute_is_one_e
                               ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
                               ({"architectures": ["Qwen2MoeForCausalLM"]}, "is not supported; one of")]:
         with pytest.raises(ConversionError, match=fragment):
-            hf_llama.read_config(_mixtral_config(tmp_path, **changes))
+            families.read_config(_mixtral_config(tmp_path, **changes))
 
 
 def test_moe_settings_mixtral_has_no_counterpart_for_refuse_export():
@@ -71,13 +71,13 @@ def test_moe_settings_mixtral_has_no_counterpart_for_refuse_export():
 def test_qwen3_moe_configs_read_with_their_router_and_what_differs_is_one_error(tmp_path):
     import pytest
 
-    from megatron_ext.convert import hf_llama
+    from megatron_ext.convert import families, hf_llama
     from megatron_ext.errors import ConversionError
 
     qwen3_moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
                  "moe_intermediate_size": 48, "intermediate_size": 256, "norm_topk_prob": True, "head_dim": 32,
                  "num_local_experts": None, "router_aux_loss_coef": 0.001}
-    shape = hf_llama.read_config(_mixtral_config(tmp_path, **qwen3_moe))
+    shape = families.read_config(_mixtral_config(tmp_path, **qwen3_moe))
     assert (shape.num_experts, shape.ffn_hidden_size, shape.head_dim, shape.qk_norm, shape.norm_topk_prob,
             shape.model_type) == (4, 48, 32, True, True, "qwen3_moe")
     names = set(hf_llama.hf_shapes(shape))
@@ -89,7 +89,7 @@ def test_qwen3_moe_configs_read_with_their_router_and_what_differs_is_one_error(
                               ({"mlp_only_layers": [0]}, "only models whose every layer is an MoE layer"),
                               ({"use_sliding_window": True}, "sliding-window attention, which is not supported")]:
         with pytest.raises(ConversionError, match=fragment):
-            hf_llama.read_config(_mixtral_config(tmp_path, **{**qwen3_moe, **changes}))
+            families.read_config(_mixtral_config(tmp_path, **{**qwen3_moe, **changes}))
 
 
 def test_a_recipe_with_qk_layernorm_exports_as_qwen3_whose_router_may_skip_renormalising():
@@ -105,3 +105,76 @@ def test_a_recipe_with_qk_layernorm_exports_as_qwen3_whose_router_may_skip_renor
         ["Qwen3MoeForCausalLM"], 8, False)
     dense = load_config(TINY, ["model.qk_layernorm=true"])
     assert hf_llama.shape_from_recipe(dense, 1000).model_type == "qwen3"
+
+
+DEEPSEEK_V3 = {  # DeepSeek-V3's published config.json, its size cut down (its FP8 and MTP fields as published)
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 1, "n_routed_experts": 16, "routed_scaling_factor": 2.5, "kv_lora_rank": 24,
+    "q_lora_rank": 32, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "num_nextn_predict_layers": 1,
+    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "tie_word_embeddings": False, "vocab_size": 1003, "attention_bias": False,
+}
+
+
+def test_deepseek_v3_configs_read_as_mla_moe_and_what_differs_is_one_error(tmp_path):
+    import json
+
+    import pytest
+    import torch
+
+    from megatron_ext.convert import families, hf_deepseek
+    from megatron_ext.errors import ConversionError
+
+    def read(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V3, **changes}))
+        return families.read_config(tmp_path)
+
+    shape = read()
+    assert (shape.first_k_dense, shape.num_groups, shape.topk_groups, shape.yarn, shape.mtp_layers) == (
+        3, 8, 4, (40.0, 4096, 32.0, 1.0, 1.0, 1.0), 0)  # no safetensors read: no MTP weights counted
+    fields = hf_deepseek.recipe_model_fields(shape, 1)
+    assert (fields["moe_layer_freq"], fields["moe_shared_expert_intermediate_size"], fields["rope_type"],
+            fields["qk_head_dim"], fields["moe_router_group_topk"], fields["seq_length"]) == (
+        [0, 0, 0, 1], 32, "yarn", 16, 4, 4096)
+    config = hf_deepseek.hf_config(shape, torch.bfloat16, 0, 1)
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for changes, fragment in [
+        ({"rope_interleave": False}, "rope_interleave=False is not supported"),
+        ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+        ({"num_experts_per_tok": 6}, "num_experts_per_tok = 2 × topk_group"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=false is not supported"),
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05 is not supported"),
+        ({"q_lora_rank": None}, "q_lora_rank=null"),
+        ({"num_key_value_heads": 1}, "must equal num_attention_heads=4"),
+        ({"first_k_dense_replace": 4}, "first_k_dense_replace=4 must be 0..num_hidden_layers-1"),
+        ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "mscale_all_dim": None, "mscale": 0.7}},
+         "mscale=0.7 without mscale_all_dim"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
+    ]:
+        with pytest.raises(ConversionError, match=fragment):
+            read(**changes)
+
+
+def test_a_deepseek_recipe_exports_as_deepseek_v3_and_what_it_cannot_hold_is_one_error():
+    import pytest
+
+    from megatron_ext.convert import families
+    from megatron_ext.errors import ConversionError
+
+    deepseek = load_config(TINY.parent / "tiny_deepseek.yaml")
+    shape = families.shape_from_recipe(deepseek, 1000)
+    assert (shape.architecture, shape.first_k_dense, shape.num_shared_experts, shape.mtp_layers, shape.yarn) == (
+        "DeepseekV3ForCausalLM", 1, 1, 1, None)
+    for overrides, fragment in [(["model.moe_router_enable_expert_bias=false"], "has moe_router_enable_expert_bias"),
+                                (["model.moe_layer_freq=[1,0,1,1]"], "first k layers dense and every later one MoE"),
+                                (["model.moe_shared_expert_intermediate_size=100"], "make it a multiple"),
+                                (["model.moe_router_group_topk=2"], "moe_router_topk = 2 × moe_router_group_topk")]:
+        with pytest.raises(ConversionError, match=fragment):
+            families.shape_from_recipe(load_config(TINY.parent / "tiny_deepseek.yaml", overrides), 1000)

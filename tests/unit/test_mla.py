@@ -110,6 +110,12 @@ def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
     (["model.kv_lora_rank=23"], "the kv down-projection's 31 outputs are split over"),
     (["parallel.context_parallel_size=2"], "is not wired for multi-latent attention here yet"),
     (["model.rope_scaling_factor=8"], "does not apply to multi-latent attention, whose long-context scaling is YaRN"),
+    (["model.multi_latent_attention=false", "model.rope_type=yarn"], "model.rope_type='yarn' is invalid: (YaRN) is "
+                                                                     "multi-latent attention's"),
+    (["model.rope_type=yarn", "model.beta_fast=1"], "model.beta_fast=1.0 is invalid: must exceed model.beta_slow=1"),
+    (["model.rope_type=yarn", "model.rotary_scaling_factor=0.5"], "model.rotary_scaling_factor=0.5 is invalid: must "
+                                                                  "be >= 1"),
+    (["model.qk_pos_emb_head_dim=7"], "is rotated in pairs of channels: make it even"),
     (["data.reset_position_ids=true"], "cannot restart them at documents"),
     ([*ROUTED, "model.moe_router_num_groups=3"], "model.moe_router_num_groups=3 is invalid: must divide"),
     ([*ROUTED, "model.moe_router_group_topk=null"], "needs both model.moe_router_num_groups and"),

@@ -1,0 +1,155 @@
+"""A Hugging Face model directory as read before any conversion: its config.json (parsed, each field checked as it is
+taken) and its safetensors files (one file, or shards + index), every tensor checked against the names and shapes
+the config implies before a byte is converted. Shared by the model families (:mod:`megatron_ext.convert.families`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from megatron_ext.errors import ConversionError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json's names
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports contain; recomputed by both sides
+_FP8_SCALES = "weight_scale_inv"  # DeepSeek-V3's published FP8 checkpoint: one scale per 128x128 weight block
+
+
+def read_config_json(hf_dir: Path) -> tuple[dict[str, Any], str]:
+    """``hf_dir/config.json`` as a dict, and its path for error messages."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path} not found (a Hugging Face model directory has config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return config, str(path)
+
+
+def shared_config_fields(shape: Any, dtype: torch.dtype, bos_id: Optional[int], eos_id: Optional[int]
+                         ) -> dict[str, Any]:
+    """The config.json fields every family writes alike, from a family shape's attributes of the same names."""
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+    return {
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tied,
+        "attention_bias": False,
+        "initializer_range": shape.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,  # the key transformers < 4.56 reads
+    }
+
+
+def field(config: dict[str, Any], name: str, source: str, default: Any = None, kind: type = int) -> Any:
+    """config[name] (or `default`), refused unless a positive int, a positive number or a bool as `kind` says."""
+    value = config.get(name, default)
+    if value is None:
+        raise ConversionError(f"{source}: required field {name!r} is missing")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConversionError(f"{source}: {name}={value!r} must be a positive integer")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConversionError(f"{source}: {name}={value!r} must be a positive number")
+    if kind is bool and not isinstance(value, bool):
+        raise ConversionError(f"{source}: {name}={value!r} must be true or false")
+    return value
+
+
+def refuse_unless(config: dict[str, Any], source: str, plain: Mapping[str, Any], why: str) -> None:
+    """One ConversionError for the first of `plain`'s fields that config.json sets to another value (absent: plain)."""
+    for name, value in plain.items():
+        if config.get(name, value) != value:
+            raise ConversionError(f"{source}: {name}={config[name]!r} is not supported ({why}; only {name}={value!r} "
+                                  "converts)")
+
+
+class SafetensorsReader:
+    """Tensors of a Hugging Face directory (one model.safetensors, or shards + index), read one at a time."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        index = hf_dir / "model.safetensors.index.json"
+        single = hf_dir / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConversionError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
+            files = {name: hf_dir / file for name, file in weight_map.items()}
+        elif single.is_file():
+            files = None
+        else:
+            found = sorted(p.name for p in hf_dir.glob("*.bin")) if hf_dir.is_dir() else []
+            hint = f" (found {', '.join(found)}: convert .bin weights to safetensors first)" if found else ""
+            raise ConversionError(f"{hf_dir}: neither model.safetensors nor model.safetensors.index.json "
+                                  f"found{hint}")
+        self._handles: dict[Path, Any] = {}
+        self.files: dict[str, Path] = {}
+        for path in sorted(set(files.values())) if files is not None else [single]:
+            if not path.is_file():
+                raise ConversionError(f"{path} not found (listed in {index.name})")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+        for path, handle in self._handles.items():
+            for name in handle.keys():
+                if files is not None and files.get(name) != path:
+                    continue  # the index decides which shard owns a name
+                self.files[name] = path
+        if files is not None:
+            for name, path in files.items():
+                if name not in self.files:
+                    raise ConversionError(f"{path}: tensor {name!r} listed in {index.name} is missing")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.files[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> Optional[torch.dtype]:
+        return _SAFETENSORS_DTYPES.get(self._handles[self.files[name]].get_slice(name).get_dtype())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.files[name]].get_tensor(name)
+
+
+def check_tensors(reader: SafetensorsReader, expected: Mapping[str, tuple[int, ...]], copies: Mapping[str, str],
+                  config_path: Path, described: str) -> torch.dtype:
+    """Every `expected` tensor present with its shape, nothing else but `copies` (optional names that must equal the
+    tensor each names: a tied output layer, an MTP layer's own copy of the embedding); returns the weights' dtype."""
+    fp8 = next((name for name in reader.files if name.endswith(_FP8_SCALES)), None)
+    if fp8 is not None:
+        raise ConversionError(f"{reader.files[fp8]}: {fp8!r} is a block-FP8 weight's scale: dequantize the checkpoint "
+                              "to bfloat16 first (e.g. DeepSeek-V3's inference/fp8_cast_bf16.py)")
+    for name, want in expected.items():
+        if name not in reader.files:
+            raise ConversionError(f"tensor {name!r} is missing from the safetensors files of {config_path.parent}")
+        got = reader.shape(name)
+        if got != want:
+            raise ConversionError(f"{reader.files[name]}: tensor {name!r} has shape {list(got)}, but "
+                                  f"{config_path} implies {list(want)}")
+    for name in reader.files:
+        if name in expected or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name in copies:
+            if not torch.equal(reader.get(name), reader.get(copies[name])):
+                raise ConversionError(f"{reader.files[name]}: {name} differs from {copies[name]}, which it shares in "
+                                      f"this model as {config_path} describes it")
+            continue
+        raise ConversionError(f"{reader.files[name]}: unexpected tensor {name!r} for {described} as described by "
+                              f"{config_path}")
+    dtype = reader.dtype("model.embed_tokens.weight")
+    if dtype is None:
+        raise ConversionError(f"{reader.files['model.embed_tokens.weight']}: weights must be float32, "
+                              "bfloat16 or float16")
+    return dtype
