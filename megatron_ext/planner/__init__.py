@@ -57,6 +57,7 @@ from megatron_ext.planner.activations import (
     chunk_activation_bytes,
     layer_activation_bytes,
     microbatches_in_flight,
+    mla_core_attention_bytes,
     offloaded_layer_bytes,
     stage_activation_bytes,
 )
@@ -89,6 +90,6 @@ __all__ = [
     "FRAGMENTATION", "GIB", "KERNEL_EFFICIENCY", "NON_TORCH_RESERVE_GIB", "Estimate", "Layout", "RankShape",
     "best_layout", "candidate_layouts", "checkpoint_bytes", "chunk_activation_bytes", "compiled_layers", "detect_gpu",
     "estimate", "explain", "kernel_efficiency", "layer_activation_bytes", "microbatches_in_flight",
-    "model_vocab_size", "offloaded_layer_bytes", "pipeline_splits", "plan", "planner_gpu", "rank_static_bytes", "sharded_static",
+    "mla_core_attention_bytes", "model_vocab_size", "offloaded_layer_bytes", "pipeline_splits", "plan", "planner_gpu", "rank_static_bytes", "sharded_static",
     "stage_activation_bytes", "stage_flops_per_token", "stage_peak_bytes",
 ]

@@ -4,7 +4,7 @@ offload and the output layer's logits."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.planner.layout import RankShape
@@ -36,11 +36,18 @@ def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True, moe: bool
     h, t = shape.hidden, shape.tp
     if cfg.train.recompute_granularity == "full":
         return tokens // seq_shard * h * d_bytes
-    norm = h * d_bytes + 4 if fused_norm else 2 * h * 4 + 4
-    seq_part = tokens // seq_shard * (2 * norm + 2 * h * d_bytes)
+    def norm(width: int) -> int:  # a norm's saved input (and rstd) per token; unfused: fp32 input and output copies
+        return width * d_bytes + 4 if fused_norm else 2 * width * 4 + 4
+
+    seq_part = tokens // seq_shard * (2 * norm(h) + 2 * h * d_bytes)
     hq, hkv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
     moe_layer = moe and shape.experts > 0
-    tp_part = tokens * d_bytes * (3 * hq + 3 * hkv + (0 if moe_layer else 5 * shape.ffn)) // t
+    tp_part = tokens * d_bytes * (0 if moe_layer else 5 * shape.ffn) // t
+    model = shape.model
+    if model.multi_latent_attention:
+        tp_part += _latent_attention_bytes(shape, tokens, seq_shard, norm)
+    else:
+        tp_part += tokens * d_bytes * (3 * hq + 3 * hkv) // t
     if shape.qk_norm:  # each head's query and key normed as the layer norms are, with an fp32 rstd per head
         per_channel = d_bytes if fused_norm else 2 * 4
         tp_part += tokens * ((hq + hkv) * per_channel + (shape.heads + shape.groups) * 4) // t
@@ -48,8 +55,29 @@ def layer_activation_bytes(cfg: RecipeConfig, fused_norm: bool = True, moe: bool
         tp_part += _moe_activation_bytes(shape, tokens // seq_shard)
     # selective: the checkpoint keeps q, k, v (and megatron's int32 mask-type tensor) instead of the lse
     lse = 4 if cfg.train.recompute_granularity == "selective" else tokens * 4 * shape.heads // t
-    rope = 4 * (m.seq_length // shape.cp) * shape.head_dim * d_bytes
+    rotary = model.qk_pos_emb_head_dim if model.multi_latent_attention else shape.head_dim
+    rope = 4 * (m.seq_length // shape.cp) * rotary * d_bytes
     return seq_part + tp_part + lse + rope
+
+
+def _latent_attention_bytes(shape: RankShape, tokens: int, seq_shard: int, norm: Callable[[int], int]) -> int:
+    """What megatron-core's multi-latent attention saves per micro batch on one rank besides the layer's norms, the
+    down-projections' input and RoPE's cos/sin: the compressed query's and KV's norms and the up-projections' inputs
+    (split over the sequence under SP), then per head (÷TP) what flash attention keeps (:func:`mla_core_attention_bytes`)
+    and its output, linear_proj's input. (The rotary halves are not kept: RoPE saves only its cos/sin.)"""
+    model, d_bytes = shape.model, shape.bytes_per_value
+    latent = tokens // seq_shard * sum(norm(rank) + rank * d_bytes for rank in (model.q_lora_rank, model.kv_lora_rank))
+    output = tokens * d_bytes * shape.heads * model.value_head_dim // shape.tp
+    return latent + mla_core_attention_bytes(shape, tokens) + output
+
+
+def mla_core_attention_bytes(shape: RankShape, tokens: int) -> int:
+    """What a flash core attention keeps for multi-latent attention per micro batch on one rank, its log-sum-exp
+    aside: each head's query and key (non-rotary + rotary channels) and value. (On CPU, torch's SDPA takes its math
+    path for keys and values of different head sizes, which keeps fp32 copies and the score matrix instead.)"""
+    model = shape.model
+    return tokens * shape.bytes_per_value * shape.heads * (2 * model.query_key_head_dim + model.value_head_dim) // (
+        shape.tp)
 
 
 def _expert_tokens(shape: RankShape, sequence_tokens: int) -> int:

@@ -477,6 +477,8 @@ def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, valu
 _COMPANIONS = {
     "optimizer.lr_decay_style": ["optimizer.lr_wsd_decay_iters=100"],
     "train.fp8": ["train.precision=bf16"],
+    "model.rope_type": ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.q_lora_rank=32",
+                        "model.kv_lora_rank=24", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8"],
     "parallel.outer_dp_sharding_strategy": [
         "parallel.use_megatron_fsdp=true", "parallel.num_distributed_optimizer_instances=2", "checkpoint.save=null",
         "parallel.pipeline_model_parallel_size=1", "parallel.tensor_model_parallel_size=1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,25 +20,30 @@ REAL = [p for p in CONFIGS if not p.name.startswith("tiny")]
 def test_there_are_real_model_recipes():
     assert {p.name for p in REAL} >= {"llama3_2_1b_1gpu_bf16.yaml", "llama3_8b_8gpu_bf16.yaml",
                                       "llama3_70b_64gpu_bf16.yaml", "llama3_1_405b_40gpu_bf16.yaml",
-                                      "mixtral_8x7b_64gpu_bf16.yaml", "qwen3_30b_a3b_16gpu_bf16.yaml"}
+                                      "mixtral_8x7b_64gpu_bf16.yaml", "qwen3_30b_a3b_16gpu_bf16.yaml",
+                                      "deepseek_v3_671b_192gpu_fp8.yaml"}
 
 
 @pytest.mark.parametrize("path", REAL, ids=lambda p: p.stem)
 def test_parameter_count_matches_published(path):
+    """Published counts are the main model's: DeepSeek-V3's 671 B leaves its MTP module (14 B) out."""
     cfg = load_config(path)
-    assert ModelShape.of(cfg.model).num_parameters(cfg.model.vocab_size) == cfg.recipe.published_params
+    main_model = replace(ModelShape.of(cfg.model), mtp_num_layers=0)
+    assert main_model.num_parameters(cfg.model.vocab_size) == cfg.recipe.published_params
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_layout_is_valid_for_its_gpu_count(path):
     cfg = load_config(path)
-    validate_layout(cfg, world_size=cfg.recipe.gpus)
+    fp8 = cfg.train.fp8 is not None  # validated as on the H100s with TransformerEngine it is written for
+    validate_layout(cfg, world_size=cfg.recipe.gpus, te_available=fp8, fp8_capable=fp8)
     assert data_parallel_size(cfg, cfg.recipe.gpus) >= 1
 
 
 @pytest.mark.parametrize("name, gpus", [("llama3_8b_8gpu_bf16.yaml", 8), ("llama3_70b_64gpu_bf16.yaml", 64),
                                         ("llama3_1_405b_40gpu_bf16.yaml", 40), ("mixtral_8x7b_64gpu_bf16.yaml", 64),
-                                        ("qwen3_30b_a3b_16gpu_bf16.yaml", 16)])
+                                        ("qwen3_30b_a3b_16gpu_bf16.yaml", 16),
+                                        ("deepseek_v3_671b_192gpu_fp8.yaml", 192)])
 def test_multi_gpu_recipes_ship_the_planners_best_layout_for_their_gpu_count(name, gpus):
     from megatron_ext.planner import best_layout
 
