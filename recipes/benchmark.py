@@ -3,12 +3,14 @@
     python -m recipes.benchmark                                  # ~1B Llama, seq 4096, BF16 on a GPU, mbs 1 2 4
     python -m recipes.benchmark --seq-length 16384 --micro-batch-sizes 1
     python -m recipes.benchmark --preset moe                     # Mixtral-style MoE (8 experts, top-2) vs Mixtral
+    python -m recipes.benchmark --preset deepseek                # DeepSeek-V3-style (MLA, 32 experts) vs DeepseekV3
     python -m recipes.benchmark --preset tiny                    # CPU-sized smoke run (what CI exercises)
 
 Every (variant, micro batch) runs in its own process (clean peak-memory numbers, no CPU-rehearsal patches
 leaking into the peers) on the same model shape, sequence length and tokens (the recipe's mock data, fed to the
 peers batch by batch: an MoE layer's routing, hence its speed, depends on them). The peer is the transformers class
-the recipe exports to (``LlamaForCausalLM``; ``MixtralForCausalLM`` with its load-balancing loss for an MoE preset),
+the recipe exports to (``LlamaForCausalLM``; ``MixtralForCausalLM`` with its load-balancing loss for an MoE preset;
+``DeepseekV3ForCausalLM`` for a DeepSeek preset),
 built from the exporter's config.json for the recipe's shape. Variants, by precision
 regime (fp32 runs: every variant is plain fp32):
 
@@ -48,7 +50,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-PRESETS = {
+_MLA = dict(multi_latent_attention=True, num_query_groups=None)
+_DEEPSEEK_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4)
+PRESETS = {  # a preset's model.* keys, and the micro batch sizes it runs
     # ~1.2B Llama-3.2-1B-like shape; the untied 32k vocabulary keeps the LM head from dominating.
     "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
                ffn_hidden_size=8192, vocab_size=32000, seq_length=4096, micro_batch_sizes=[1, 2, 4]),
@@ -60,9 +65,22 @@ PRESETS = {
                 num_moe_experts=8, moe_router_topk=2, vocab_size=32000, seq_length=4096, micro_batch_sizes=[1, 2]),
     "moe-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
                      num_moe_experts=4, moe_router_topk=2, vocab_size=1024, seq_length=128, micro_batch_sizes=[2]),
+    # DeepSeek-V3-style, 1.33B parameters of which 0.40B active on one GPU (multi-latent attention, a first dense
+    # layer, 32 fine-grained experts top-4 from the best 2 of 4 groups + a shared expert, sigmoid routing with the
+    # expert bias): the peer is transformers' DeepseekV3ForCausalLM
+    "deepseek": dict(num_layers=8, hidden_size=2048, num_attention_heads=16, **_MLA, q_lora_rank=512, kv_lora_rank=256,
+                     qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, ffn_hidden_size=6144,
+                     moe_layer_freq=[0] + [1] * 7, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=768,
+                     moe_shared_expert_intermediate_size=768, moe_router_num_groups=4, moe_router_group_topk=2,
+                     moe_router_topk_scaling_factor=2.5, **_DEEPSEEK_ROUTER, vocab_size=32000, seq_length=4096,
+                     micro_batch_sizes=[1, 2]),
+    "deepseek-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=4, **_MLA, q_lora_rank=32,
+                          kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, ffn_hidden_size=256,
+                          moe_layer_freq=[0, 1], num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                          moe_shared_expert_intermediate_size=64, moe_router_num_groups=2, moe_router_group_topk=1,
+                          moe_router_topk_scaling_factor=2.5, **_DEEPSEEK_ROUTER, vocab_size=1024, seq_length=128,
+                          micro_batch_sizes=[2]),
 }
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
-              "seq_length", "num_moe_experts", "moe_router_topk")  # a preset's model.* keys (the last two: MoE only)
 # The recipe's kernel choices, each a variant, so one run measures which of them pays off.
 MEGATRON_VARIANTS = {
     "megatron-eager": ["train.compile=false"],
@@ -132,8 +150,12 @@ class Result:
     steps: int
 
 
+def _override(value: object) -> str:
+    return "null" if value is None else str(value).replace(" ", "")
+
+
 def _shape_overrides(shape: dict, precision: str, steps: int) -> list[str]:
-    return [*(f"model.{k}={shape[k]}" for k in MODEL_KEYS if k in shape),
+    return [*(f"model.{k}={_override(v)}" for k, v in shape.items() if k != "micro_batch_size"),
             "model.make_vocab_size_divisible_by=128",
             "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
             "parallel.sequence_parallel=false", "parallel.use_distributed_optimizer=false",
@@ -196,16 +218,17 @@ def recipe_batches(cfg, count: int) -> list[dict]:
 
 
 def hf_model(cfg, dtype):
-    """The transformers model of the recipe's shape, built from the exporter's config.json for it (Llama, or for an
-    MoE recipe Mixtral with its load-balancing loss on, as the recipe trains with megatron-core's aux loss)."""
+    """The transformers model of the recipe's shape, built from the exporter's config.json for it (Llama; for an
+    MoE recipe Mixtral with its load-balancing loss on, as the recipe trains with megatron-core's aux loss; with
+    multi-latent attention DeepSeek-V3, whose router balances by its bias alone)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_ext.convert.hf_llama import hf_config, shape_from_recipe
+    from megatron_ext.convert import families
 
-    shape = shape_from_recipe(cfg, cfg.model.vocab_size)
-    fields = hf_config(shape, torch.float32, bos_id=None, eos_id=None)
-    if shape.num_experts:
+    shape = families.shape_from_recipe(cfg, cfg.model.vocab_size)
+    fields = families.family_of(shape).hf_config(shape, torch.float32, bos_id=None, eos_id=None)
+    if shape.model_type == "mixtral":
         fields["output_router_logits"] = True
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, attn_implementation="sdpa")
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ def one_micro_batch(preset: str, mbs: int) -> dict:
     return {k: v for k, v in benchmark.PRESETS[preset].items() if k != "micro_batch_sizes"} | {"micro_batch_size": mbs}
 
 
-@pytest.mark.parametrize("preset", ["1b", "moe"])
+@pytest.mark.parametrize("preset", ["1b", "moe", "deepseek"])
 @pytest.mark.parametrize("te_available", [False, True])
 @pytest.mark.parametrize("variant", list(benchmark.MEGATRON_VARIANTS))
 def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available, preset):
@@ -45,7 +45,8 @@ def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available, prese
     reason = benchmark.unavailable(variant, shape, "bf16", te_available, fp8_capable=True, on_gpu=True)
     if reason:  # skipped by the benchmark with the recipe's own reason
         expected = {"megatron-fp8": "TransformerEngine is not importable", "megatron-liger": "needs liger-kernel",
-                    **({"megatron-cudagraph": "not verified with MoE models"} if preset == "moe" else {})}
+                    **({"megatron-cudagraph": "not verified with MoE models"} if preset != "1b" else {}),
+                    **({"megatron-docmask": "cannot restart them at documents"} if preset == "deepseek" else {})}
         assert expected.get(variant) and expected[variant] in reason, (variant, reason)
         if variant == "megatron-fp8":
             assert not te_available
@@ -54,7 +55,8 @@ def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available, prese
     validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=True)
 
 
-@pytest.mark.parametrize("preset, peer", [("tiny", "LlamaForCausalLM"), ("moe-tiny", "MixtralForCausalLM")])
+@pytest.mark.parametrize("preset, peer", [("tiny", "LlamaForCausalLM"), ("moe-tiny", "MixtralForCausalLM"),
+                                          ("deepseek-tiny", "DeepseekV3ForCausalLM")])
 def test_the_peer_is_the_recipes_model_and_trains_on_its_tokens(preset, peer):
     shape = one_micro_batch(preset, 2)
     cfg = benchmark.recipe_config(shape, "fp32", steps=3)
@@ -62,7 +64,7 @@ def test_the_peer_is_the_recipes_model_and_trains_on_its_tokens(preset, peer):
     assert type(model).__name__ == peer
     model_shape = ModelShape.of(cfg.model)
     assert sum(p.numel() for p in model.parameters()) == model_shape.num_parameters(shape["vocab_size"])
-    if model_shape.is_moe:  # the recipe's loss has megatron-core's load-balancing loss in it; the peer's too
+    if peer == "MixtralForCausalLM":  # the recipe's loss has megatron-core's load-balancing loss in it; the peer's too
         assert model.config.output_router_logits and model.config.router_aux_loss_coef == cfg.model.moe_aux_loss_coeff
     batches = benchmark.recipe_batches(cfg, 3)
     assert [b["tokens"].shape for b in batches] == [(2, shape["seq_length"])] * 3
