@@ -112,8 +112,8 @@ def validate_mla(cfg: RecipeConfig) -> None:
             "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN: "
             "set it null (and model.rope_type=yarn with model.rotary_scaling_factor)")
     if m.rope_type == "yarn":
-        require(m.beta_fast > m.beta_slow, "model.beta_fast", m.beta_fast, f"must exceed model.beta_slow="
-                f"{m.beta_slow:g} (YaRN interpolates the frequencies between the two)")
+        require(m.beta_fast >= m.beta_slow, "model.beta_fast", m.beta_fast, f"must be at least model.beta_slow="
+                f"{m.beta_slow:g} (YaRN interpolates the frequencies between the two; Kimi K2: both 1)")
     require(not cfg.data.reset_position_ids, "data.reset_position_ids", True, "megatron-core's multi-latent "
             "attention numbers positions 0..seq_length-1 itself and cannot restart them at documents: set it false "
             "(data.reset_attention_mask still keeps attention within each document)")

@@ -162,6 +162,31 @@ def test_deepseek_v3_configs_read_as_mla_moe_and_what_differs_is_one_error(tmp_p
             read(**changes)
 
 
+def test_a_kimi_k2_config_reads_as_deepseek_v3_without_group_limits_and_validates_as_a_recipe(tmp_path):
+    """Kimi K2's published config.json (its size cut down): DeepseekV3ForCausalLM with one expert group, YaRN with
+    beta_fast = beta_slow = 1, no MTP layer; the recipe written for it validates at EP2."""
+    import json
+
+    from megatron_ext.config.schema import RecipeConfig
+    from megatron_ext.convert import families, hf_deepseek
+
+    kimi = {**DEEPSEEK_V3, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1, "n_routed_experts": 24,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
+            "num_nextn_predict_layers": 0, "rope_theta": 50000.0, "aux_loss_alpha": 0.001, "seq_aux": True,
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    shape = families.read_config(tmp_path)
+    assert (shape.num_groups, shape.first_k_dense, shape.yarn[2:4], shape.rope_theta) == (1, 1, (1.0, 1.0), 50000.0)
+    cfg = RecipeConfig()
+    for key, value in hf_deepseek.recipe_model_fields(shape, 1).items():
+        setattr(cfg.model, key, value)
+    assert cfg.model.moe_router_num_groups is None and cfg.model.moe_layer_freq == [0, 1, 1, 1]
+    cfg.parallel.expert_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = 2, 1
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = 1, False
+    validate_layout(cfg, world_size=2)
+
+
 def test_a_deepseek_recipe_exports_as_deepseek_v3_and_what_it_cannot_hold_is_one_error():
     import pytest
 

@@ -112,7 +112,8 @@ def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
     (["model.rope_scaling_factor=8"], "does not apply to multi-latent attention, whose long-context scaling is YaRN"),
     (["model.multi_latent_attention=false", "model.rope_type=yarn"], "model.rope_type='yarn' is invalid: (YaRN) is "
                                                                      "multi-latent attention's"),
-    (["model.rope_type=yarn", "model.beta_fast=1"], "model.beta_fast=1.0 is invalid: must exceed model.beta_slow=1"),
+    (["model.rope_type=yarn", "model.beta_fast=0.5"], "model.beta_fast=0.5 is invalid: must be at least "
+                                                      "model.beta_slow=1"),
     (["model.rope_type=yarn", "model.rotary_scaling_factor=0.5"], "model.rotary_scaling_factor=0.5 is invalid: must "
                                                                   "be >= 1"),
     (["model.qk_pos_emb_head_dim=7"], "is rotated in pairs of channels: make it even"),
