@@ -33,7 +33,7 @@ import torch
 from megatron_ext.config.schema import YARN_KEYS, RecipeConfig
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.convert.hf_files import field, refuse_unless, shared_config_fields
-from megatron_ext.convert.weight_mapping import WeightMapping, vocab_padding
+from megatron_ext.convert.weight_mapping import SEQ_LENGTH_CAP, WeightMapping, vocab_padding
 from megatron_ext.errors import ConversionError
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}  # model_type: architecture
@@ -225,8 +225,6 @@ def hf_config(shape: DeepseekShape, dtype: torch.dtype, bos_id: Optional[int], e
 def recipe_model_fields(shape: DeepseekShape, tensor_parallel_size: int) -> dict[str, Any]:
     """The ``model.*`` section of a recipe that builds exactly this model, training its router as DeepSeek-V3 did:
     aux-loss-free balancing (the expert bias) beside a small per-sequence balance loss."""
-    from megatron_ext.convert.hf_llama import SEQ_LENGTH_CAP
-
     divisor, _ = vocab_padding(shape.vocab_size, tensor_parallel_size)
     yarn = {} if shape.yarn is None else {"rope_type": "yarn", **dict(zip(YARN_KEYS, shape.yarn))}
     return {

@@ -35,7 +35,7 @@ import torch
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.convert.hf_files import field, shared_config_fields
-from megatron_ext.convert.weight_mapping import QKVCodec, WeightMapping, vocab_padding
+from megatron_ext.convert.weight_mapping import SEQ_LENGTH_CAP, QKVCodec, WeightMapping, vocab_padding
 from megatron_ext.errors import ConversionError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",  # model_type: architecture
@@ -43,8 +43,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",  
 # megatron-core 0.19.2 hard-codes these Llama-3.1 constants in RotaryEmbedding._apply_scaling.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
-# Imported recipes train at most this many tokens per sample by default (override model.seq_length).
-SEQ_LENGTH_CAP = 4096
 
 
 @dataclass(frozen=True)

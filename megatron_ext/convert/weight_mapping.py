@@ -1,5 +1,5 @@
-"""How one megatron-core tensor is made of Hugging Face tensors, in both directions, and the vocabulary padding an
-imported checkpoint gets. Megatron names are those of the TP1/PP1 local-spec GPTModel's state dict (dist_checkpointing
+"""How one megatron-core tensor is made of Hugging Face tensors, in both directions, and the vocabulary padding and
+sequence length an imported checkpoint's recipe gets. Megatron names are those of the TP1/PP1 local-spec GPTModel's state dict (dist_checkpointing
 reshards it to any layout); each family (:mod:`megatron_ext.convert.families`) lists its mappings."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch
 
 # The TP sizes an imported checkpoint loads under without re-importing (see vocab_padding).
 PORTABLE_TP = 8
+# Imported recipes train at most this many tokens per sample by default (override model.seq_length).
+SEQ_LENGTH_CAP = 4096
 
 WeightKind = Literal["direct", "vocab_rows", "qkv", "gate_up"]
 
