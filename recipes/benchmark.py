@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-_MLA = dict(multi_latent_attention=True, num_query_groups=None)
+# DeepSeek-V3's norm epsilon: transformers' DeepseekV3 norms the compressed query and KV with it whatever its config says
+_MLA = dict(multi_latent_attention=True, num_query_groups=None, layernorm_epsilon=1e-6)
 _DEEPSEEK_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4)
 PRESETS = {  # a preset's model.* keys, and the micro batch sizes it runs

@@ -275,6 +275,10 @@ def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> DeepseekShape:
     if not all(pattern[first_k:]):
         raise ConversionError(f"model.moe_layer_freq={m.moe_layer_freq!r}: DeepSeek-V3 has its first k layers dense "
                               "and every later one MoE; only such a pattern exports")
+    if m.layernorm_epsilon != _MLA_NORM_EPS:
+        raise ConversionError(f"model.layernorm_epsilon={m.layernorm_epsilon:g}: transformers' DeepSeek-V3 norms the "
+                              f"compressed query and KV with epsilon {_MLA_NORM_EPS:g} whatever rms_norm_eps says, so "
+                              f"only a model trained with {_MLA_NORM_EPS:g} exports as one")
     shared = m.moe_shared_expert_intermediate_size or 0
     if shared % model.expert_ffn_hidden_size:
         raise ConversionError(f"model.moe_shared_expert_intermediate_size={shared}: DeepSeek-V3's shared experts are "

@@ -193,13 +193,15 @@ def test_a_deepseek_recipe_exports_as_deepseek_v3_and_what_it_cannot_hold_is_one
     from megatron_ext.convert import families
     from megatron_ext.errors import ConversionError
 
-    deepseek = load_config(TINY.parent / "tiny_deepseek.yaml")
+    eps = ["model.layernorm_epsilon=1e-6"]  # DeepSeek-V3's (tiny_deepseek trains with 1e-5)
+    deepseek = load_config(TINY.parent / "tiny_deepseek.yaml", eps)
     shape = families.shape_from_recipe(deepseek, 1000)
     assert (shape.architecture, shape.first_k_dense, shape.num_shared_experts, shape.mtp_layers, shape.yarn) == (
         "DeepseekV3ForCausalLM", 1, 1, 1, None)
-    for overrides, fragment in [(["model.moe_router_enable_expert_bias=false"], "has moe_router_enable_expert_bias"),
-                                (["model.moe_layer_freq=[1,0,1,1]"], "first k layers dense and every later one MoE"),
-                                (["model.moe_shared_expert_intermediate_size=100"], "make it a multiple"),
-                                (["model.moe_router_group_topk=2"], "moe_router_topk = 2 × moe_router_group_topk")]:
+    for overrides, fragment in [([], "model.layernorm_epsilon=1e-05: transformers' DeepSeek-V3 norms"),
+                                ([*eps, "model.moe_router_enable_expert_bias=false"], "has moe_router_enable_expert_"),
+                                ([*eps, "model.moe_layer_freq=[1,0,1,1]"], "first k layers dense and every later one"),
+                                ([*eps, "model.moe_shared_expert_intermediate_size=100"], "make it a multiple"),
+                                ([*eps, "model.moe_router_group_topk=2"], "moe_router_topk = 2 × moe_router_group_topk")]:
         with pytest.raises(ConversionError, match=fragment):
             families.shape_from_recipe(load_config(TINY.parent / "tiny_deepseek.yaml", overrides), 1000)
