@@ -101,6 +101,9 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[tuple[fl
                   "correction range")
     factor = field(params, "factor", source, kind=float)
     original = field(params, "original_max_position_embeddings", source)
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):  # optional; null or 0: transformers' default
+        if params.get(name):
+            field(params, name, source, kind=float)
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     # transformers uses mscale/mscale_all_dim only when both are set (else mscale 1, no all-dim term): so does this
     if not (mscale and mscale_all_dim) and mscale not in (None, 1, 1.0):

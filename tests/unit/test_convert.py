@@ -157,6 +157,7 @@ def test_deepseek_v3_configs_read_as_mla_moe_and_what_differs_is_one_error(tmp_p
         ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "mscale_all_dim": None, "mscale": 0.7}},
          "mscale=0.7 without mscale_all_dim"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
+        ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "beta_fast": "fast"}}, "beta_fast='fast' must be a positive"),
     ]:
         with pytest.raises(ConversionError, match=fragment):
             read(**changes)
