@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from megatron_ext.metrics.run_logger import read_scalars  # noqa: F401 -- re-exported for the tests
 
@@ -42,15 +42,27 @@ SINGLE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_mo
                   "parallel.sequence_parallel=false"]
 
 
+Launcher = Literal["fork", "torchrun", "recipes.launch"]
+
+
+def launch_prefix(nproc: int, launcher: Launcher = "fork") -> list[str]:
+    """How `nproc` ranks start, before ``-m MODULE``: for runs whose subject is not process start-up, forked from the
+    session's imported interpreter (tests/zygote.py), `nproc` > 1 of them forked again by tests/fork_launch.py; or as
+    a user starts them, by torchrun's agent. One process needs no launcher (the recipe starts a world of one)."""
+    if launcher == "fork":
+        return ["-m", "tests.zygote", *(["-m", "tests.fork_launch", f"--nproc-per-node={nproc}"] if nproc > 1 else [])]
+    return [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 def pretrain_command(nproc: int, overrides: list[str], module: str = "recipes.pretrain",
-                     config: Optional[Path] = TINY, launcher: str = "torchrun",
+                     config: Optional[Path] = TINY, launcher: Launcher = "fork",
                      launch_options: tuple[str, ...] = ()) -> list[str]:
-    """The command line: `module` on `nproc` processes (torchrun, or recipes.launch with `launch_options`)."""
+    """The command line: `module` on `nproc` processes (see launch_prefix; recipes.launch with
+    `launch_options`)."""
     if launcher == "recipes.launch":
         start = ["-m", "recipes.launch", "--standalone", f"--nproc-per-node={nproc}", *launch_options]
-    else:  # one process needs no launcher (the recipe starts a world of one itself), which saves ~5 s per run
-        start = ([] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
-        start += ["-m", module]
+    else:
+        start = [*launch_prefix(nproc, launcher), "-m", module]
     return [sys.executable, *start, *(["--config", str(config)] if config else []),
             # never into the repository's runs/ (a test that saves or logs says where)
             "checkpoint.save=null", "logging.tensorboard_dir=null", f"logging.log_dir={RANK_LOGS}",
@@ -75,7 +87,7 @@ def run_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
 
 def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: str = "recipes.pretrain",
                  config: Optional[Path] = TINY, check: bool = True, env: Optional[dict[str, str]] = None,
-                 launcher: str = "torchrun", launch_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+                 launcher: Launcher = "fork", launch_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run `module` (the recipe entry point, or a test wrapper of it) on `nproc` processes with `config` and
     `overrides`; with `check`, fails the test with the log if the run fails."""
     cmd = pretrain_command(nproc, overrides, module, config, launcher, launch_options)

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from tests.launch import ROOT
+from tests.launch import ROOT, launch_prefix
 
 
 def test_benchmark_writes_table_json_chart_and_per_micro_batch_comparisons(tmp_path):
@@ -18,7 +18,7 @@ def test_benchmark_writes_table_json_chart_and_per_micro_batch_comparisons(tmp_p
     # (train.compile's numerics are in the parity matrix); the pure-bf16 peer too (the regime split is unit-tested
     # below). bf16, so that the autocast peer runs.
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.benchmark", "--preset", "moe-tiny", "--precision", "bf16", "--warmup", "1",
+        [sys.executable, *launch_prefix(1), "-m", "recipes.benchmark", "--preset", "moe-tiny", "--precision", "bf16", "--warmup", "1",
          "--steps", "2", "--micro-batch-sizes", "2", "--seq-length", "64",
          "--variants", "megatron-eager", "megatron-untimed", "megatron-fp8", "hf-amp", "--out-dir", str(tmp_path)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,

@@ -198,8 +198,10 @@ def test_a_save_that_fails_on_one_rank_removes_its_directory_and_keeps_the_track
     overrides = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
                  "parallel.sequence_parallel=false", "train.train_iters=4", f"checkpoint.save={ckpt}",
                  "checkpoint.save_interval=2", "logging.tensorboard_dir=null", "parallel.distributed_timeout_minutes=30"]
+    # torchrun for the metadata case: its fault must be in place before the recipe's checkpoint code is imported
     proc = run_pretrain(2, overrides, module="tests.workers.checkpoint_fault_worker", check=False,
-                        env={"FAIL_ITERATION": "4", **fail}, timeout=300)
+                        env={"FAIL_ITERATION": "4", **fail}, timeout=300,
+                        launcher="torchrun" if "FAIL_AT" in fail else "fork")
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "checkpoint error" in line]
     assert len(errors) == 1, proc.stderr[-3000:]

@@ -23,7 +23,7 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from recipes import convert
-from tests.launch import ROOT, read_scalars
+from tests.launch import ROOT, launch_prefix, read_scalars
 from tests.workers.convert_logits_worker import checkpoint_logits
 
 TOLERANCE = 1e-4  # fp32; measured differences are 2e-6..2e-5 (summation order, SDPA vs eager attention)
@@ -107,7 +107,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    cmd = [sys.executable, *launch_prefix(nproc), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n"
@@ -290,7 +290,7 @@ def test_bad_layouts_and_outputs_fail_with_one_clear_error(imported, tmp_path, c
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "recipes.convert", "import-hf", "--hf-dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, *launch_prefix(1), "-m", "recipes.convert", "import-hf", "--hf-dir", str(tmp_path),
                            "--output", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
     assert proc.returncode == 2  # a user error, as for the trainer and data_prep
@@ -370,7 +370,7 @@ def test_the_test_split_is_evaluated_once_at_the_end(trained):
 
 
 def _generated(checkpoint: Path, prompt: str, *sampling: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "recipes.generate", "--checkpoint", str(checkpoint), "--prompt",
+    proc = subprocess.run([sys.executable, *launch_prefix(1), "-m", "recipes.generate", "--checkpoint", str(checkpoint), "--prompt",
                            prompt, "--max-new-tokens", "12", *sampling], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     header, text = proc.stdout.split("\n", 1)

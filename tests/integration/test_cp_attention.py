@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT
+from tests.launch import ROOT, launch_prefix
 
 TOLERANCE = 1e-5  # fp32: max |ring - full| / max |full|, per tensor; measured ≤ 2e-6
 
@@ -21,8 +21,7 @@ def test_ring_attention_matches_full_attention(cp, tmp_path):
     out = tmp_path / "diffs.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
-         str(ROOT / "tests" / "workers" / "cp_attention_worker.py"), str(out)],
+        [sys.executable, *launch_prefix(cp), "-m", "tests.workers.cp_attention_worker", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

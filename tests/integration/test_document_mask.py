@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from tests.launch import ROOT
+from tests.launch import ROOT, launch_prefix
 
 EXACT = 1e-12  # fp64: only the masking can make B's results differ
 FP32_LOSSES = 1e-6
@@ -25,8 +25,7 @@ def test_a_packed_document_trains_as_it_would_alone(tmp_path):
     out = tmp_path / "document_mask.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-         str(ROOT / "tests" / "workers" / "document_mask_worker.py"), str(out)],
+        [sys.executable, *launch_prefix(4), "-m", "tests.workers.document_mask_worker", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -184,7 +184,7 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
     finalizer and dropped): the step boundary's check stops them before the next save."""
     logs, ckpt, out = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "out.txt"
     cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"logging.log_dir={logs}", f"checkpoint.save={ckpt}",
-                               "checkpoint.save_interval=3"])
+                               "checkpoint.save_interval=3"], launcher="torchrun")
     marker = {"TEST_PROCESS_TREE": str(tmp_path)}  # inherited by every process the run starts
 
     def run_processes() -> list[psutil.Process]:

@@ -22,7 +22,15 @@ from megatron_ext.checkpoint.common_state import read_common
 from megatron_ext.checkpoint.layout import COMMON_STATE, iteration_dir
 from megatron_ext.errors import CheckpointError
 from tests.integration.test_training import RESHARD_TOLERANCE
-from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_scalars, run_env, run_pretrain
+from tests.launch import (
+    ROOT,
+    SINGLE_PROCESS,
+    launch_prefix,
+    max_relative_difference,
+    read_scalars,
+    run_env,
+    run_pretrain,
+)
 
 FIXTURES = ROOT / "tests" / "legacy_checkpoints"
 CASES = sorted(path.name for path in FIXTURES.iterdir() if (path / "uninterrupted.json").is_file())
@@ -84,14 +92,14 @@ def test_export_and_generate_read_a_checkpoint_of_the_previous_stack(tmp_path):
 
     _, ckpt = _copy("dense_fully_reshardable", tmp_path)
     out = tmp_path / "hf"
-    convert = subprocess.run([sys.executable, "-m", "recipes.convert", "export-hf", "--checkpoint", str(ckpt),
+    convert = subprocess.run([sys.executable, *launch_prefix(1), "-m", "recipes.convert", "export-hf", "--checkpoint", str(ckpt),
                               "--output", str(out)], cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert convert.returncode == 0, convert.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert exported.config.num_hidden_layers == 2 and exported.config.hidden_size == 64
     # a tokenizer of the model's vocabulary size (512), from the default corpus (make data)
     tokenizer = train_tokenizer([str(ROOT / "data" / "tiny" / "stdlib.jsonl")], 512, "bpe", str(tmp_path / "tok")).model_path
-    generate = subprocess.run([sys.executable, "-m", "recipes.generate", "--checkpoint", str(ckpt), "--prompt", "def",
+    generate = subprocess.run([sys.executable, *launch_prefix(1), "-m", "recipes.generate", "--checkpoint", str(ckpt), "--prompt", "def",
                                "--max-new-tokens", "4", "--tokenizer", tokenizer],
                               cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert generate.returncode == 0 and "iter_0000002" in generate.stderr, generate.stderr[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import planner
-from tests.launch import ROOT
+from tests.launch import ROOT, launch_prefix
 
 BF16, FP32 = "train.precision=bf16", "train.precision=fp32"
 TP1 = ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false"]
@@ -49,9 +49,7 @@ def _run_worker(nproc: int, overrides: list[str], out: Path, activations: bool) 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     module = ["-m", "tests.workers.planner_memory_worker", "--out", str(out)]
     module += ["--activations"] if activations else []
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    launcher = torchrun if nproc > 1 else []  # one process: init_distributed makes a world of one
-    cmd = [sys.executable, *launcher, *module, *overrides]
+    cmd = [sys.executable, *launch_prefix(nproc), *module, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
