@@ -40,7 +40,8 @@ ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}  # model_type: architec
 # transformers' DeepseekV3RMSNorm over the compressed query and KV takes its default epsilon, not rms_norm_eps;
 # megatron-core's MLA norms take the model's one epsilon, so the two agree only at this value.
 _MLA_NORM_EPS = 1e-6
-_HF_YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# YaRN's numbers under transformers' names: the recipe's (YARN_KEYS) but for the factor
+_HF_YARN = tuple({"rotary_scaling_factor": "factor"}.get(key, key) for key in YARN_KEYS)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class DeepseekShape:
     routed_scaling_factor: float
     vocab_size: int
     rope_theta: float
-    yarn: Optional[tuple[float, ...]]  # factor, original context, beta_fast, beta_slow, mscale, mscale_all_dim
+    yarn: Optional[tuple[float, ...]]  # YARN_KEYS' values, in their order
     rms_norm_eps: float
     tied: bool
     max_position_embeddings: int
@@ -109,8 +110,10 @@ def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[tuple[fl
     if not (mscale and mscale_all_dim) and mscale not in (None, 1, 1.0):
         raise ConversionError(f"{source}: rope_parameters.mscale={mscale!r} without mscale_all_dim is not supported "
                               "(transformers then ignores mscale, megatron-core does not): give both, or mscale=1")
-    return float(theta), (float(factor), int(original), float(params.get("beta_fast") or 32),
-                          float(params.get("beta_slow") or 1), float(mscale or 1.0), float(mscale_all_dim or 0.0))
+    values = {"factor": float(factor), "original_max_position_embeddings": int(original),
+              "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+              "mscale": float(mscale or 1.0), "mscale_all_dim": float(mscale_all_dim or 0.0)}
+    return float(theta), tuple(values[name] for name in _HF_YARN)
 
 
 def shape_from_config(config: dict[str, Any], source: str, model_type: str, tensors: Collection[str]
