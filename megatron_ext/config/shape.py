@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from megatron_ext.config.schema import ModelConfig, RecipeConfig, RecomputeGranularity
 
@@ -33,6 +33,23 @@ def moe_layer_pattern(moe_layer_freq: Union[int, list[int]], num_layers: int) ->
     return tuple(int(flag) for flag in moe_layer_freq)
 
 
+def cached_by_section(cache: dict, section: Any, key: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()`'s result for config section `section` (and `key`), remembered while the section holds the values
+    it held then: the planner asks for the same section's derived shapes hundreds of thousands of times in a search,
+    and comparing its fields is much cheaper than hashing them (sections are mutable, so identity alone would not
+    do)."""
+    values = vars(section)
+    entry = cache.get((id(section), *key))
+    if entry is not None and entry[0] == values:
+        return entry[1]
+    result = compute()
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[(id(section), *key)] = ({k: list(v) if isinstance(v, list) else v for k, v in values.items()}, result)
+    return result
+
+
+_SHAPES: dict[tuple, tuple[dict[str, Any], "ModelShape"]] = {}
 # the model.* key of each ModelShape field named otherwise (tied_embeddings is that key negated)
 _CONFIG_KEY = {"tied_embeddings": "untie_embeddings_and_output_weights", "num_experts": "num_moe_experts",
                "expert_ffn_hidden_size": "moe_ffn_hidden_size", "router_topk": "moe_router_topk",
@@ -69,7 +86,12 @@ class ModelShape:
     @classmethod
     def of(cls, model: ModelConfig | Mapping[str, Any]) -> ModelShape:
         """From a model section, or its dict as a checkpoint saved it (missing optional keys mean their default)."""
-        m = model if isinstance(model, Mapping) else vars(model)
+        if isinstance(model, Mapping):
+            return cls._of(model)
+        return cached_by_section(_SHAPES, model, (), lambda: cls._of(vars(model)))
+
+    @classmethod
+    def _of(cls, m: Mapping[str, Any]) -> ModelShape:
         hidden, heads = m["hidden_size"], m["num_attention_heads"]
         ffn = m.get("ffn_hidden_size") or default_ffn_hidden_size(hidden)
         experts = m.get("num_moe_experts") or 0

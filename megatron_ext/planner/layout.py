@@ -15,7 +15,7 @@ from megatron_ext.config.schema import (
     expert_data_parallel_size,
     expert_tensor_parallel_size,
 )
-from megatron_ext.config.shape import ModelShape, padded_vocab_size
+from megatron_ext.config.shape import ModelShape, cached_by_section, padded_vocab_size
 from megatron_ext.errors import ConfigError
 
 GIB = 2**30
@@ -155,16 +155,11 @@ class RankShape:
 
     @classmethod
     def of(cls, cfg: RecipeConfig, vocab_size: int) -> "RankShape":
-        m, p = cfg.model, cfg.parallel
-        # by value: a search asks for the shape of each candidate layout many times over (and config sections are
-        # mutable, so not by identity)
-        key = (tuple(tuple(v) if isinstance(v, list) else v for v in vars(m).values()), p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
+        p = cfg.parallel
+        # a search asks for the shape of each candidate layout many times over
+        key = (p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
                p.expert_model_parallel_size, p.expert_tensor_parallel_size, cfg.train.precision, vocab_size)
-        if key not in _SHAPES:
-            if len(_SHAPES) >= 4096:
-                _SHAPES.clear()
-            _SHAPES[key] = cls._of(cfg, vocab_size)
-        return _SHAPES[key]
+        return cached_by_section(_SHAPES, cfg.model, key, lambda: cls._of(cfg, vocab_size))
 
     @classmethod
     def _of(cls, cfg: RecipeConfig, vocab_size: int) -> "RankShape":
@@ -211,7 +206,7 @@ class RankShape:
         return expert_data_parallel_size(world_size, pp, self.ep, self.etp)
 
 
-_SHAPES: dict[tuple, RankShape] = {}
+_SHAPES: dict[tuple, tuple[dict, RankShape]] = {}
 
 
 def model_vocab_size(cfg: RecipeConfig) -> int:

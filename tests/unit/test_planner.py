@@ -466,3 +466,22 @@ def test_each_chunk_holds_the_layers_megatron_core_builds_there(layers, pp, vpp,
                                                                          pp_rank=rank)))
         chunks = planner.static_memory.stage_chunks(tuple(pipeline_stage_layers(cfg)), vpp, rank)
         assert [layers for layers, _, _ in chunks] == built, rank
+
+
+def test_the_shapes_remembered_for_a_config_section_follow_its_changes():
+    """ModelShape.of and RankShape.of remember a section's shapes (the search asks hundreds of thousands of times),
+    but a section changed in place, a list value included, gets its new shapes."""
+    from megatron_ext.config.shape import ModelShape
+    from megatron_ext.planner.layout import RankShape
+
+    cfg = load_config(ROOT / "configs" / "tiny_deepseek.yaml")
+    assert ModelShape.of(cfg.model).num_layers == 4 and RankShape.of(cfg, 512).layers == 4
+    moe_layers = ModelShape.of(cfg.model).moe_layers
+    cfg.model.num_layers = 6
+    cfg.model.moe_layer_freq = [0, 1, 1, 1, 1, 1]
+    assert ModelShape.of(cfg.model).num_layers == 6 and RankShape.of(cfg, 512).layers == 6
+    cfg.model.moe_layer_freq[1] = 0  # in place
+    assert ModelShape.of(cfg.model).moe_layers == (0, 0, 1, 1, 1, 1) != moe_layers
+    assert RankShape.of(cfg, 512).model.moe_layers == (0, 0, 1, 1, 1, 1)
+    cfg.parallel.tensor_model_parallel_size = 2
+    assert RankShape.of(cfg, 512).tp == 2
