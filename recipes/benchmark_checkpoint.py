@@ -112,7 +112,7 @@ def _worker(args: argparse.Namespace) -> None:
     dp = int(os.environ["WORLD_SIZE"])
     cfg = load_config(ROOT / "configs" / "tiny.yaml", _overrides(SHAPES[args.shape], dp))
     trainer = Trainer(cfg)
-    trainer.train_step(trainer._iterators(trainer.train_ds, 0))
+    trainer.train_step(trainer.data.iterators(trainer.data.train))
     reference = _optimizer_fingerprint(trainer.optimizer)
     # Untimed: the first save starts dist_checkpointing's helper processes and caches, whatever the format.
     warmup = Path(args.out_dir) / f"ckpt-dp{dp}-warmup"

@@ -22,6 +22,7 @@ DIST_METADATA = "metadata.json"  # dist_checkpointing's own; present once its sh
 DCP_METADATA = ".metadata"  # torch DCP's, also inside dist_checkpointing's; alone in an fsdp_dtensor checkpoint
 RUN_LOCK = "run.lock"  # held by the run writing into this directory (checkpoint.run_lock)
 PROGRESS = "progress.json"  # the iteration the run reached, when and on which world (resilience.elastic)
+DATA_SKIPS = "data_skips.json"  # training data the run skips, from where to where (checkpoint.data_skips)
 # `content` in a checkpoint's common state: a training run's full state, or model weights only
 # (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
 TRAINING_STATE = "training_state"
@@ -85,8 +86,13 @@ def latest_iteration(root: str | Path) -> Optional[int]:
     return int(text)
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path`'s content with `text` atomically (temp file, then rename): a crash leaves the old one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_tracker(root: Path, iteration: int) -> None:
-    """Point the tracker at `iteration` atomically (temp file, then rename): a crash leaves the old one."""
-    tmp = root / f".{TRACKER}.tmp"
-    tmp.write_text(f"{iteration}\n")
-    os.replace(tmp, root / TRACKER)
+    """Point the tracker at `iteration` (atomically)."""
+    write_atomically(root / TRACKER, f"{iteration}\n")

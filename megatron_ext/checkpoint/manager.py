@@ -4,7 +4,8 @@ finishing what is in flight. Retention and manifests happen inside each save (:m
 
 The run holds ``checkpoint.save``'s lock (:mod:`run_lock`) from :meth:`load` to :meth:`close`/:meth:`abort`.
 The training loop calls :meth:`CheckpointManager.load` once before its first step, :meth:`due` and
-:meth:`save` at the end of each step, and :meth:`close` (or :meth:`abort` when failing) at the end.
+:meth:`save` at the end of each step, :meth:`rewind` after a loss spike (train.spike_policy=rewind), and
+:meth:`close` (or :meth:`abort` when failing) at the end.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.checkpoint import fsdp_dtensor, save_load
+from megatron_ext.checkpoint import fsdp_dtensor, layout, save_load
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
+from megatron_ext.checkpoint.common_state import read_common
 from megatron_ext.checkpoint.resume import Resumed, StartPoint, resume_training
 from megatron_ext.checkpoint.run_lock import RunLock
 from megatron_ext.config.schema import RecipeConfig
@@ -68,6 +70,22 @@ class CheckpointManager:
         dist.broadcast_object_list(shared, src=0)
         if shared[0]:
             raise CheckpointError(shared[0])
+
+    def rewind(self) -> Optional[Resumed]:
+        """Collective: back to the newest intact training checkpoint in checkpoint.save (saves in flight finished
+        first) — model, optimizer, LR schedule and RNG; None when there is none yet to go back to."""
+        if self.saver:
+            self.saver.finalize(blocking=True)
+        root = self.cfg.checkpoint.save
+        if not self.enabled or layout.latest_iteration(root) is None:
+            return None
+        ckpt_dir = layout.iteration_dir(root, save_load.intact_iteration(root))
+        common = read_common(ckpt_dir)
+        if common.content == layout.WEIGHTS_ONLY:
+            return None
+        iteration, consumed = save_load.load_training_state(ckpt_dir, common, self.model, self.optimizer,
+                                                            self.scheduler, self.cfg.to_dict())
+        return Resumed(iteration, consumed, ckpt_dir)
 
     def due(self, iteration: int, stopping: bool, clock_due: bool = False) -> bool:
         """This run saves after `iteration` (see :func:`save_due`); `clock_due`: the ranks agreed that

@@ -333,16 +333,23 @@ def load_training_state(ckpt_dir: Path, common: CommonState, model_chunks, optim
     # dp_reshardable's load copies into in place (an autograd error otherwise).
     with torch.no_grad():
         compat.load_optimizer(optimizer, loaded["optimizer"])
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    _load_scheduler(scheduler, loaded["opt_param_scheduler"])
     if same_layout:
         set_rng_state(loaded["rng_state"])
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
 
+def _load_scheduler(scheduler: OptimizerParamScheduler, state: dict[str, Any]) -> None:
+    """The LR schedule's position as saved, also into a schedule that has run (a spike rewind): megatron-core's
+    load_state_dict adds the saved step count to the schedule's own."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
+
+
 def _load_fsdp_training_state(ckpt_dir: Path, common: CommonState, model_chunks, optimizer: MegatronOptimizer,
                                scheduler: OptimizerParamScheduler) -> tuple[int, int]:
     fsdp_dtensor.load(ckpt_dir, model_chunks, optimizer)
-    scheduler.load_state_dict(common.scheduler)
+    _load_scheduler(scheduler, common.scheduler)
     saved_rng = common.rng
     if len(saved_rng) == dist.get_world_size():  # same world: rank r continues rank r's streams
         set_rng_state([saved_rng[dist.get_rank()]])

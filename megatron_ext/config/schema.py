@@ -69,6 +69,15 @@ TokenizerType = Literal["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"]  # 
 # 0.19.2: "ShardedTensor.flattened_range is not supported".)
 OptimizerFormat = Literal["auto", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient"]
 OPTIMIZER_FORMATS: tuple[str, ...] = get_args(OptimizerFormat)
+# What a loss spike does (megatron_ext/resilience/spikes.py): nothing, a warning, the step skipped before its update,
+# or the run rewound to its newest checkpoint with the data advanced past the spike
+SpikePolicy = Literal["off", "warn", "skip", "rewind"]
+# Keys of earlier versions: a config naming one gets a line pointing at its successor; configs saved inside older
+# checkpoints drop them when read back (recipes.convert)
+RETIRED_KEYS = {
+    "logging.loss_spike_factor": "train.spike_threshold (now in median absolute deviations above the median)",
+    "logging.loss_spike_window": "train.spike_window",
+}
 
 
 @dataclass
@@ -249,6 +258,14 @@ class TrainConfig:
     # so that it fires first
     hang_timeout_s: AutoNumber = AUTO
     skip_nonfinite_steps: int = 0  # skip up to N steps with a non-finite loss/gradient before stopping
+    # A loss more than spike_threshold median absolute deviations (at least 1 % of the median each) above the median of
+    # the previous spike_window steps is a spike: warn; skip its update (the run reads every step's loss before its
+    # update); or rewind to checkpoint.save's newest checkpoint and continue on the data after the spike
+    # (docs/monitoring.md "Loss spikes"); off = not checked
+    spike_policy: SpikePolicy = "warn"
+    spike_window: int = 50  # steps in the median; spikes are looked for once a fifth of them are seen
+    spike_threshold: float = 10.0  # median absolute deviations above the median
+    max_rewinds: int = 3  # skip/rewind: the spikes a run acts on; the next one stops it (exit 3)
 
 
 @dataclass
@@ -324,8 +341,6 @@ class LoggingConfig:
     log_interval: int = 1  # a console line (and scalars) every this many steps
     gpu_peak_tflops: Optional[float] = None  # overrides the built-in table for MFU
     log_dir: Optional[str] = None  # per-rank tracebacks and hang stacks (rank-N.log); null = runs/<recipe.name>/logs
-    loss_spike_factor: Optional[float] = 1.5  # warn when a loss exceeds this × the rolling median; null = off
-    loss_spike_window: int = 50  # steps in that median
     # warn about a rank (TP group) computing this × slower than its pipeline stage's others, or than it did; null = off
     straggler_factor: Optional[float] = 1.2
     straggler_intervals: int = 3  # a rank is named a straggler after this many slow log intervals in a row
@@ -387,6 +402,22 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0]
 
 
+def without_retired_keys(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config saved by an earlier version (a checkpoint's) without the keys it no longer has."""
+    kept = {section: dict(values) if isinstance(values, dict) else values for section, values in saved.items()}
+    for key in RETIRED_KEYS:
+        section, name = key.split(".")
+        if isinstance(kept.get(section), dict):
+            kept[section].pop(name, None)
+    return kept
+
+
+def _refusal(e: OmegaConfBaseException) -> str:
+    """Why a key was refused: a retired key names its successor."""
+    successor = RETIRED_KEYS.get(e.full_key or "")
+    return f"was replaced by {successor}" if successor else _first_line(e.msg)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
     """YAML file (optional) merged over the defaults, then `section.key=value` overrides (values as written, nothing
     read from the environment: :mod:`megatron_ext.config.values`)."""
@@ -407,14 +438,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
         except OmegaConfBaseException as e:
             line = _yaml_line(path, e.full_key) if e.full_key else None
             where = f"{path}:{line}" if line else str(path)
-            raise ConfigError(f"{where}: {e.full_key}: {_first_line(e.msg)}") from None
+            raise ConfigError(f"{where}: {e.full_key}: {_refusal(e)}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         try:
             merged = OmegaConf.merge(merged, override_as_config(RecipeConfig, item))
         except OmegaConfBaseException as e:
-            raise ConfigError(f"override {item!r}: {e.full_key or item}: {_first_line(e.msg)}") from None
+            raise ConfigError(f"override {item!r}: {e.full_key or item}: {_refusal(e)}") from None
     checked_values(merged)
     cfg = OmegaConf.to_object(merged)
     check_ranges(cfg.to_dict())
@@ -435,8 +466,10 @@ def collective_timeout_minutes(cfg: RecipeConfig) -> float:
 
 def decides_before_update(cfg: RecipeConfig) -> bool:
     """Whether every step's loss and gradient flags must reach the host before its update (fp16's grad scaler reads
-    its overflow flag anyway; train.skip_nonfinite_steps skips the step): such runs read the device every step."""
-    return cfg.train.skip_nonfinite_steps > 0 or cfg.train.precision == "fp16"
+    its overflow flag anyway; train.skip_nonfinite_steps and train.spike_policy=skip skip the step): such runs read
+    the device every step."""
+    t = cfg.train
+    return t.skip_nonfinite_steps > 0 or t.precision == "fp16" or t.spike_policy == "skip"
 
 
 def steps_between_device_reads(cfg: RecipeConfig) -> int:

@@ -29,6 +29,7 @@ from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.metrics.units import format_duration
+from megatron_ext.resilience.spikes import Spike
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
 log = logging.getLogger("megatron_ext")
@@ -243,13 +244,19 @@ class RunLogger:
             name = "validation" if split == "val" else "test split"
             log.info(f"{name} at step {iteration}: loss {loss:.4f} | perplexity {ppl:,.2f}")
 
-    def loss_spike(self, iteration: int, loss: float, ratio: float, median: float, samples: tuple[int, int]) -> None:
-        """A loss far above its rolling median: a warning naming the step's samples, and `train/loss_spike`."""
-        if self.enabled:
-            self._write({"train/loss_spike": ratio}, iteration)
-            log.warning(f"loss spike at iteration {iteration}: {loss:.4f} is {ratio:.2f}× the median {median:.4f} of "
-                        f"the previous steps; the step trained on samples {samples[0]}..{samples[1]} of the "
-                        f"training dataset (in megatron-core's shuffled sample order)")
+    def loss_spike(self, spike: Spike, action: str = "", rewinds: Optional[int] = None) -> None:
+        """A loss spike (resilience.spikes): one warning naming the step's samples and what the run did about it
+        (`action`: skipped, rewound), and `train/loss_spike` (its deviations), `train/spike_skipped` or
+        `train/rewinds` (how many so far)."""
+        if not self.enabled:
+            return
+        scalars = {"train/loss_spike": spike.deviations}
+        if rewinds is not None:
+            scalars["train/rewinds"] = float(rewinds)
+        elif action:
+            scalars["train/spike_skipped"] = 1.0
+        self._write(scalars, spike.iteration)
+        log.warning(spike.describe() + (f"; {action}" if action else ""))
 
     def stragglers(self, iteration: int, named: list[Straggler]) -> None:
         """Warn about the ranks the straggler detector named."""

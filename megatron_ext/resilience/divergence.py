@@ -1,5 +1,5 @@
 """Divergence: a non-finite loss or gradient stops the run at its step, naming where it was seen first (or is
-skipped, up to train.skip_nonfinite_steps); a loss far above its rolling median is reported as a spike.
+skipped, up to train.skip_nonfinite_steps). Loss spikes are :mod:`.spikes`'s.
 
 The check runs before the optimizer step, so a skipped step leaves weights, moments and LR schedule untouched.
 It replaces megatron-core's ``check_for_nan_in_grad`` (which reports "iteration -1": the iteration lives in
@@ -9,9 +9,6 @@ Megatron-LM's training loop, not in megatron-core) at the same cost, one reducti
 from __future__ import annotations
 
 import logging
-import statistics
-from collections import deque
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -98,21 +95,3 @@ def check_loss_scale_floor(iteration: int, scale: float, min_scale: float, lr: f
             f"fp16 gradients overflow at iteration {iteration} with the loss scale already at train.min_loss_scale="
             f"{min_scale:g}: train in bf16 (train.precision=bf16, on Ampere or newer) or fp32, or resume from the last "
             f"checkpoint (checkpoint.load) with a lower optimizer.lr (now {lr:g})")
-
-
-class LossSpikeDetector:
-    """Flags a loss above `factor` × the median of the previous `window` losses (after `window // 5` of them)."""
-
-    def __init__(self, factor: Optional[float], window: int):
-        self.factor, self.window = factor, window
-        self.history: deque[float] = deque(maxlen=window)
-
-    def check(self, loss: float) -> Optional[tuple[float, float]]:
-        """(ratio to the median, the median) when `loss` is a spike, else None; remembers `loss` either way."""
-        spike = None
-        if self.factor and len(self.history) >= max(self.window // 5, 1):
-            median = statistics.median(self.history)
-            if median > 0 and loss > self.factor * median:
-                spike = (loss / median, median)
-        self.history.append(loss)
-        return spike

@@ -4,8 +4,8 @@ router scalars as tensors; :meth:`PendingSteps.settle` reads all of them in one 
 them — a logging step, an evaluation, a checkpoint save, the end of the run. Between those the host never waits for
 the device, so it keeps queueing the next step's kernels while the current one runs (as Megatron-LM's and
 torchtitan's loops log every N steps). A step whose update depends on them reads its own flags at once
-(:meth:`nonfinite_now`): train.skip_nonfinite_steps skips before the update, and fp16's grad scaler reads its
-overflow flag on the host anyway.
+(:meth:`newest_now`): train.skip_nonfinite_steps and train.spike_policy=skip skip before the update, and fp16's grad
+scaler reads its overflow flag on the host anyway.
 
 With neither, a non-finite step is found when its interval settles: the run stops there, naming the first
 non-finite iteration as before; no checkpoint is written in between, since a save settles first.
@@ -28,6 +28,7 @@ class SettledStep:
     """A training step that updated the weights, with its numbers on the host."""
 
     iteration: int
+    first_sample: int  # the first of the global batch's samples (consumed_samples before the step)
     loss: float  # the global batch's token-weighted mean
     grad_norm: float
     lr: float
@@ -44,6 +45,7 @@ class Settled:
 @dataclass
 class _Step:
     iteration: int
+    first_sample: int
     totals: torch.Tensor  # [loss sum, tokens, loss non-finite, grads non-finite], summed over every rank
     local_flags: torch.Tensor  # this rank's [loss, grads] non-finite flags, to name the ranks that saw it
     router: dict[str, Scalar]
@@ -79,16 +81,18 @@ class PendingSteps:
         self.device = device
         self._steps: list[_Step] = []
 
-    def add(self, iteration: int, losses_reduced: list[dict[str, torch.Tensor]], local_flags: torch.Tensor,
-            router: dict[str, Scalar], lr: float) -> None:
-        """Step `iteration`'s forward and backward are queued: its loss and flags start their all-reduce."""
-        self._steps.append(_Step(iteration, loss_totals(losses_reduced, self.device, local_flags), local_flags,
-                                 router, lr))
+    def add(self, iteration: int, first_sample: int, losses_reduced: list[dict[str, torch.Tensor]],
+            local_flags: torch.Tensor, router: dict[str, Scalar], lr: float) -> None:
+        """Step `iteration` (on the global batch from sample `first_sample`) has its forward and backward queued:
+        its loss and flags start their all-reduce."""
+        self._steps.append(_Step(iteration, first_sample, loss_totals(losses_reduced, self.device, local_flags),
+                                 local_flags, router, lr))
 
-    def nonfinite_now(self) -> bool:
-        """Whether any rank saw a non-finite loss or gradient in the newest step: a host read, for a decision that
-        must precede the update."""
-        return any(self._steps[-1].totals[2:].tolist())
+    def newest_now(self) -> tuple[float, bool]:
+        """The newest step's loss and whether any rank saw a non-finite loss or gradient in it: one host read, for a
+        decision that must precede the update."""
+        loss_sum, tokens, *flags = self._steps[-1].totals.tolist()
+        return loss_sum / tokens, any(flags)
 
     def drop_newest(self) -> None:
         """The newest step did not update the weights (skipped): it is not a training step."""
@@ -124,6 +128,6 @@ class PendingSteps:
                                   for v in (step.grad_norm, *step.router.values()))
             if (loss_bad or grads_bad) and first_nonfinite is None:
                 first_nonfinite = (step.iteration, step.local_flags)
-            settled.append(SettledStep(step.iteration, loss_sum / tokens, grad_norm, step.lr, mean_seconds,
+            settled.append(SettledStep(step.iteration, step.first_sample, loss_sum / tokens, grad_norm, step.lr, mean_seconds,
                                        dict(zip(step.router, router))))
         return Settled(settled, first_nonfinite)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,14 +18,12 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
 from tqdm import tqdm
 
 from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.layout import progress_path
 from megatron_ext.checkpoint.manager import CheckpointManager
-from megatron_ext.checkpoint.resume import load_weights_before_sharding
-from megatron_ext.config.paths import blend_prefixes
+from megatron_ext.checkpoint.resume import Resumed, load_weights_before_sharding
 from megatron_ext.config.schema import (
     RecipeConfig,
     collective_timeout_minutes,
@@ -35,8 +33,6 @@ from megatron_ext.config.schema import (
     log_dir,
     microbatches_per_step,
 )
-from megatron_ext.data.datasets import build_datasets, microbatch_iterator
-from megatron_ext.data.tokenization_record import describe_blend, mixed_conventions
 from megatron_ext.data.tokenizer import VocabOnlyTokenizer, load_tokenizer
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import (
@@ -46,6 +42,7 @@ from megatron_ext.distributed.parallel import (
     stop_data_parallel_communication,
     wrap_with_ddp,
 )
+from megatron_ext.errors import DivergenceError
 from megatron_ext.metrics.moe_metrics import RouterMetrics
 from megatron_ext.metrics.mtp_metrics import MTPMetrics
 from megatron_ext.metrics.profiler import StepProfiler
@@ -53,10 +50,9 @@ from megatron_ext.metrics.run_logger import RunLogger, StartupClock
 from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
-from megatron_ext.model.document_mask import pack_documents, uses_packed_sequences
+from megatron_ext.model.document_mask import uses_packed_sequences
 from megatron_ext.planner.timeouts import hang_ceiling_s
 from megatron_ext.resilience.divergence import (
-    LossSpikeDetector,
     NonFiniteSteps,
     check_loss_scale_floor,
     describe_nonfinite,
@@ -66,7 +62,10 @@ from megatron_ext.resilience.elastic import ProgressRecord
 from megatron_ext.resilience.exit_signal import ExitSignal
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.process_guard import die_with_parent, raise_if_launcher_gone
+from megatron_ext.resilience.spikes import LossSpikes, Spike
 from megatron_ext.resilience.watchdog import HangWatchdog
+from megatron_ext.training import micro_batch
+from megatron_ext.training.micro_batch import device
 from megatron_ext.training.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -76,6 +75,7 @@ from megatron_ext.training.optimizer import (
     update_kernel,
 )
 from megatron_ext.training.pending_steps import PendingSteps, SettledStep, global_mean_loss
+from megatron_ext.training.run_data import RunData
 
 log = logging.getLogger("megatron_ext")
 
@@ -103,38 +103,6 @@ class RunFailed(Exception):
     def __init__(self, exit_code: int):
         super().__init__(exit_code)
         self.exit_code = exit_code
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Token-summed loss (megatron's 3-value form): exact token weighting across micro batches, DP and CP.
-    `output_tensor` holds per-token losses, or (fused linear cross-entropy) their masked sum already."""
-    mask = loss_mask.view(-1).float()
-    loss_sum = output_tensor.float() if output_tensor.dim() == 0 else torch.sum(output_tensor.view(-1).float() * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
-
-
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
-                  packed_documents: bool = False):
-    """One micro batch through `model`; `packed_documents`: document masking in TransformerEngine's layers, which
-    take the micro batch as one packed row of documents (:func:`pack_documents`)."""
-    batch = {k: v.to(_device(), non_blocking=True) for k, v in next(data_iterator).items()}
-    documents = batch.pop("documents", None)  # data.reset_attention_mask: the whole sequence's, on every CP rank
-    packed = None
-    if packed_documents:
-        batch, packed = pack_documents(batch, documents)
-        documents = None
-    # Under CP, tokens, labels, loss mask and positions are cut into the same zigzag chunks
-    # (RoPE slices its global positions the same way inside GPTModel).
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
-                                      cp_group=parallel_state.get_context_parallel_group())
-    output = model(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed)
-    return output, partial(_loss_func, batch["loss_mask"])
 
 
 def _describe_grad_sync(model: list, optimizer: MegatronOptimizer) -> str:
@@ -181,14 +149,11 @@ class Trainer:
         if cfg.checkpoint.save:
             self.startup.mark("checkpoint save helper process")
         try:
-            with offload_stand_ins(cfg, self.model, self.on_gpu):  # loading re-splits the offloaded state
-                resumed = self.checkpointer.load(start)
+            resumed = self._load_state(partial(self.checkpointer.load, start))
         except BaseException:
             self.checkpointer.abort()  # gives back the run lock it may have taken
             raise
-        # After any load: it restores the kernel flags the checkpoint was saved with.
-        select_torch_adam_kernel(self.optimizer, fused=cfg.optimizer.fused_adam)
-        self.iteration, self.consumed_samples = resumed.iteration, resumed.consumed_samples
+        self.iteration = resumed.iteration
         self.startup.mark("checkpoint load" if resumed.checkpoint else "run lock (no checkpoint to load)")
         self.progress = ProgressRecord(progress_path(cfg.checkpoint.save), self.rank, self.world_size, self.dp_size,
                                        self.num_microbatches)
@@ -199,23 +164,36 @@ class Trainer:
         if cfg.train.precision == "fp16" and self.on_gpu and torch.cuda.is_bf16_supported():
             self._info(f"note: {torch.cuda.get_device_name()} supports bf16, which needs no loss scaling and is "
                        f"preferred there (train.precision=bf16); fp16 is for GPUs without it (V100, T4)")
-        self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
+        self.data = RunData(cfg, self.tokenizer, len(self.model), self.dp_size, speak=self.rank == 0)
+        self.data.go_on(self.iteration, resumed.consumed_samples)
         self.startup.mark("dataset indices")
         if not cfg.data.mock:
-            self._say_how_the_data_was_tokenized()
+            self.data.say_how_it_was_tokenized()
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
         self._build_monitors()
 
+    def _load_state(self, load: Callable[[], Optional[Resumed]]) -> Optional[Resumed]:
+        """A checkpoint load: the offloaded optimizer state re-split around it, the Adam kernel flags it restores
+        set after it."""
+        with offload_stand_ins(self.cfg, self.model, self.on_gpu):
+            resumed = load()
+        select_torch_adam_kernel(self.optimizer, fused=self.cfg.optimizer.fused_adam)
+        return resumed
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.data.consumed_samples
+
     def _build_monitors(self) -> None:
-        """Divergence, loss spikes, stragglers, hangs (each off when its setting is null) and the profiler."""
-        t, g = self.cfg.train, self.cfg.logging
+        """Divergence, loss spikes, stragglers, hangs (each off when its setting is null or off) and the profiler."""
+        t = self.cfg.train
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
-        self.spikes = LossSpikeDetector(g.loss_spike_factor, g.loss_spike_window)
-        self.metrics = StepMetrics(self.cfg, self.run_logger, _device())
-        self.pending = PendingSteps(_device())
+        self.spikes = LossSpikes(t)
+        self.metrics = StepMetrics(self.cfg, self.run_logger, device())
+        self.pending = PendingSteps(device())
         self.decide_before_update = decides_before_update(self.cfg)  # such runs settle every step
-        self.router_metrics = RouterMetrics(self.cfg, _device(), self.model)
-        self.mtp_metrics = MTPMetrics(self.cfg, _device())
+        self.router_metrics = RouterMetrics(self.cfg, device(), self.model)
+        self.mtp_metrics = MTPMetrics(self.cfg, device())
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
                                      ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
@@ -239,14 +217,6 @@ class Trainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
 
-    def _say_how_the_data_was_tokenized(self) -> None:
-        prefixes = [prefix for _, prefix in blend_prefixes(self.cfg)]
-        described, mixed = describe_blend(prefixes), mixed_conventions(prefixes)
-        if described:
-            self._info(described)
-        if mixed and self.rank == 0:
-            log.warning(mixed)
-
     def _info(self, message: str) -> None:
         if self.rank == 0:
             log.info(message)
@@ -255,25 +225,14 @@ class Trainer:
     def num_microbatches(self) -> int:
         return microbatches_per_step(self.cfg, self.world_size)
 
-    def _iterators(self, dataset, consumed_samples: int, timed: bool = False) -> list[Iterator] | Iterator:
-        """One iterator per model chunk: the interleaved schedule reads each chunk's data separately. `timed`: the
-        wait for each batch counts as the step's data time."""
-        t = self.cfg.train
-        dp_rank = parallel_state.get_data_parallel_rank()
-        eod = self.tokenizer.eod if self.cfg.data.reset_attention_mask else None  # document ids for the masking
-        its = [microbatch_iterator(dataset, consumed_samples, t.micro_batch_size, dp_rank, self.dp_size,
-                                   self.cfg.data.num_workers, eod) for _ in self.model]
-        if timed:
-            its = [self.metrics.timers.timed_batches(it) for it in its]
-        return its[0] if len(its) == 1 else its
-
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         seq_length, micro_batch_size = self.cfg.model.seq_length, self.cfg.train.micro_batch_size
         packed = uses_packed_sequences(self.cfg.data, use_te=self.cfg.model.attention_backend == "te")
         if packed:  # one row of micro_batch_size × seq_length tokens between pipeline stages too
             seq_length, micro_batch_size = seq_length * micro_batch_size, 1
         return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, packed_documents=True) if packed else _forward_step,
+            forward_step_func=partial(micro_batch.forward_step, packed_documents=True) if packed
+            else micro_batch.forward_step,
             data_iterator=data_iterator,
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.num_microbatches,
@@ -285,7 +244,8 @@ class Trainer:
     def train_step(self, data_iterator) -> bool:
         """One global batch: forward/backward through the pipeline schedule, then one optimizer step, its numbers
         left pending on the device; False when it was skipped: a non-finite loss or gradient under
-        train.skip_nonfinite_steps, or an fp16 overflow (weights and schedule unchanged either way)."""
+        train.skip_nonfinite_steps, a loss spike under train.spike_policy=skip, or an fp16 overflow (weights and
+        schedule unchanged either way)."""
         with self.metrics.timers.region("optimizer"):
             for chunk in self.model:
                 chunk.train()
@@ -296,12 +256,19 @@ class Trainer:
             router = {**self.router_metrics.step(self.iteration + 1, self.num_microbatches),
                       **self.mtp_metrics.step(self.num_microbatches)}
             # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
-            flags = local_nonfinite(losses, self.model, _device(), check_grads=self.cfg.train.precision != "fp16")
-            self.pending.add(self.iteration + 1, losses, flags, router, self.optimizer.param_groups[0]["lr"])
-            nonfinite = self.decide_before_update and self.pending.nonfinite_now()
+            flags = local_nonfinite(losses, self.model, device(), check_grads=self.cfg.train.precision != "fp16")
+            self.pending.add(self.iteration + 1, self.consumed_samples, losses, flags, router,
+                             self.optimizer.param_groups[0]["lr"])
+            loss, nonfinite = self.pending.newest_now() if self.decide_before_update else (None, False)
         if nonfinite:
             self.pending.drop_newest()
             self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
+            return False
+        spike = (self.spikes.before_update(self.iteration + 1, loss, self.consumed_samples)
+                 if self.decide_before_update else None)
+        if spike:
+            self.pending.drop_newest()
+            self.run_logger.loss_spike(spike, self.spikes.count("skipped"))
             return False
         scale = self.loss_scale()
         with self.metrics.timers.region("optimizer"):
@@ -322,13 +289,13 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
-        it = self._iterators(dataset, 0)
+        it = self.data.iterators(dataset)
         losses = []
         for _ in range(self.cfg.train.eval_iters):
             losses.extend(self._run_schedule(it, forward_only=True))
             self.watchdog.step_done(self.iteration)  # an evaluation batch is progress: a long evaluation is no hang
         self.metrics.discard()  # evaluation's forward passes are not part of a training step
-        return global_mean_loss(losses, _device())
+        return global_mean_loss(losses, device())
 
     def _evaluation_due(self) -> bool:
         """Validation every train.eval_interval steps and after the last one."""
@@ -340,13 +307,13 @@ class Trainer:
             return
         t = self.cfg.train
         self.where = f"evaluation after iteration {self.iteration}"
-        val = self.evaluate(self.valid_ds)
+        val = self.evaluate(self.data.valid)
         if val is not None:
             result.val_losses[self.iteration] = val
             self.run_logger.evaluation("val", self.iteration, val)
         if self.iteration == t.train_iters:  # the held-out test split, once, on the finished model
             self.where = "evaluation on the test split"
-            result.test_loss = self.evaluate(self.test_ds)
+            result.test_loss = self.evaluate(self.data.test)
             if result.test_loss is not None:
                 self.run_logger.evaluation("test", self.iteration, result.test_loss)
         self.watchdog.step_done(self.iteration)
@@ -373,35 +340,59 @@ class Trainer:
                 or self.iteration % self.cfg.logging.log_interval == 0 or self._evaluation_due()
                 or self.checkpointer.due(self.iteration, exit_interval))
 
-    def _settle(self, result: RunResult) -> None:
+    def _settle(self, result: RunResult) -> bool:
         """The pending steps' numbers, read at once (one wait for the device), each recorded in order: results,
         metrics (console, TensorBoard, breakdown, stragglers, advice) and loss spikes. A non-finite step stops the
-        run here, after the steps before it are recorded."""
+        run here, after the steps before it are recorded. True when a loss spike rewound the run
+        (train.spike_policy=rewind): the steps after it are dropped."""
         settled = self.pending.settle()
         bad = settled.first_nonfinite
         for step in settled.steps:
             if bad and step.iteration >= bad[0]:
                 break
-            self._record_step(result, step)
+            spike = self._record_step(result, step)
+            if spike and self.spikes.policy == "rewind":
+                self._rewind(result, spike)
+                return True
         if bad:
             self.nonfinite.skip_or_raise(describe_nonfinite(*bad))
+        return False
 
-    def _record_step(self, result: RunResult, step: SettledStep) -> None:
-        it, loss, gbs = step.iteration, step.loss, self.cfg.train.global_batch_size
+    def _record_step(self, result: RunResult, step: SettledStep) -> Optional[Spike]:
+        """A settled step into the results and metrics; its loss spike, if it was one (said unless rewound past)."""
+        it, loss = step.iteration, step.loss
         result.train_losses[it] = loss
         result.grad_norms[it] = step.grad_norm
         result.step_times.append(step.step_time)
         self.metrics.record(it, loss, step.lr, step.grad_norm, step.step_time, self.loss_scale(), step.router)
-        spike = self.spikes.check(loss)
-        if spike:
-            consumed = self.consumed_samples - (self.iteration - it) * gbs  # after step `it`
-            self.run_logger.loss_spike(it, loss, *spike, (consumed - gbs, consumed - 1))
+        spike = self.spikes.settled(it, loss, step.first_sample)
+        if spike and self.spikes.policy == "warn":
+            self.run_logger.loss_spike(spike)
+        return spike
+
+    def _rewind(self, result: RunResult, spike: Spike) -> None:
+        """Back to checkpoint.save's newest checkpoint; the data goes on after the spike's global batch, a skip
+        recorded for restarts (:mod:`megatron_ext.checkpoint.data_skips`)."""
+        self.where = f"rewind after the loss spike at iteration {spike.iteration}"
+        with self.watchdog.suspended():
+            resumed = self._load_state(self.checkpointer.rewind)
+        if resumed is None:
+            raise DivergenceError(
+                f"{spike.describe()}; train.spike_policy=rewind found no checkpoint in checkpoint.save="
+                f"{self.cfg.checkpoint.save} to go back to: save earlier (checkpoint.save_interval) or use "
+                f"train.spike_policy=skip")
+        self.iteration = resumed.iteration
+        for later in [it for it in result.train_losses if it > self.iteration]:
+            del result.train_losses[later], result.grad_norms[later]
+        self.run_logger.loss_spike(spike, self.spikes.count(
+            f"rewound to iteration {resumed.iteration} ({resumed.checkpoint})"), rewinds=self.spikes.acted)
+        self.data.skip_to(resumed.iteration, resumed.consumed_samples, spike.samples[1] + 1,
+                          f"rewound past the loss spike at iteration {spike.iteration}")
 
     def train(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train
         result = RunResult(iteration=self.iteration)
-        exit_signal = ExitSignal(t.exit_signal_handler, _device())
-        data = self._iterators(self.train_ds, self.consumed_samples, timed=True)
+        exit_signal = ExitSignal(t.exit_signal_handler, device())
         self._info(f"training iterations {self.iteration + 1}..{t.train_iters}: global batch {t.global_batch_size} "
                    f"= micro batch {t.micro_batch_size} × DP {self.dp_size} × {self.num_microbatches} micro batches, "
                    f"seq {cfg.model.seq_length}")
@@ -412,22 +403,23 @@ class Trainer:
             self.where = f"iteration {self.iteration + 1}"
             start = time.perf_counter()
             with self.profiler.step(self.iteration + 1):
-                updated = self.train_step(data)
+                # the wait for each batch counts as the step's data time
+                updated = self.train_step(self.data.training_batches(self.metrics.timers.timed_batches))
             self.iteration += 1
-            self.consumed_samples += t.global_batch_size
+            self.data.step_done(self.iteration)
             if updated:
                 self.metrics.step_done()
                 self.pending.took(time.perf_counter() - start)
             else:  # a skipped step's time is not a training step's
                 self.metrics.discard()
             stop = bool(t.exit_interval and self.iteration % t.exit_interval == 0)
-            signalled = clock_due = False
+            signalled = clock_due = rewound = False
             if self._settles(stop, first=not result.startup):  # the same decision on every rank
                 # signals and rank 0's clock (which alone decides a time-based save) are agreed where the loop
                 # reads the device anyway
                 signalled, clock_due = exit_signal.agree(self.rank == 0 and self.checkpointer.save_due_by_clock())
                 stop = stop or signalled
-                self._settle(result)
+                rewound = self._settle(result)
                 self.checkpointer.finish_completed_writes()
                 if result.train_losses:
                     bar.set_postfix(loss=f"{result.train_losses[max(result.train_losses)]:.3f}")
@@ -442,6 +434,10 @@ class Trainer:
                     timed = (self.startup.start, self.startup.phases)  # from this process's start to now
                     self.run_logger.restart(self.iteration, self.restart.describe(*timed),
                                             self.restart.scalars(*timed))
+            if rewound:  # the step boundary of the checkpoint's iteration has been passed already
+                bar.n = self.iteration
+                self.watchdog.step_done(self.iteration)
+                continue
             bar.update(1)
             self.watchdog.step_done(self.iteration)
             self.progress.step_done(self.iteration)
@@ -490,5 +486,5 @@ def pretrain(cfg: RecipeConfig, startup: Optional[StartupClock] = None) -> RunRe
 
 def _out_of_memory_advice(cfg: RecipeConfig) -> str:
     stage = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    device = torch.cuda.get_device_properties(torch.cuda.currentdevice()).total_memory
     return out_of_memory_advice(cfg, stage, dist.get_world_size() if dist.is_initialized() else 1, device)

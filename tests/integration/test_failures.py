@@ -296,14 +296,14 @@ def test_data_prep_workers_ask_to_die_with_their_parent():
 
 
 
-def test_a_skipped_nonfinite_step_leaves_weights_optimizer_state_and_schedule_untouched(tmp_path):
+def test_a_skipped_nonfinite_step_or_spike_leaves_weights_optimizer_state_and_schedule_untouched(tmp_path):
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, "-m", "tests.workers.nonfinite_step_worker", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["skipped"] and result["next_step_finite"], result
+    assert result["skipped"] == [True, True] and result["spikes_skipped"] == 1 and result["next_step_finite"], result
     assert all(result["unchanged"].values()), result["unchanged"]
 
 

@@ -116,6 +116,11 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["logging.profile_steps=[1,2]", "logging.profile_ranks=[4]"], "logging.profile_ranks=[4] is invalid"),
     (["logging.memory_snapshot=true"], "is taken at the end of logging.profile_steps"),
     (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be > 0"),
+    (["train.spike_policy=rewind", "checkpoint.save=null"], "train.spike_policy='rewind' is invalid: goes back to the "
+     "newest checkpoint in checkpoint.save"),
+    (["train.spike_policy=rewind", "checkpoint.save=/tmp/ckpt", "parallel.use_megatron_fsdp=true",
+      "parallel.pipeline_model_parallel_size=1"], "train.spike_policy='rewind' is invalid: is not supported with "
+     "parallel.use_megatron_fsdp=true"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
       "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
 ])
@@ -233,6 +238,22 @@ def test_unknown_key_and_bad_type_are_reported_with_the_key():
         tiny("train.train_iters=many")
     with pytest.raises(ConfigError, match="not of the form"):
         tiny("train.train_iters")
+
+
+def test_a_retired_key_names_its_successor_and_a_saved_config_drops_it(tmp_path):
+    from megatron_ext.config.schema import without_retired_keys
+
+    with pytest.raises(ConfigError) as err:
+        tiny("logging.loss_spike_factor=1.5")
+    assert str(err.value) == ("override 'logging.loss_spike_factor=1.5': logging.loss_spike_factor: was replaced by "
+                              "train.spike_threshold (now in median absolute deviations above the median)")
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("logging:\n  log_interval: 1\n  loss_spike_window: 50\n")
+    with pytest.raises(ConfigError, match=r"old.yaml:3: logging.loss_spike_window: was replaced by train.spike_window"):
+        load_config(recipe)
+    saved = {"logging": {"loss_spike_factor": 1.5, "loss_spike_window": 50, "log_interval": 5}, "train": {}}
+    assert without_retired_keys(saved) == {"logging": {"log_interval": 5}, "train": {}}
+    assert saved["logging"]["loss_spike_factor"] == 1.5  # the checkpoint's own dict is left alone
 
 
 def test_yaml_errors_point_at_file_and_line(tmp_path):

@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from megatron_ext.config.schema import load_config
+from megatron_ext.config.schema import TrainConfig, load_config
 from megatron_ext.errors import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -21,8 +21,8 @@ from megatron_ext.errors import (
     IncompatibleCheckpointError,
     TokenizerError,
 )
-from megatron_ext.resilience.divergence import LossSpikeDetector
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
+from megatron_ext.resilience.spikes import LossSpikes, Spike, SpikeDetector
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
 from tests.launch import ROOT, TINY, read_scalars
 
@@ -96,12 +96,69 @@ def test_out_of_memory_advice_names_stage_micro_batch_and_the_planner_estimate()
     assert "GiB peak for this stage, the GPU has 80.0 GiB" in advice and "--gpus 4" in advice
 
 
-def test_loss_spike_detector_flags_a_jump_above_the_rolling_median():
-    detector = LossSpikeDetector(factor=1.5, window=10)
-    assert [detector.check(loss) for loss in [3.0, 2.9, 2.8, 2.9]] == [None, None, None, None]
-    ratio, median = detector.check(6.0)
-    assert median == pytest.approx(2.9) and ratio == pytest.approx(6.0 / 2.9)
-    assert detector.check(3.0) is None and LossSpikeDetector(None, 10).check(100.0) is None
+def test_a_loss_spike_is_counted_in_median_absolute_deviations_of_the_previous_losses():
+    detector = SpikeDetector(window=10, threshold=10.0)
+    for loss in [3.0, 2.9, 2.8, 2.9]:
+        assert detector.spike(0, loss) is None
+        detector.remember(loss)
+    # median 2.9, MAD 0.05: 3.4 is exactly 10 deviations above (not a spike), 3.5 is 12
+    assert detector.spike(5, 3.4) is None
+    spike = detector.spike(5, 3.5, (32, 39))
+    assert (spike.iteration, spike.median, spike.deviations) == (5, pytest.approx(2.9), pytest.approx(12.0))
+    assert spike.describe().endswith("samples 32..39 of the training dataset (in megatron-core's shuffled order)")
+    assert "3.5000 is 12.0 median absolute deviations above the median 2.9000" in spike.describe()
+    assert detector.spike(5, 0.5) is None  # a fall is never a spike
+
+
+def test_on_a_flat_loss_curve_a_deviation_counts_as_one_percent_of_the_median():
+    detector = SpikeDetector(window=10, threshold=10.0)
+    for _ in range(5):
+        detector.remember(4.0)  # MAD 0
+    assert detector.spike(6, 4.39) is None and detector.spike(6, 4.41).deviations == pytest.approx(10.25)
+
+
+def test_spikes_are_looked_for_once_a_fifth_of_the_window_is_seen():
+    detector = SpikeDetector(window=50, threshold=10.0)
+    for _ in range(9):
+        detector.remember(2.0)
+    assert detector.spike(10, 100.0) is None
+    detector.remember(2.0)
+    assert detector.spike(11, 100.0) is not None
+
+
+def _policy(policy: str, max_rewinds: int = 1) -> LossSpikes:
+    spikes = LossSpikes(TrainConfig(spike_policy=policy, spike_window=5, max_rewinds=max_rewinds))
+    for loss in [3.0, 2.9, 2.8]:
+        assert spikes.before_update(1, loss, 0) is None and spikes.settled(1, loss, 0) is None
+    return spikes
+
+
+def test_each_spike_policy_acts_where_it_should_and_remembers_only_accepted_losses():
+    warn = _policy("warn")
+    assert not warn.decides_before_update and warn.before_update(4, 9.0, 24) is None
+    spike = warn.settled(4, 9.0, 24)
+    assert (spike.iteration, spike.samples) == (4, (24, 31)) and 9.0 in warn.detector.history and warn.acted == 0
+    assert _policy("off").settled(4, 9.0, 24) is None
+    skip = _policy("skip")
+    assert skip.decides_before_update and skip.before_update(4, 9.0, 24).loss == 9.0 and skip.acted == 1
+    assert skip.settled(5, 2.9, 32) is None and list(skip.detector.history) == [3.0, 2.9, 2.8, 2.9]
+    assert skip.count("skipped") == "skipped (1 of train.max_rewinds=1)"
+    rewind = _policy("rewind")
+    assert rewind.before_update(4, 9.0, 24) is None and rewind.settled(4, 9.0, 24).loss == 9.0
+    assert rewind.acted == 1 and 9.0 not in rewind.detector.history
+
+
+@pytest.mark.parametrize("policy", ["skip", "rewind"])
+def test_the_spike_after_train_max_rewinds_stops_the_run_with_one_line(policy):
+    spikes = _policy(policy, max_rewinds=1)
+    act = spikes.before_update if policy == "skip" else spikes.settled
+    act(4, 9.0, 24)
+    with pytest.raises(DivergenceError) as stopped:
+        act(5, 9.5, 32)
+    message = str(stopped.value)
+    assert message.startswith("loss spike at iteration 5: 9.5000 is ") and "\n" not in message
+    assert "samples 32..39 of the training dataset" in message
+    assert "after 1 spikes" in message and "train.max_rewinds=1" in message and "train.spike_threshold" in message
 
 
 def _named(detector: StragglerDetector, times: list[float]) -> list[tuple[tuple[int, ...], str]]:
@@ -142,12 +199,20 @@ def test_run_logger_writes_loss_spikes_and_the_rank_spread_to_tensorboard(tmp_pa
     logger = RunLogger(cfg, 1000, world_size=4, enabled=True)
     logger.step(3, 2.5, 1e-3, 1.0, 0.5, console=True, rank_times=[0.2, 0.3, 0.25, 0.2])
     with caplog.at_level("WARNING", logger="megatron_ext"):
-        logger.loss_spike(4, 6.0, 2.4, 2.5, (48, 63))
+        logger.loss_spike(Spike(4, 6.0, 2.5, 70.0, (48, 63)))
+        logger.loss_spike(Spike(5, 6.0, 2.5, 70.0, (64, 79)), "skipped (1 of train.max_rewinds=3)")
+        logger.loss_spike(Spike(6, 6.0, 2.5, 70.0, (80, 95)), "rewound to iteration 2 (ckpt)", rewinds=1)
     logger.close()
-    assert read_scalars(tmp_path, "train/loss_spike") == {4: pytest.approx(2.4)}
+    assert read_scalars(tmp_path, "train/loss_spike") == {4: 70.0, 5: 70.0, 6: 70.0}
+    assert read_scalars(tmp_path, "train/spike_skipped") == {5: 1.0}
+    assert read_scalars(tmp_path, "train/rewinds") == {6: 1.0}
     assert read_scalars(tmp_path, "perf/slowest_rank") == {3: 1.0}
     assert read_scalars(tmp_path, "perf/step_time_max_s") == {3: pytest.approx(0.3)}
-    assert "loss spike at iteration 4: 6.0000 is 2.40× the median 2.5000" in caplog.text and "48..63" in caplog.text
+    said = [r.getMessage() for r in caplog.records if "loss spike" in r.getMessage()]
+    assert said[0].startswith("loss spike at iteration 4: 6.0000 is 70.0 median absolute deviations above the median "
+                              "2.5000") and "samples 48..63" in said[0]
+    assert said[1].endswith("; skipped (1 of train.max_rewinds=3)") and "samples 64..79" in said[1]
+    assert said[2].endswith("; rewound to iteration 2 (ckpt)")
 
 
 def test_the_peer_reference_is_the_median_of_the_stages_other_units():

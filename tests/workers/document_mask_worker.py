@@ -30,7 +30,7 @@ from megatron_ext.config.schema import RecipeConfig, load_config
 from megatron_ext.data.datasets import _WithDocumentIds
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.model.llama import build_model_chunks, transformer_config
-from megatron_ext.training.trainer import _forward_step
+from megatron_ext.training import micro_batch
 from tests.launch import ROOT, SMALL_MODEL
 from tests.workers import te_standin
 
@@ -81,7 +81,7 @@ def run(model, batch: dict[str, torch.Tensor], forward_only: bool, use_te: bool)
     kept = []
 
     def forward_step(iterator, chunk):
-        output, loss_func = _forward_step(iterator, chunk, packed_documents=use_te)
+        output, loss_func = micro_batch.forward_step(iterator, chunk, packed_documents=use_te)
 
         def loss(output_tensor):
             loss_sum, tokens, logged = loss_func(output_tensor)

@@ -18,7 +18,7 @@ from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
 from megatron_ext.model.fused_output import IGNORE_INDEX
 from megatron_ext.model.llama import build_model_chunks, describe_layers, transformer_config
-from megatron_ext.training.trainer import _forward_step
+from megatron_ext.training.micro_batch import forward_step
 
 VOCAB, SEQ, BATCH = 96, 16, 3
 
@@ -30,7 +30,7 @@ def reference_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, t
 def loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
     """One forward/backward through the recipe's own forward step and loss function."""
     model.zero_grad()
-    output, loss_func = _forward_step(iter([batch]), model)
+    output, loss_func = forward_step(iter([batch]), model)
     loss_sum, num_tokens, _ = loss_func(output)
     loss_sum.backward()
     assert int(num_tokens) == int(batch["loss_mask"].sum())

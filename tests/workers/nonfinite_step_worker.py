@@ -1,8 +1,10 @@
-"""One process: a step whose loss is non-finite is skipped (train.skip_nonfinite_steps=1) without touching the
-weights, the optimizer's state (fp32 main weights, Adam moments, step counts) or the LR schedule.
+"""One process: a step whose loss is non-finite (train.skip_nonfinite_steps=1) and a loss spike
+(train.spike_policy=skip) are skipped without touching the weights, the optimizer's state (fp32 main weights, Adam
+moments, step counts) or the LR schedule.
 
-Trains one ordinary step with the recipe's Trainer, snapshots that state, runs a step whose forward output is
-multiplied by NaN, and writes ``{"skipped": ..., "unchanged": {...}, "next_step_finite": ...}`` to ``--out``.
+Trains one ordinary step with the recipe's Trainer (its loss the spike detector's first), snapshots that state, runs
+a step whose forward output is multiplied by NaN and one where it is multiplied by 30, and writes
+``{"skipped": ..., "unchanged": {...}, "next_step_finite": ...}`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.config.schema import load_config
 from megatron_ext.distributed.parallel import destroy_distributed
+from megatron_ext.training import micro_batch
 from megatron_ext.training import trainer as trainer_module
 from tests.launch import SINGLE_PROCESS, SMALL_MODEL, TINY
 
@@ -46,27 +49,30 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(TINY, [*SMALL_MODEL, *SINGLE_PROCESS, "data.mock=true", "model.vocab_size=1000",
                              "data.tokenizer_model=null", "logging.tensorboard_dir=null", "checkpoint.save=null",
-                             "train.skip_nonfinite_steps=1", "optimizer.lr_warmup_iters=2"])
+                             "train.skip_nonfinite_steps=1", "optimizer.lr_warmup_iters=2",
+                             "train.spike_policy=skip", "train.spike_window=5"])
     trainer = trainer_module.Trainer(cfg)
-    data = trainer._iterators(trainer.train_ds, 0)
+    data = trainer.data.iterators(trainer.data.train)
     trainer.train_step(data)
+    trainer._settle(trainer_module.RunResult(iteration=1))  # its loss is the spike detector's first
     before = _state(trainer)
 
-    finite_forward = trainer_module._forward_step
+    finite_forward = micro_batch.forward_step
+    skipped = []
+    for factor in (float("nan"), 30.0):
+        def corrupted_forward(data_iterator, model):
+            output, loss_func = finite_forward(data_iterator, model)
+            return output * factor, loss_func
 
-    def nan_forward(data_iterator, model):
-        output, loss_func = finite_forward(data_iterator, model)
-        return output * float("nan"), loss_func
-
-    trainer_module._forward_step = nan_forward
-    skipped = not trainer.train_step(data)
-    trainer_module._forward_step = finite_forward
+        micro_batch.forward_step = corrupted_forward
+        skipped.append(not trainer.train_step(data))
+        micro_batch.forward_step = finite_forward
     after = _state(trainer)
     updated = trainer.train_step(data)
-    settled = trainer.pending.settle().steps  # the first step and this one: the skipped step left nothing pending
+    settled = trainer.pending.settle().steps  # this one: the skipped steps left nothing pending
     result = {"skipped": skipped, "unchanged": {k: _same(before[k], after[k]) for k in before},
-              "next_step_finite": updated and [s.iteration for s in settled] == [1, 1]
-              and math.isfinite(settled[-1].loss)}
+              "spikes_skipped": trainer.spikes.acted,
+              "next_step_finite": updated and [s.iteration for s in settled] == [1] and math.isfinite(settled[0].loss)}
     args.out.write_text(json.dumps(result))
     destroy_distributed()
 

@@ -11,6 +11,7 @@ import sys
 
 from megatron_ext.training import trainer
 from recipes.pretrain import main
+from tests.workers.step_patch import forward_step_per_step
 
 
 def _hooked(forward_step, overflow: bool, iteration: int):
@@ -29,20 +30,13 @@ def _hooked(forward_step, overflow: bool, iteration: int):
     return forward_step_with_a_gradient_hook
 
 
-def _injecting(train_step):
-    overflows = {int(i) for i in os.environ.get("OVERFLOW_AT", "").split(",") if i}
+def _choose(overflows: set[int]):
+    def forward_step_of(step: trainer.Trainer, plain):
+        return _hooked(plain, step.iteration + 1 in overflows, step.iteration + 1)
 
-    def train_step_with_hooks(self, data_iterator):
-        plain = trainer._forward_step
-        trainer._forward_step = _hooked(plain, self.iteration + 1 in overflows, self.iteration + 1)
-        try:
-            return train_step(self, data_iterator)
-        finally:
-            trainer._forward_step = plain
-
-    return train_step_with_hooks
+    return forward_step_of
 
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
-    trainer.Trainer.train_step = _injecting(trainer.Trainer.train_step)
+    forward_step_per_step(_choose({int(i) for i in os.environ.get("OVERFLOW_AT", "").split(",") if i}))
     sys.exit(main())

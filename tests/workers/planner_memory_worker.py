@@ -31,7 +31,8 @@ import torch.distributed as dist
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.distributed.parallel import destroy_distributed
-from megatron_ext.training.trainer import Trainer, _forward_step
+from megatron_ext.training.micro_batch import forward_step
+from megatron_ext.training.trainer import Trainer
 from tests.launch import SMALL_MODEL, TINY
 
 VOCAB = 1000  # not a multiple of 128: exercises the vocabulary padding
@@ -89,7 +90,7 @@ def measure_activations(model: torch.nn.Module, batches, param_ptrs: set[int]) -
     handles += [m.register_forward_hook(leave) for m in names]
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output, loss_func = _forward_step(batches, model)
+        output, loss_func = forward_step(batches, model)
         loss_sum, _, _ = loss_func(output)
     for handle in handles:
         handle.remove()

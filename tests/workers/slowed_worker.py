@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from megatron_ext.training import trainer
+from megatron_ext.training import micro_batch, run_data
 from recipes.pretrain import main
 
 
@@ -31,7 +31,7 @@ def _slow_loader(microbatch_iterator):
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
     if os.environ.get("RANK") == os.environ.get("SLOW_RANK"):
-        trainer._forward_step = _slowed(trainer._forward_step)
+        micro_batch.forward_step = _slowed(micro_batch.forward_step)
     if os.environ.get("SLOW_DATA_MS"):
-        trainer.microbatch_iterator = _slow_loader(trainer.microbatch_iterator)
+        run_data.microbatch_iterator = _slow_loader(run_data.microbatch_iterator)
     sys.exit(main())
