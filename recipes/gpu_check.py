@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_ext.resilience.run_record import TrainingRecord, read_training_end
+from megatron_ext.resilience.run_record import read_training_end
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_GPU_1B = ["--config", "configs/llama3_2_1b_1gpu_bf16.yaml", "data.mock=true", "checkpoint.save=null"]
@@ -59,7 +59,7 @@ def finished(iterations: int, logs: str) -> Evidence:
     last iteration."""
     def check(log: str, out: Path) -> Optional[str]:
         record = read_training_end(out / logs)
-        return None if record == TrainingRecord("finished", iterations) else \
+        return None if record and (record.ended, record.iteration) == ("finished", iterations) else \
             f"the run did not record finishing iteration {iterations} ({record or 'no record'})"
     return check
 

@@ -66,6 +66,8 @@ def _summary(cfg, result) -> str:
         lines.append(f"  test loss: {result.test_loss:.4f} (perplexity {perplexity(result.test_loss):,.2f})")
     if result.startup:
         lines.append(f"  start-up: {result.startup}")
+    if result.goodput:
+        lines.append(f"  {result.goodput.summary()}")
     if len(result.step_times) > 1:
         lines.append(f"  step time: median {statistics.median(result.step_times[1:]) * 1000:.0f} ms "
                      f"(first step {result.step_times[0] * 1000:.0f} ms)")
@@ -276,11 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     # workers) or the launcher's stop (its last line says where to resume)
     if rank == 0:
         ended = "exit signal" if result.stopped_by_signal else "exit interval" if result.stopped_early else "finished"
-        write_training_end(log_dir(cfg), TrainingRecord(ended, result.iteration))
+        write_training_end(log_dir(cfg), TrainingRecord(ended, result.iteration, result.goodput.seconds))
         if not (result.stopped_by_signal and "TORCHELASTIC_RUN_ID" in os.environ):
             print(_summary(cfg, result), flush=True)
     return 0
 
 
-if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
+def entry_point() -> None:
+    """``python -m recipes.pretrain``: :func:`main`, then out without the interpreter's teardown (:func:`_exit_now`);
+    also the entry point of the test workers that patch the trainer first."""
     _exit_now(main())
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
+    entry_point()

@@ -51,7 +51,7 @@ def _serve(path: str) -> None:
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
     while True:
         connections = {conn.fileno(): (pid, conn) for pid, conn in children.items()}
-        ready, _, _ = select.select([listener, *[c for _, c in connections.values()]], [], [], 0.2)
+        ready, _, _ = select.select([listener, *[c for _, c in connections.values()]], [], [], 0.02)
         for sock in ready:
             if sock is listener:
                 conn, _ = listener.accept()

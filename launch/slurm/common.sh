@@ -34,7 +34,11 @@
 #                     follows the world, docs/slurm.md "Elastic"); submit with `sbatch --no-kill` so that SLURM
 #                     keeps the allocation when a node fails. Unset (default): a lost node ends the job step and
 #                     the job is requeued
-#   MAX_RESTARTS      with ELASTIC_MIN_NODES: worker restarts torchrun's agents may make (default 3)
+#   SPARE_NODES       multi-node: this many of the job's nodes wait as hot spares (torchrun's redundancy list); a lost
+#                     node is replaced by one at the next rendezvous, the world, DP and global batch unchanged, so
+#                     the run goes on exactly (docs/slurm.md "Hot spares"). With ELASTIC_MIN_NODES the job shrinks
+#                     once no spare is left. Submit with `sbatch --no-kill`; default 0
+#   MAX_RESTARTS      with ELASTIC_MIN_NODES or SPARE_NODES: worker restarts torchrun's agents may make (default 3)
 #   RDZV_CONF         extra c10d rendezvous options, comma separated (e.g. last_call_timeout=5,keep_alive_interval=2)
 #   PYTHON            interpreter; default python in a container, else .venv/bin/python if
 #                     present, else python3
@@ -178,14 +182,25 @@ slurm_pretrain() {
 
     local python=${PYTHON:-}
     local -a srun_args=(--nodes="$nnodes" --ntasks-per-node=1 --output="$log")
-    local elastic=""
+    local elastic="" spares=${SPARE_NODES:-0}
+    if ((nnodes == 1)); then
+        spares=0
+    elif ((spares >= nnodes)) || [[ ! $spares =~ ^[0-9]+$ ]]; then
+        _log "error: SPARE_NODES=$spares leaves no node to train on (the job has $nnodes)"
+        return 2
+    fi
+    export SPARE_NODES=$spares
+    ((spares > 0)) && elastic=", $spares of them hot spares"
     if [[ -n ${ELASTIC_MIN_NODES:-} ]] && ((nnodes > 1)); then
-        # a lost node's task must not end the others': torchrun's agents go on without it
-        elastic=", elastic down to $ELASTIC_MIN_NODES node(s)"
-        srun_args+=(--kill-on-bad-exit=0 --no-kill)
+        elastic+=", elastic down to $ELASTIC_MIN_NODES node(s)"
         export ELASTIC_MIN_NODES
     else
         unset ELASTIC_MIN_NODES
+    fi
+    if [[ -n $elastic ]]; then
+        # a lost node's task must not end the others': torchrun's agents go on without it
+        srun_args+=(--kill-on-bad-exit=0 --no-kill)
+    else
         srun_args+=(--kill-on-bad-exit=1)
     fi
     # srun no longer inherits the batch job's --cpus-per-task (Slurm >= 22.05).

@@ -7,6 +7,7 @@
 #   RDZV_ENDPOINT    host:port of the c10d rendezvous on the job's first node (multi-node only)
 #   RDZV_CONF        extra c10d rendezvous options, comma separated (multi-node only)
 #   ELASTIC_MIN_NODES go on without lost nodes down to this many (multi-node only); MAX_RESTARTS (default 3)
+#   SPARE_NODES      this many of the step's nodes wait as hot spares (multi-node only)
 #   PYTHON           interpreter with torch and this project's requirements (default python3)
 set -euo pipefail
 
@@ -26,11 +27,17 @@ else
     # (or, on a test cluster of several slurmd on one machine, matches on every "node").
     is_host=0
     [[ ${SLURM_NODEID:-0} == 0 ]] && is_host=1
-    nodes=$nnodes
+    # Hot spares: the rendezvous admits at most the training nodes; the agents of the others wait in torchrun's
+    # redundancy list, and one of them takes a lost node's place at the next round (same world, same DP)
+    spares=${SPARE_NODES:-0}
+    training=$((nnodes - spares))
+    nodes="$training:$training"
     if [[ -n ${ELASTIC_MIN_NODES:-} ]]; then
         # torchrun's agent restarts the workers without a lost node (or with a joining one); recipes.launch checks
         # the recipe for every node count first
-        nodes="$ELASTIC_MIN_NODES:$nnodes"
+        nodes="$ELASTIC_MIN_NODES:$training"
+    fi
+    if [[ -n ${ELASTIC_MIN_NODES:-} ]] || ((spares > 0)); then
         restarts=${MAX_RESTARTS:-3}
     fi
     rdzv=(--nnodes "$nodes" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"

@@ -27,6 +27,7 @@ import torch
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import peak_bf16_tflops
+from megatron_ext.metrics.goodput_ledger import Ledger
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.metrics.units import format_duration
 from megatron_ext.resilience.spikes import Spike
@@ -283,6 +284,13 @@ class RunLogger:
         """How long a checkpoint save held training up (the whole write, or its start when asynchronous)."""
         if self.enabled:
             self._write({"checkpoint/stall_s": seconds}, iteration)
+
+    def goodput(self, iteration: int, ledger: Ledger) -> None:
+        """The goodput ledger's shares (`goodput/productive` is the goodput) and its wall-clock, at a checkpoint save
+        and the end."""
+        if self.enabled:
+            self._write({**{f"goodput/{bucket}": share for bucket, share in ledger.fractions().items()},
+                         "goodput/wall_clock_h": ledger.total / 3600}, iteration)
 
     def _write(self, scalars: dict[str, float], iteration: int) -> None:
         if self.writer is not None:

@@ -3,8 +3,8 @@ run) read instead of console text, which several nodes interleave into one log.
 
 Two kinds of writer, each its own JSON file, written whole (temporary file, then rename):
 
-- rank 0, when training ends: ``training.json`` — how it ended (``finished``, ``exit signal``, ``exit interval``) and
-  at which iteration;
+- rank 0, when training ends: ``training.json`` — how it ended (``finished``, ``exit signal``, ``exit interval``), at
+  which iteration, and where the run's wall-clock went since its first start (the goodput ledger's seconds);
 - each node's launcher (``recipes.launch``), when its ranks have ended: ``node-<name>.json`` — its exit code and, when
   one of its ranks failed by itself, that rank (a node whose ranks only stopped because a peer failed says
   ``followed``).
@@ -37,6 +37,8 @@ NodeOutcome = Literal["finished", "failed", "followed", "signalled"]
 class TrainingRecord:
     ended: TrainingEnd
     iteration: int
+    # where the run's wall-clock went since its first start, in seconds per bucket (metrics.goodput_ledger)
+    goodput_seconds: Optional[dict[str, float]] = None
     version: int = VERSION
 
 

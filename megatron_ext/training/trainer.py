@@ -43,6 +43,7 @@ from megatron_ext.distributed.parallel import (
     wrap_with_ddp,
 )
 from megatron_ext.errors import DivergenceError
+from megatron_ext.metrics.goodput_ledger import GoodputLedger, Ledger
 from megatron_ext.metrics.moe_metrics import RouterMetrics
 from megatron_ext.metrics.mtp_metrics import MTPMetrics
 from megatron_ext.metrics.profiler import StepProfiler
@@ -91,6 +92,7 @@ class RunResult:
     test_loss: Optional[float] = None  # on the test split after the last iteration (where there is one)
     step_times: list[float] = field(default_factory=list)
     startup: str = ""  # the time to the first step and its parts
+    goodput: Optional[Ledger] = None  # where the run's wall-clock went since its first start (rank 0's)
     plan_check: list[str] = field(default_factory=list)  # the measured step breakdown beside the planner's (rank 0)
     checkpoint: Optional[Path] = None
     stopped_early: bool = False  # by a signal or train.exit_interval, before train_iters
@@ -170,6 +172,7 @@ class Trainer:
         if not cfg.data.mock:
             self.data.say_how_it_was_tokenized()
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
+        self.goodput = GoodputLedger(cfg.checkpoint.save, self.startup.start, writer=self.rank == 0)
         self._build_monitors()
 
     def _load_state(self, load: Callable[[], Optional[Resumed]]) -> Optional[Resumed]:
@@ -317,6 +320,7 @@ class Trainer:
             if result.test_loss is not None:
                 self.run_logger.evaluation("test", self.iteration, result.test_loss)
         self.watchdog.step_done(self.iteration)
+        self.goodput.spent("evaluation")
 
     def _checkpoint(self, stopping: bool, clock_due: bool = False) -> Optional[Path]:
         """The step's checkpoint work: background saves that finished are completed; a checkpoint is written
@@ -326,6 +330,9 @@ class Trainer:
         self.where = f"checkpoint save at iteration {self.iteration}"
         with self.watchdog.suspended():
             path, stall = self.checkpointer.save(self.iteration, self.consumed_samples)
+        self.goodput.spent("checkpoint")
+        self.goodput.write()  # as current as the checkpoint a restart resumes
+        self.run_logger.goodput(self.iteration, self.goodput.ledger)
         self._info(f"{'started saving' if self.checkpointer.asynchronous else 'saved'} checkpoint {path}; "
                    f"training stalled {stall:.1f} s")
         self.run_logger.checkpoint_stall(self.iteration, stall)
@@ -374,8 +381,11 @@ class Trainer:
         """Back to checkpoint.save's newest checkpoint; the data goes on after the spike's global batch, a skip
         recorded for restarts (:mod:`megatron_ext.checkpoint.data_skips`)."""
         self.where = f"rewind after the loss spike at iteration {spike.iteration}"
+        self.goodput.step_done(self.iteration)
         with self.watchdog.suspended():
             resumed = self._load_state(self.checkpointer.rewind)
+        self.goodput.spent("startup")  # the reload is recovery
+        self.goodput.write()
         if resumed is None:
             raise DivergenceError(
                 f"{spike.describe()}; train.spike_policy=rewind found no checkpoint in checkpoint.save="
@@ -399,6 +409,7 @@ class Trainer:
         bar = tqdm(total=t.train_iters, initial=self.iteration, desc="train", unit="step",
                    disable=self.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
         self.watchdog.start(self.iteration)
+        self.goodput.spent("startup")
         while self.iteration < t.train_iters:
             self.where = f"iteration {self.iteration + 1}"
             start = time.perf_counter()
@@ -441,6 +452,7 @@ class Trainer:
             bar.update(1)
             self.watchdog.step_done(self.iteration)
             self.progress.step_done(self.iteration)
+            self.goodput.step_done(self.iteration)
             self._evaluate_if_due(result)
             raise_if_launcher_gone()  # an orphan must not save
             result.checkpoint = self._checkpoint(stopping=stop, clock_due=clock_due) or result.checkpoint
@@ -455,12 +467,17 @@ class Trainer:
         if t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self._checkpoint(stopping=False)
         self.checkpointer.close()  # the last checkpoint is complete before the run reports it
+        self.goodput.spent("checkpoint")
         in_flight = stop_data_parallel_communication(self.model)
         if in_flight:
             self._info(f"Megatron-FSDP: waited for the {in_flight} parameter all-gathers still in flight after the last "
                        "step before the process groups close")
         result.iteration = self.iteration
         result.plan_check = self.metrics.plan_check()
+        self.goodput.spent("other")
+        self.goodput.write()
+        result.goodput = self.goodput.ledger
+        self.run_logger.goodput(self.iteration, self.goodput.ledger)
         self.run_logger.close()
         return result
 

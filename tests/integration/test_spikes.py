@@ -1,17 +1,22 @@
-"""Loss spikes on CPU/gloo, PP2: a run that rewinds past a corrupted batch ends bit-identical to a run whose data
-skipped the same batches from the start, and a restart from the checkpoint before the spike skips them again."""
+"""Loss spikes and the goodput ledger on CPU/gloo, PP2: a run that rewinds past a corrupted batch, is killed before
+its next checkpoint and started again ends bit-identical to a run whose data skipped the same batches from the start
+(the restart skips them again), and its goodput ledger puts every second of the two attempts in a bucket."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
+import time
 
-from megatron_ext.checkpoint.layout import DATA_SKIPS, iteration_dir, write_tracker
+import pytest
+
+from megatron_ext.checkpoint.layout import DATA_SKIPS, GOODPUT
+from megatron_ext.metrics.goodput_ledger import Ledger
+from megatron_ext.resilience.run_record import read_training_end
 from tests.conftest import parity_overrides
 from tests.launch import read_scalars, run_pretrain
 
-STEPS, SAVE_EVERY, SPIKE = 8, 4, 6  # checkpoints at 4 and 8; the batch of iteration 6 is corrupted
+STEPS, SAVE_EVERY, SPIKE, KILLED = 8, 4, 6, 8  # checkpoints at 4 and 8; iteration 6's batch is corrupted
 GLOBAL_BATCH = 8  # SMALL_MODEL's
 TWO_STAGES = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
               "parallel.sequence_parallel=false"]
@@ -20,47 +25,65 @@ REWIND = ["train.spike_policy=rewind", "train.spike_window=5", f"checkpoint.save
 # the corrupted batch starts at this sample; the rewind goes back to iteration 4 and skips the batches of 5 and 6
 SPIKED = {"SPIKE_AT_SAMPLE": str((SPIKE - 1) * GLOBAL_BATCH), "SPIKE_FACTOR": "30"}
 SKIPPED = {"iteration": SAVE_EVERY, "from_sample": SAVE_EVERY * GLOBAL_BATCH, "to_sample": SPIKE * GLOBAL_BATCH}
+DOWN_S = 2.0  # between the killed attempt and the next, as a requeue would wait
 
 
-def _run(initial_weights, root, ckpt: str, tb: str, module: str = "tests.workers.spiked_worker"):
-    """A run saving into root/ckpt, logging to root/tb; its console output and TensorBoard directory."""
+def _run(initial_weights, root, ckpt: str, tb: str, env: dict[str, str], check: bool = True) -> str:
+    """A run saving into root/ckpt, logging to root/tb; its console output."""
     proc = run_pretrain(2, [*parity_overrides(initial_weights, root / tb, STEPS), *TWO_STAGES, *REWIND,
-                            f"checkpoint.save={root / ckpt}"], module=module, env=SPIKED)
-    return proc.stdout, root / tb
+                            f"checkpoint.save={root / ckpt}", f"logging.log_dir={root / f'logs_{ckpt}'}"],
+                        module="tests.workers.spiked_worker", env={**SPIKED, **env}, check=check)
+    return proc.stdout
 
 
 def _numbers(tb) -> dict[str, dict[int, float]]:
     return {tag: read_scalars(tb, tag) for tag in ("train/lm_loss", "train/grad_norm", "val/lm_loss")}
 
 
-def test_a_rewind_past_a_spike_ends_as_a_run_that_skipped_its_batches_and_a_restart_skips_them_again(
+def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batches_and_every_second_is_accounted(
         initial_weights, tmp_path):
-    said, rewound_tb = _run(initial_weights, tmp_path, "rewound", "tb_rewound")
+    started = time.time()
+    said = _run(initial_weights, tmp_path, "rewound", "tb_rewound", check=False,
+                env={"KILL_AT_ITERATION": str(KILLED), "KILLED_MARKER": str(tmp_path / "killed")})
     rewind = [line for line in said.splitlines() if "] loss spike at iteration" in line]
     assert len(rewind) == 1 and f"loss spike at iteration {SPIKE}: " in rewind[0], said[-4000:]
     assert f"samples {(SPIKE - 1) * GLOBAL_BATCH}..{SPIKE * GLOBAL_BATCH - 1} " in rewind[0]
     assert re.search(rf"rewound to iteration {SAVE_EVERY} \(\S+iter_{SAVE_EVERY:07d}\) \(1 of train.max_rewinds=3\)$",
                      rewind[0]), rewind[0]
-    assert (f"data: after iteration {SAVE_EVERY} the training data goes on at sample {SPIKE * GLOBAL_BATCH}, "
-            f"skipping samples {SAVE_EVERY * GLOBAL_BATCH}..{SPIKE * GLOBAL_BATCH - 1}") in said
+    skip_said = (f"data: after iteration {SAVE_EVERY} the training data goes on at sample {SPIKE * GLOBAL_BATCH}, "
+                 f"skipping samples {SAVE_EVERY * GLOBAL_BATCH}..{SPIKE * GLOBAL_BATCH - 1}")
+    assert skip_said in said and f"step {KILLED - 1:>6}/" in said and f"step {KILLED:>6}/" not in said
     recorded = json.loads((tmp_path / "rewound" / DATA_SKIPS).read_text())
     assert [{k: v for k, v in entry.items() if k != "reason"} for entry in recorded] == [SKIPPED]
-    assert read_scalars(rewound_tb, "train/rewinds") == {SPIKE: 1.0}
+    assert read_scalars(tmp_path / "tb_rewound", "train/rewinds") == {SPIKE: 1.0}
+
+    # killed before its checkpoint at 8: the next start resumes at 4 and skips the spike's batches again
+    time.sleep(DOWN_S)
+    said_again = _run(initial_weights, tmp_path, "rewound", "tb_rewound", env={})
+    ended = time.time()
+    assert f"resumed from {tmp_path / 'rewound'} at iteration {SAVE_EVERY}" in said_again and skip_said in said_again
+    assert "] loss spike" not in said_again
 
     # the same run whose data skips those batches from the start (its corrupted batch is never reached)
     (tmp_path / "skipped").mkdir()
     (tmp_path / "skipped" / DATA_SKIPS).write_text(json.dumps([SKIPPED]))
-    said_skipped, skipped_tb = _run(initial_weights, tmp_path, "skipped", "tb_skipped")
-    assert "loss spike" not in said_skipped
-    rewound, skipped = _numbers(rewound_tb), _numbers(skipped_tb)
+    assert "loss spike" not in _run(initial_weights, tmp_path, "skipped", "tb_skipped", env={})
+    rewound, skipped = _numbers(tmp_path / "tb_rewound"), _numbers(tmp_path / "tb_skipped")
     assert sorted(skipped["train/lm_loss"]) == list(range(1, STEPS + 1)) and skipped["val/lm_loss"]
-    assert rewound == skipped  # every step's loss and gradient norm, and the final validation loss, bit for bit
+    assert rewound == skipped  # every step's last loss and gradient norm, and the final validation loss, bit for bit
 
-    # the rewound run dies before its next checkpoint: the restart from iteration 4 skips the batches again
-    shutil.rmtree(iteration_dir(tmp_path / "rewound", STEPS))
-    write_tracker(tmp_path / "rewound", SAVE_EVERY)
-    said_restart, restart_tb = _run(initial_weights, tmp_path, "rewound", "tb_restart", module="recipes.pretrain")
-    assert f"data: after iteration {SAVE_EVERY} the training data goes on at sample {SPIKE * GLOBAL_BATCH}" in said_restart
-    restarted = _numbers(restart_tb)
-    assert {tag: {i: v for i, v in values.items() if i > SAVE_EVERY} for tag, values in restarted.items()} == {
-        tag: {i: v for i, v in values.items() if i > SAVE_EVERY} for tag, values in skipped.items()}
+    ledger = Ledger(**json.loads((tmp_path / "rewound" / GOODPUT).read_text()))
+    seconds = ledger.seconds
+    print(f"{ledger.summary()}; test's wall-clock {ended - started:.2f} s; seconds {seconds}")
+    assert ledger.starts == 2 and ledger.furthest_iteration == STEPS
+    assert abs(ledger.total - (ended - started)) <= 0.02 * (ended - started), (ledger, ended - started)
+    assert DOWN_S <= seconds["down"] <= DOWN_S + 3, seconds  # the wait, the kill's last second and the relaunch
+    assert all(seconds[b] > 0 for b in ("startup", "checkpoint", "evaluation")), seconds
+    # 5 steps recomputed (5 and 6 after the rewind; 5, 6, 7 after the restart) against 8 that advanced the run
+    assert 0.3 < seconds["recomputed"] / seconds["productive"] < 1.2, seconds
+    summary = re.search(r"goodput (\d+\.\d) % of \d+ s since the first start \(2 starts\): recomputed steps \d",
+                        said_again)
+    assert summary and float(summary.group(1)) == round(100 * seconds["productive"] / ledger.total, 1), said_again
+    assert read_scalars(tmp_path / "tb_rewound", "goodput/productive")[STEPS] == pytest.approx(
+        seconds["productive"] / ledger.total, rel=1e-6)  # TensorBoard keeps float32
+    assert read_training_end(tmp_path / "logs_rewound").goodput_seconds == seconds

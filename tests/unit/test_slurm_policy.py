@@ -53,7 +53,7 @@ def job(tmp_path: Path):
            "RUN_DIR": str(tmp_path / "run"), "PYTHON": sys.executable, "RDZV_HOST": "node1", "CALLS": str(calls),
            "SCONTROL_STATE": str(tmp_path / "excluded")}
     for knob in ("MAX_REQUEUES", "REQUEUE_ON_FAILURE", "REQUEUE_ON_HANG", "REQUEUE_ON_SIGNAL", "EXCLUDE_FAILED_NODES",
-                 "CONTAINER_IMAGE", "ELASTIC_MIN_NODES"):
+                 "CONTAINER_IMAGE", "ELASTIC_MIN_NODES", "SPARE_NODES"):
         env.pop(knob, None)
 
     def attempt(exit_code: int, failed_node: str = "", training: dict | None = None,
@@ -115,3 +115,34 @@ def test_the_knobs_turn_requeues_off(job):
 
 def test_a_finished_run_is_not_requeued(job):
     assert job(0, training={"ended": "finished", "iteration": 100})[::2] == (0, [])
+
+
+@pytest.mark.parametrize("knobs, nodes, restarts", [
+    ({}, "3:3", "0"),  # a lost node ends the step; the job is requeued
+    ({"SPARE_NODES": "1"}, "2:2", "3"),  # the third node's agent waits to replace a lost one
+    ({"SPARE_NODES": "1", "ELASTIC_MIN_NODES": "1"}, "1:2", "3"),  # then shrinks once no spare is left
+    ({"ELASTIC_MIN_NODES": "2"}, "2:3", "3"),
+])
+def test_each_nodes_torchrun_admits_the_training_nodes_and_the_spares_wait(tmp_path, knobs, nodes, restarts):
+    """launch/slurm/torchrun_node.sh on node 2 of a 3-node step: the rendezvous admits the nodes that train (the
+    spares' agents wait in torchrun's redundancy list), and restarts are allowed where a node may be replaced."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\necho "$@"\n')
+    python.chmod(0o755)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("SPARE_NODES", "ELASTIC_MIN_NODES", "MAX_RESTARTS")}
+    env.update(PYTHON=str(python), NPROC_PER_NODE="2", SLURM_STEP_NUM_NODES="3", SLURM_NODEID="1",
+               RDZV_ENDPOINT="node1:29500", **knobs)
+    done = subprocess.run(["bash", "launch/slurm/torchrun_node.sh", "--config", "configs/tiny.yaml"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    args = done.stdout.split()
+    assert done.returncode == 0 and args[:2] == ["-m", "recipes.launch"], done.stdout + done.stderr
+    assert (args[args.index("--nnodes") + 1], args[args.index("--max-restarts") + 1]) == (nodes, restarts)
+
+
+def test_spares_that_leave_no_node_to_train_on_are_refused(job):
+    code, said, calls = job(0, SPARE_NODES="2")
+    assert code == EXIT_USER_ERROR and "SPARE_NODES=2 leaves no node to train on (the job has 2)" in said
+    assert calls == []
+    code, said, _ = job(0, SPARE_NODES="1")
+    assert code == 0 and "2 node(s) x 2 process(es), 1 of them hot spares" in said, said

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -73,6 +72,6 @@ def install() -> None:
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns processes
     install()
-    from recipes.pretrain import main
+    from recipes.pretrain import entry_point
 
-    sys.exit(main())
+    entry_point()

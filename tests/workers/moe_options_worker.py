@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.training import trainer
-from recipes.pretrain import main
+from recipes.pretrain import entry_point
 
 
 def _recording(train_step):
@@ -44,4 +43,4 @@ def _recording(train_step):
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
     trainer.Trainer.train_step = _recording(trainer.Trainer.train_step)
-    sys.exit(main())
+    entry_point()

@@ -7,10 +7,9 @@ as ``iteration value``."""
 from __future__ import annotations
 
 import os
-import sys
 
 from megatron_ext.training import trainer
-from recipes.pretrain import main
+from recipes.pretrain import entry_point
 from tests.workers.step_patch import forward_step_per_step
 
 
@@ -39,4 +38,4 @@ def _choose(overflows: set[int]):
 
 if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
     forward_step_per_step(_choose({int(i) for i in os.environ.get("OVERFLOW_AT", "").split(",") if i}))
-    sys.exit(main())
+    entry_point()

@@ -5,11 +5,10 @@ SLOW_DATA_MS every rank waits that long for each micro batch, as a slow data loa
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 from megatron_ext.training import micro_batch, run_data
-from recipes.pretrain import main
+from recipes.pretrain import entry_point
 
 
 def _slowed(forward_step):
@@ -34,4 +33,4 @@ if __name__ == "__main__":  # guard required: dist_checkpointing's async save sp
         micro_batch.forward_step = _slowed(micro_batch.forward_step)
     if os.environ.get("SLOW_DATA_MS"):
         run_data.microbatch_iterator = _slow_loader(run_data.microbatch_iterator)
-    sys.exit(main())
+    entry_point()

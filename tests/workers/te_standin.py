@@ -320,6 +320,6 @@ if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns p
                           for spec in ("te", "local") for moe in (False, True)}))
         sys.exit(0)
     install()
-    from recipes.pretrain import main
+    from recipes.pretrain import entry_point
 
-    sys.exit(main())
+    entry_point()
