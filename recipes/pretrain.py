@@ -162,13 +162,16 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
 
 def run_timeouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, say: bool) -> Timeouts:
     """The run's timeouts from its plan on this machine's GPU (an H100's where the planner has no entry: slower GPUs
-    are rarer than newer ones). With `say`, logs them where the plan lengthened them, and what a timeout the config
-    sets risks."""
-    from megatron_ext.planner import planner_gpu
+    are rarer than newer ones). With `say`, logs them where the plan lengthened them, what a timeout the config
+    sets risks, and a checkpoint.save_interval that costs expected goodput (metrics.advice)."""
+    from megatron_ext.metrics.advice import checkpoint_interval_advice
+    from megatron_ext.planner import model_vocab_size, planner_gpu
+    from megatron_ext.planner.goodput import recipe_checkpoint_interval
     from megatron_ext.planner.timeouts import planned_timeouts, timeout_warnings
 
     gpu = planner_gpu(cfg) or "h100-80gb"
-    timeouts = planned_timeouts(cfg, world_size, gpus_per_node, gpu)
+    vocab = model_vocab_size(cfg)
+    timeouts = planned_timeouts(cfg, world_size, gpus_per_node, gpu, vocab_size=vocab)
     if say:
         log = logging.getLogger("megatron_ext")
         lengthened = ((cfg.train.hang_timeout_s == AUTO and timeouts.hang_s != HANG_TIMEOUT_FLOOR_S)
@@ -178,6 +181,11 @@ def run_timeouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, say: bo
             log.info(f"timeouts on {world_size}× {gpu}: {timeouts.describe()}")
         for warning in timeout_warnings(timeouts, under_slurm="SLURM_JOB_ID" in os.environ):
             log.warning(warning)
+        if cfg.checkpoint.save:
+            interval = recipe_checkpoint_interval(cfg, world_size, timeouts.step_s, vocab)
+            advice = checkpoint_interval_advice(interval, cfg.train.train_iters)
+            if advice:
+                log.info(f"advice: {advice}")
     return timeouts
 
 

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.checkpoint import fsdp_dtensor, layout, save_load
+from megatron_ext.checkpoint import fsdp_dtensor, save_load
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.common_state import read_common
-from megatron_ext.checkpoint.resume import Resumed, StartPoint, resume_training
+from megatron_ext.checkpoint.resume import Resumed, StartPoint, newest_checkpoint, resume_training
 from megatron_ext.checkpoint.run_lock import RunLock
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.errors import CheckpointError
@@ -76,16 +76,12 @@ class CheckpointManager:
         first) — model, optimizer, LR schedule and RNG; None when there is none yet to go back to."""
         if self.saver:
             self.saver.finalize(blocking=True)
-        root = self.cfg.checkpoint.save
-        if not self.enabled or layout.latest_iteration(root) is None:
+        newest = newest_checkpoint(self.cfg.checkpoint.save) if self.enabled else None
+        if newest is None or newest.weights_only:
             return None
-        ckpt_dir = layout.iteration_dir(root, save_load.intact_iteration(root))
-        common = read_common(ckpt_dir)
-        if common.content == layout.WEIGHTS_ONLY:
-            return None
-        iteration, consumed = save_load.load_training_state(ckpt_dir, common, self.model, self.optimizer,
-                                                            self.scheduler, self.cfg.to_dict())
-        return Resumed(iteration, consumed, ckpt_dir)
+        iteration, consumed = save_load.load_training_state(newest.ckpt_dir, read_common(newest.ckpt_dir), self.model,
+                                                            self.optimizer, self.scheduler, self.cfg.to_dict())
+        return Resumed(iteration, consumed, newest.ckpt_dir)
 
     def due(self, iteration: int, stopping: bool, clock_due: bool = False) -> bool:
         """This run saves after `iteration` (see :func:`save_due`); `clock_due`: the ranks agreed that

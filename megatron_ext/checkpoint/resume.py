@@ -91,14 +91,22 @@ class StartPoint:
     weights_loaded: bool = False
 
 
+def newest_checkpoint(root: Optional[str | Path]) -> Optional[StartPoint]:
+    """Collective: the newest intact checkpoint in `root` (a corrupt newest one set aside, see
+    :func:`save_load.intact_iteration`); None when it holds none."""
+    if not root or layout.latest_iteration(root) is None:
+        return None
+    ckpt_dir = layout.iteration_dir(root, save_load.intact_iteration(root))
+    return StartPoint(ckpt_dir, read_common(ckpt_dir).content == layout.WEIGHTS_ONLY)
+
+
 def start_point(cfg: RecipeConfig) -> Optional[StartPoint]:
     """Collective: checkpoint.load's newest intact checkpoint, else checkpoint.pretrained_checkpoint's when there is
     nothing to resume, else None (the run starts from its seed). Each is verified once here (a corrupt newest one is
     set aside, see :func:`save_load.intact_iteration`)."""
-    load = resume_dir(cfg)
-    if load and layout.latest_iteration(load) is not None:
-        ckpt_dir = layout.iteration_dir(load, save_load.intact_iteration(load))
-        return StartPoint(ckpt_dir, read_common(ckpt_dir).content == layout.WEIGHTS_ONLY)
+    newest = newest_checkpoint(resume_dir(cfg))
+    if newest is not None:
+        return newest
     pretrained = cfg.checkpoint.pretrained_checkpoint
     if pretrained:
         return StartPoint(layout.iteration_dir(pretrained, save_load.intact_iteration(pretrained)), True)

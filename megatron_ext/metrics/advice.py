@@ -23,12 +23,16 @@ from megatron_ext.config.schema import (
     pipeline_stage_layers,
 )
 from megatron_ext.hardware import GPUS
+from megatron_ext.metrics.units import format_duration
 from megatron_ext.planner import GIB, estimate, model_vocab_size
+from megatron_ext.planner.goodput import CheckpointInterval, expected_goodput
 
 # The share of the step (of the GPU's memory, for "memory": unused at the peak) above which each rule speaks.
 THRESHOLDS = {"pipeline": 0.15, "grad_sync": 0.10, "data": 0.05, "memory": 0.30}
 IMBALANCE = 1.25  # slowest over fastest stage compute above which stages count as unbalanced
 WINDOW = 4
+# A configured checkpoint interval is advised against when it costs more expected goodput than this against the best
+INTERVAL_GOODPUT_POINTS = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,3 +192,19 @@ class Advisor:
                                                    stage_compute).items() if rule not in self.said}
         self.said.update(new)
         return list(new.values())
+
+
+def checkpoint_interval_advice(i: CheckpointInterval, train_iters: int) -> Optional[str]:
+    """One line at start-up when the run's checkpoint.save_interval (unset: a save at the end only) costs more than
+    INTERVAL_GOODPUT_POINTS of expected goodput against the planner's interval; None otherwise."""
+    steps = min(i.configured_steps or train_iters, train_iters)
+    step_s = i.interval_s / i.steps
+    configured = expected_goodput(steps * step_s, i.stall_s, i.mtbf_s, i.restart_s, i.background_write_s)
+    if i.goodput - configured <= INTERVAL_GOODPUT_POINTS:
+        return None
+    now = (f"checkpoint.save_interval={i.configured_steps}" if i.configured_steps
+           else "saving only at the end (checkpoint.save_interval unset)")
+    return (f"{now} gives an expected goodput of {100 * configured:.1f} %, against {100 * i.goodput:.1f} % with a "
+            f"save every {i.steps:,} steps ({format_duration(i.interval_s)}) for this job's planned "
+            f"{step_s:,.1f} s steps and MTBF of {format_duration(i.mtbf_s)}: set checkpoint.save_interval={i.steps} "
+            "(python -m recipes.plan shows how it is derived)")

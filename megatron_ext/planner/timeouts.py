@@ -97,9 +97,10 @@ def recipe_timeouts(cfg: RecipeConfig, step_s: float, write_gb_s: float = DEFAUL
 
 
 def planned_timeouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str,
-                     write_gb_s: float = DEFAULT_WRITE_GB_S) -> Timeouts:
-    """:func:`recipe_timeouts` at the planned step of `cfg`'s own layout on `world_size` GPUs of kind `gpu`."""
-    step = estimate(cfg, world_size, gpus_per_node, GPUS[gpu], model_vocab_size(cfg)).time["step"]
+                     write_gb_s: float = DEFAULT_WRITE_GB_S, vocab_size: Optional[int] = None) -> Timeouts:
+    """:func:`recipe_timeouts` at the planned step of `cfg`'s own layout on `world_size` GPUs of kind `gpu` (the
+    vocabulary :func:`model_vocab_size`'s unless given)."""
+    step = estimate(cfg, world_size, gpus_per_node, GPUS[gpu], vocab_size or model_vocab_size(cfg)).time["step"]
     return recipe_timeouts(cfg, step, write_gb_s)
 
 

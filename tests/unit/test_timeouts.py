@@ -143,3 +143,19 @@ def test_the_watchdog_widens_to_what_it_sees_up_to_its_ceiling(monkeypatch, tmp_
     assert step_after(1.0) == 14.0
     assert step_after(20.0) == 30.0  # the ceiling: below the collective timeout
     assert HangWatchdog(10.0, tmp_path, 0, 1, ceiling_s=5.0).ceiling_s == 10.0  # never below the configured value
+
+
+def test_rank_0_says_at_start_up_when_the_save_interval_costs_goodput(caplog):
+    """run_timeouts with `say` (rank 0, before training): the 70B recipe on 2,048 GPUs saving only at the end gets
+    the advice line with the planner's interval; saving at that interval gets none."""
+    from recipes.pretrain import run_timeouts
+
+    said = {}
+    for save_interval in ("null", "27"):
+        cfg = load_config(ROOT / "configs" / "llama3_70b_64gpu_bf16.yaml", [f"checkpoint.save_interval={save_interval}"])
+        caplog.clear()
+        with caplog.at_level("INFO", logger="megatron_ext"):
+            run_timeouts(cfg, 2048, 8, say=True)
+        said[save_interval] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("advice: ")]
+    assert len(said["null"]) == 1 and "set checkpoint.save_interval=27 " in said["null"][0], said
+    assert said["27"] == []
