@@ -90,7 +90,16 @@ def run_pretrain(nproc: int, overrides: list[str], timeout: int = 600, module: s
                  launcher: Launcher = "fork", launch_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run `module` (the recipe entry point, or a test wrapper of it) on `nproc` processes with `config` and
     `overrides`; with `check`, fails the test with the log if the run fails."""
-    cmd = pretrain_command(nproc, overrides, module, config, launcher, launch_options)
+    return _run(pretrain_command(nproc, overrides, module, config, launcher, launch_options), env, timeout, check)
+
+
+def run_module(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """``-m MODULE ARGS...`` on `nproc` processes started as :func:`launch_prefix` starts them; fails the test with
+    the output if it fails."""
+    return _run([sys.executable, *launch_prefix(nproc), *args], None, timeout, check=True)
+
+
+def _run(cmd: list[str], env: Optional[dict[str, str]], timeout: int, check: bool) -> subprocess.CompletedProcess:
     started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -42,6 +42,10 @@ def start_server(path: str, env: dict[str, str]) -> subprocess.Popen:
 def _serve(path: str) -> None:
     import importlib
 
+    from megatron_ext.resilience.process_guard import die_with_parent
+
+    die_with_parent(signal.SIGKILL)  # a test session killed outright takes its server along
+
     for module in PRELOAD:
         importlib.import_module(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -23,7 +23,7 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from recipes import convert
-from tests.launch import ROOT, launch_prefix, read_scalars
+from tests.launch import ROOT, launch_prefix, read_scalars, run_module
 from tests.workers.convert_logits_worker import checkpoint_logits
 
 TOLERANCE = 1e-4  # fp32; measured differences are 2e-6..2e-5 (summation order, SDPA vs eager attention)
@@ -103,16 +103,6 @@ def assert_same_model(original: Path, exported: Path, tokens: torch.Tensor) -> N
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, *launch_prefix(nproc), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-4000:]}")
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +298,7 @@ def trained(megatron, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trained")
     hf = make_hf_model(root / "hf", vocab=4100, kv_heads=2, tied=True, extra={}, save={}, seed=3)
     ckpt = megatron(convert.import_hf, hf, root / "imported", tensor_parallel=2)
-    proc = torchrun(2, ["-m", "recipes.pretrain", "--config", str(ckpt / "recipe.yaml"),
+    proc = run_module(2, ["-m", "recipes.pretrain", "--config", str(ckpt / "recipe.yaml"),
                         f"data.blend=[{DATA / 'stdlib_text_document'}]",
                         f"data.tokenizer_model={DATA / 'tokenizer.model'}", "data.split=90,5,5",
                         f"data.path_to_cache={root / 'cache'}", "model.seq_length=64", "train.train_iters=3",
@@ -336,7 +326,7 @@ def parallel_logits(imported, trained, tokens) -> dict[str, torch.Tensor]:
         jobs.append({"checkpoint": str(ckpt), "tp": tp, "pp": pp, "sp": sp,
                      "output": str(root / f"{name}_{tp}_{pp}.pt")})
     (root / "jobs.json").write_text(json.dumps({"tokens": str(root / "tokens.pt"), "jobs": jobs}))
-    torchrun(4, ["-m", "tests.workers.convert_logits_worker", str(root / "jobs.json")])
+    run_module(4, ["-m", "tests.workers.convert_logits_worker", str(root / "jobs.json")])
     return {f"{name}_tp{tp}_pp{pp}": torch.load(root / f"{name}_{tp}_{pp}.pt") for name, tp, pp, _ in layouts}
 
 

@@ -23,8 +23,8 @@ from tests.integration.test_convert import (
     max_diff,
     safetensors_state,
     scale_weights,
-    torchrun,
 )
+from tests.launch import run_module
 from tests.workers.convert_logits_worker import checkpoint_logits
 
 EXPERTS, TOPK, VOCAB = 4, 2, 1003
@@ -142,7 +142,7 @@ def test_ep2_ep2_tp2_and_mla_tp2_reproduce_transformers_logits(models, tokens, t
              "output": str(tmp_path / f"{family}_tp{tp}_ep{ep}.pt")} for family in FAMILIES
             for tp, ep, sp in layouts[family]]
     (tmp_path / "jobs.json").write_text(json.dumps({"tokens": str(tmp_path / "tokens.pt"), "jobs": jobs}))
-    torchrun(4, ["-m", "tests.workers.convert_logits_worker", str(tmp_path / "jobs.json")])
+    run_module(4, ["-m", "tests.workers.convert_logits_worker", str(tmp_path / "jobs.json")])
     for family in FAMILIES:
         theirs = hf_logits(models[family]["hf"], tokens)
         for tp, ep, _ in layouts[family]:
