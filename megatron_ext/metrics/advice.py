@@ -1,4 +1,5 @@
-"""Bottleneck advice: rules over the time breakdown (metrics.step_time, mean over ranks) and memory, each said once
+"""Bottleneck advice: rules over the time breakdown (metrics.step_time, mean over ranks; the gradient sync's least
+over ranks, the wait of the last rank to arrive) and memory, each said once
 per run with the setting to change and what the planner expects it to gain. Thresholds, from the usage targets
 (communication under 20 % of the step, the GPU busy over 80 %): pipeline waits above 15 % of the step, exposed
 gradient sync above 10 %, data waits above 5 %, and on a GPU more than 30 % of its memory unused at the peak. A rule
@@ -144,6 +145,14 @@ def _memory(cfg: RecipeConfig, world_size: int, used: float, machine: Optional[M
                     f"{_gain(now.time['step'], e.time['step'])}")
     return text + ("; ".join(said) if said else "use the rest with a longer sequence or fewer GPUs for the model "
                    "(python -m recipes.plan)")
+
+
+def exposed_grad_sync_share(ranks: list[dict[str, float]]) -> float:
+    """The gradient sync left exposed, as a share of the mean step over `ranks` (each rank's seconds per part and
+    "step"): the least over ranks. A rank done with its backward pass first waits in the sync for the slowest one —
+    straggling, which the straggler check reports and more overlap does not fix; the last to arrive waits only for the
+    communication."""
+    return min(rank["grad_sync"] for rank in ranks) / (sum(rank["step"] for rank in ranks) / len(ranks))
 
 
 def advise(cfg: RecipeConfig, world_size: int, shares: dict[str, float], machine: Optional[Machine],

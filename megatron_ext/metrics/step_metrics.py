@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed.parallel import gather_from_ranks
-from megatron_ext.metrics.advice import Advisor, Machine
+from megatron_ext.metrics.advice import Advisor, Machine, exposed_grad_sync_share
 from megatron_ext.metrics.plan_check import check_against_plan
 from megatron_ext.metrics.run_logger import RunLogger, breakdown_shares
 from megatron_ext.metrics.step_time import PARTS, StepTimers
@@ -94,7 +94,8 @@ class StepMetrics:
         self._add_to_run(stages, rows, steps)
         memory_used = (max(row["peak_bytes"] for row in rows) / torch.cuda.get_device_properties(0).total_memory
                        if self.on_gpu else None)
-        self.logger.advice(self.advisor.check(breakdown_shares(breakdown), memory_used,
+        shares = {**breakdown_shares(breakdown), "grad_sync": exposed_grad_sync_share(rows)}
+        self.logger.advice(self.advisor.check(shares, memory_used,
                                               {stage: parts["compute"] for stage, parts in stages.items()}))
 
     def _add_to_run(self, stages: dict[int, dict[str, float]], rows: list[dict[str, float]], steps: float) -> None:

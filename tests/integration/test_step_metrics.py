@@ -76,20 +76,22 @@ def test_a_balanced_pipelines_bubble_is_the_planners_p_minus_1_over_v_m(tmp_path
 
 
 def test_a_slow_loader_and_unhidden_gradient_sync_are_advised_and_a_healthy_run_is_not(tmp_path):
-    """DP2 with one micro batch per step, overlap off and a data loader that sleeps 20 ms per batch: the gradient
-    sync and data-wait rules speak, each once, with the planner's gain. The same layout with overlap on, 4 micro
-    batches and no sleep gives no advice."""
+    """DP2 with one micro batch of 32 tokens per step for a wider model (the sync outweighs the compute: 18-27 % of
+    the step on the least-waiting rank, where the small model's 128 tokens read 11-15 %), overlap off and a data
+    loader that sleeps 20 ms per batch: the gradient sync and data-wait rules speak, each once, with the planner's
+    gain. The small model with overlap on, 16 micro batches and no sleep gives no advice."""
     slow = run_pretrain(2, [*DP2, "parallel.overlap_grad_reduce=false", "train.global_batch_size=2",
-                            "train.micro_batch_size=1"], module="tests.workers.slowed_worker",
+                            "train.micro_batch_size=1", "model.seq_length=32", "model.hidden_size=256",
+                            "model.ffn_hidden_size=1024"], module="tests.workers.slowed_worker",
                         env={"SLOW_DATA_MS": "20"})
     advice = _advice(slow.stdout)
     assert len(advice) == 2, slow.stdout
     assert advice[0].startswith("exposed gradient sync takes") and "parallel.overlap_grad_reduce=true" in advice[0]
     assert "the planner expects" in advice[0]
     assert advice[1].startswith("waiting for data takes") and "data.num_workers=2" in advice[1]
-    # 16 micro batches per DP rank: the overlapped sync's exposed tail stays well under the 10 % rule (at 4 it read
-    # 6-13 % from step to step on the 2-core VM, at 8 2-11 % once the ranks no longer meet at every step boundary,
-    # at 16 1-6 %)
+    # 16 micro batches per DP rank: the overlapped sync's exposed tail on the least-waiting rank reads 1-5 % per
+    # interval on the 2-core VM (at 8 up to 10 %); the mean over ranks read 8-15 %, the ranks' skew included, and
+    # the rule once spoke in CI
     healthy = run_pretrain(2, [*DP2, "parallel.overlap_grad_reduce=true", "train.global_batch_size=64"])
     assert _advice(healthy.stdout) == [], healthy.stdout
     assert "  grad sync: " in healthy.stdout and "  pipeline: " not in healthy.stdout  # no pipeline at PP 1

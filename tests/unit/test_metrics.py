@@ -117,6 +117,17 @@ def test_each_bottleneck_rule_gives_its_advice_with_the_planners_gain_once_and_a
         assert noisy.check(shares) == [], shares  # one interval above 5 % data, the window's mean below
 
 
+def test_the_exposed_gradient_sync_is_the_least_waiting_ranks_not_the_wait_for_a_straggler():
+    """Rank 1 finished its backward pass 300 ms early and waited for rank 0 in the sync: the mean over ranks (16 %)
+    would advise more overlap; the communication itself (rank 0's 10 ms of a 1 s step) is 1 %."""
+    from megatron_ext.metrics.advice import exposed_grad_sync_share
+
+    ranks = [{"grad_sync": 0.01, "step": 1.0}, {"grad_sync": 0.31, "step": 1.0}]
+    assert exposed_grad_sync_share(ranks) == pytest.approx(0.01)
+    assert exposed_grad_sync_share([{"grad_sync": 0.2, "step": 1.0}, {"grad_sync": 0.25, "step": 1.5}]) == \
+        pytest.approx(0.16)  # the least sync over the mean step
+
+
 def test_unbalanced_stages_are_told_from_the_bubble_and_the_layers_to_move_are_named():
     from megatron_ext.config.schema import pipeline_stage_layers
     from megatron_ext.metrics.advice import stage_imbalance
