@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
 from megatron_ext.checkpoint.layout import RUN_LOCK
 from megatron_ext.errors import CheckpointError, CheckpointStorageError
 
@@ -54,13 +56,14 @@ def describe(holder: dict[str, Any]) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """A process `pid` runs on this host. A zombie does not: a SIGKILLed rank whose launcher died with it waits to be
+    reaped by init, and a relaunch that comes first must still take over its lock."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # someone else's live process
+    except psutil.AccessDenied:  # someone else's live process
         return True
-    return True
 
 
 def stale_reason(holder: dict[str, Any], age_s: float, me: dict[str, Any]) -> Optional[str]:

@@ -32,6 +32,17 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.fixture
+def zombie_pid():
+    """A child that has exited and is not reaped yet: a SIGKILLed rank whose launcher died with it, before init reaps
+    it."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    while run_lock.psutil.Process(proc.pid).status() != run_lock.psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    yield proc.pid
+    proc.wait()
+
+
 def test_a_lock_is_created_refused_while_held_and_removed_on_release(tmp_path):
     first = RunLock(tmp_path / "ckpt")
     first.acquire()
@@ -45,14 +56,17 @@ def test_a_lock_is_created_refused_while_held_and_removed_on_release(tmp_path):
 
 @pytest.mark.parametrize("holder, env, why", [
     ({"pid": "dead"}, {}, "no longer exists on"),
+    ({"pid": "zombie"}, {}, "no longer exists on"),
     ({"host": "other-node"}, {}, "last refreshed"),
     ({"host": "other-node", "slurm_job_id": "77"}, {"SLURM_JOB_ID": "77"}, "earlier start of this SLURM job 77"),
 ])
-def test_a_stale_lock_is_taken_over_with_one_warning(tmp_path, monkeypatch, caplog, holder, env, why):
+def test_a_stale_lock_is_taken_over_with_one_warning(tmp_path, monkeypatch, caplog, request, holder, env, why):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     if holder.get("pid") == "dead":
         holder["pid"] = _dead_pid()
+    if holder.get("pid") == "zombie":
+        holder["pid"] = request.getfixturevalue("zombie_pid")
     age = run_lock.STALE_AFTER_S + 10 if holder.get("host") == "other-node" and not env else 0.0
     _write(tmp_path, age, **holder)
     lock = RunLock(tmp_path)
