@@ -13,13 +13,15 @@ TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint.compat`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.managers
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -165,10 +167,27 @@ def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> No
 
     if filesystem_async._results_queue is not None:
         return
-    with signals_ignored():
+    with signals_ignored(), _entry_point_not_imported_by_spawned_children():
         _save_helper = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
         _save_helper.start(initializer)
         filesystem_async._results_queue = _save_helper.Queue()  # what _get_write_results_queue would create
+
+
+@contextlib.contextmanager
+def _entry_point_not_imported_by_spawned_children() -> Iterator[None]:
+    """A process spawned meanwhile does not import this process's ``__main__`` module again. multiprocessing's spawn
+    runs the parent's entry point (here recipes.pretrain: torch, megatron-core, the trainer) in every child to find
+    the functions it is given by name; the save helper is given none of its functions (its initializer is named by
+    its own module), so the import bought nothing and cost the helper's whole start: 3.9 s of a 4-rank start-up on
+    2 cores. The helper imports torch's checkpoint classes on the first save, when it first unpickles a result."""
+    main = sys.modules["__main__"]
+    hidden = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__") if name in main.__dict__}
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        del main.__spec__
+        main.__dict__.update(hidden)
 
 
 def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:

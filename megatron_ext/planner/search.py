@@ -9,7 +9,7 @@ import math
 from typing import Any, Iterator, Optional
 
 from megatron_ext.config.schema import RecipeConfig, ShardingStrategy
-from megatron_ext.config.validate import validate_layout
+from megatron_ext.config.validate import validate_layout_rules
 from megatron_ext.errors import ConfigError
 from megatron_ext.hardware import GPUS, GPUSpec
 from megatron_ext.planner.estimate import Estimate, estimate
@@ -64,7 +64,7 @@ def pipeline_splits(layers: int, pp: int) -> list[tuple[Optional[int], Optional[
 
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                       micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
-    """Every layout `validate_layout` accepts, with TP inside one node and the pipeline split evenly or near-evenly
+    """Every layout `validate_layout_rules` accepts, with TP inside one node and the pipeline split evenly or near-evenly
     (:func:`pipeline_splits`; virtual stages only with an even split); with the
     distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1); for an MoE model, every EP and
     expert TP too. Without optimizer offload, whatever `cfg` sets: like recompute, it is the search's to choose
@@ -87,7 +87,7 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                         layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding, replicas,
                                         ep=ep, etp=etp, first_stage_layers=first, last_stage_layers=last)
                         try:
-                            validate_layout(layout.apply(cfg), world_size, te_available=True, fp8_capable=True)
+                            validate_layout_rules(layout.apply(cfg), world_size, te_available=True, fp8_capable=True)
                         except ConfigError:
                             continue
                         yield layout
@@ -95,13 +95,13 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
 
 def _with_offload(cfg: RecipeConfig, world_size: int, layouts: list[Layout]) -> Iterator[Layout]:
     """The distributed-optimizer layouts among `layouts` again with OFFLOAD_FRACTIONS of the optimizer state in host
-    memory, where `validate_layout` accepts it (bf16, no Megatron-FSDP)."""
+    memory, where `validate_layout_rules` accepts it (bf16, no Megatron-FSDP)."""
     for layout in layouts:
         if layout.distopt and not layout.sharding:
             for fraction in OFFLOAD_FRACTIONS:
                 offloaded = dataclasses.replace(layout, offload=fraction)
                 try:
-                    validate_layout(offloaded.apply(cfg), world_size, te_available=True, fp8_capable=True)
+                    validate_layout_rules(offloaded.apply(cfg), world_size, te_available=True, fp8_capable=True)
                 except ConfigError:
                     continue
                 yield offloaded

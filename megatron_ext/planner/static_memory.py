@@ -130,16 +130,24 @@ def stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], 
         else:
             params = chunk_params(shape, len(stages), layers, pre, post)
         bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
-        buckets = _ddp_buckets(params, dp_cp, distopt, max(40_000_000, 1_000_000 * dp) if bucketed else None)
-        numel = buckets[-1][1] if buckets else 0
-        unpadded = sum(n for n, _ in params)
+        numel, unpadded, chunk_owned = _chunk_buffer(tuple(params), dp_cp, distopt,
+                                                     max(40_000_000, 1_000_000 * dp) if bucketed else None)
         grad_elems += numel
         param_elems += numel if distopt else unpadded
-        if distopt:
-            owned = [a + b for a, b in zip(owned, _owned_elements(buckets, dp_cp))]
-        else:
-            owned = [a + unpadded for a in owned]
+        owned = [a + b for a, b in zip(owned, chunk_owned)]
     return param_elems, grad_elems, tuple(owned)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_buffer(params: tuple[tuple[int, bool], ...], dp_cp: int, distopt: bool, bucket_size: Optional[int]
+                  ) -> tuple[int, int, tuple[int, ...]]:
+    """(padded elements, parameter elements, optimizer-owned elements per DP×CP rank) of one model chunk's grad
+    buffer. Cached by the parameters themselves: layouts that differ only where the buffer does not (sequence
+    parallelism, and for the expert buffers TP and CP) share it."""
+    buckets = _ddp_buckets(list(params), dp_cp, distopt, bucket_size)
+    unpadded = sum(n for n, _ in params)
+    owned = _owned_elements(buckets, dp_cp) if distopt else [unpadded] * dp_cp
+    return (buckets[-1][1] if buckets else 0), unpadded, tuple(owned)
 
 
 def expert_static(shape: RankShape, world_size: int, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int,
