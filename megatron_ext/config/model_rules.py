@@ -105,9 +105,6 @@ def validate_mla(cfg: RecipeConfig) -> None:
         require(size % tp == 0, f"model.{key}", getattr(m, key), f"the {key.split('_')[0]} "
                 f"down-projection's {size} outputs are split over parallel.tensor_model_parallel_size={tp}: make them "
                 "a multiple of it" + (" (with model.qk_pos_emb_head_dim)" if key == "kv_lora_rank" else ""))
-    require(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size,
-            "is not wired for multi-latent attention here yet (its keys and values differ in head size, which the "
-            "ring attention does not pass): set it 1")
     require(m.rope_scaling_factor is None, "model.rope_scaling_factor", m.rope_scaling_factor,
             "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN: "
             "set it null (and model.rope_type=yarn with model.rotary_scaling_factor)")
@@ -129,11 +126,10 @@ def validate_mtp(cfg: RecipeConfig) -> None:
             "multi-token prediction is verified here with an output layer of its own (DeepSeek-V3's): set it true")
     require(not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True, "computes the main loss only; "
             "multi-token prediction's losses need megatron-core's output layer: set it false")
-    for ok, key, value in [(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size),
-                           (p.virtual_pipeline_model_parallel_size is None,
+    for ok, key, value in [(p.virtual_pipeline_model_parallel_size is None,
                             "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size),
                            (not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
                            (not cfg.data.reset_attention_mask, "data.reset_attention_mask", True),
                            (not cfg.data.reset_position_ids, "data.reset_position_ids", True)]:
         require(ok, key, value, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
-                f"set it {'null' if key.endswith('virtual_pipeline_model_parallel_size') else 'false' if value is True else 1}")
+                f"set it {'null' if key.endswith('virtual_pipeline_model_parallel_size') else 'false'}")

@@ -152,6 +152,12 @@ class ModelShape:
     def value_head_dim(self) -> int:
         return self.v_head_dim if self.multi_latent_attention else self.kv_channels
 
+    @property
+    def key_value_channels(self) -> int:
+        """Each token's key and value channels over the query groups (multi-latent attention: every head's, from the
+        compressed KV): what context parallelism passes around its ring."""
+        return self.num_query_groups * (self.query_key_head_dim + self.value_head_dim)
+
     def attention_parameters(self) -> int:
         """One layer's attention projection weights (its norms left out). Multi-latent attention: the query's
         down- and up-projections, the KV down-projection (to the compressed KV and

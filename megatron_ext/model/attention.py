@@ -41,9 +41,8 @@ class CausalCoreAttention(MegatronModule):
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"{type(self).__name__} supports causal masks only, got {attn_mask_type}")
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        k_channels, v_channels = k_channels or config.kv_channels, v_channels or config.kv_channels
+        k_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(k_channels)
-        self.same_head_sizes = k_channels == v_channels
         # A Python bool, not a shape comparison: torch.compile with dynamic shapes would turn the
         # comparison into a SymBool, which SDPA rejects.
         self.grouped_query = config.num_query_groups not in (None, config.num_attention_heads)

@@ -104,8 +104,9 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
 
 def _local_layer_spec(config: TransformerConfig, norm: type, moe: bool) -> ModuleSpec:
     experts = config.num_moe_experts if moe else None
+    core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
     if config.multi_latent_attention:
-        return mla_local_layer_spec(experts, norm)
+        return mla_local_layer_spec(experts, norm, core_attention)
     layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
                                                    qk_layernorm=config.qk_layernorm))
     layer.submodules.input_layernorm = norm
@@ -116,7 +117,7 @@ def _local_layer_spec(config: TransformerConfig, norm: type, moe: bool) -> Modul
         # (pre_mlp_layernorm.weight): saved under TE's key, a checkpoint moves between the specs (Megatron-LM PR 6270)
         layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
     attention = layer.submodules.self_attention.submodules
-    attention.core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
+    attention.core_attention = core_attention
     if config.qk_layernorm:  # over each head's channels; megatron-core sums their gradients over TP itself
         attention.q_layernorm = attention.k_layernorm = norm
     return layer

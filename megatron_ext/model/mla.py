@@ -4,9 +4,9 @@ its local layer spec with this package's pieces.
 megatron-core's ``MLASelfAttention`` computes the attention (low-rank query and KV projections, each followed by an
 RMSNorm; every head's query and key a non-rotary and a rotary part, the key's rotary part shared by all heads). Its
 local spec needs three replacements here: a core attention that takes keys and values of different head sizes and
-MLA's own softmax scale (megatron-core's local ``DotProductAttention`` takes neither: :class:`SDPAttention` does),
-norms that support sequence parallelism (its torch-norm wrapper refuses SP), and :class:`TensorParallelMLA`, which
-fixes the shared rotary key's gradient under tensor parallelism.
+MLA's own softmax scale (megatron-core's local ``DotProductAttention`` takes neither: this package's SDPA and ring
+attention do), norms that support sequence parallelism (its torch-norm wrapper refuses SP), and
+:class:`TensorParallelMLA`, which fixes the shared rotary key's gradient under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config.schema import YARN_KEYS, RecipeConfig
-from megatron_ext.model.attention import SDPAttention
+from megatron_ext.model.attention import CausalCoreAttention
 
 
 def mla_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
@@ -65,15 +65,16 @@ class TensorParallelMLA(MLASelfAttention):
         return q_compressed, torch.cat([kv_compressed, copy_to_tensor_model_parallel_region(k_pos_emb)], dim=-1)
 
 
-def mla_local_layer_spec(num_experts: int | None, norm: type) -> ModuleSpec:
-    """megatron-core's local MLA layer (an MoE layer with `num_experts`) with `norm` for every norm and SDPA as its
-    core attention. (A full-rank query projection builds only as TransformerEngine's fused norm+linear there: not
-    offered.)"""
+def mla_local_layer_spec(num_experts: int | None, norm: type, core_attention: type[CausalCoreAttention]
+                         ) -> ModuleSpec:
+    """megatron-core's local MLA layer (an MoE layer with `num_experts`) with `norm` for every norm and
+    `core_attention` (SDPA, or the ring attention under context parallelism: both take MLA's value head size). (A
+    full-rank query projection builds only as TransformerEngine's fused norm+linear there: not offered.)"""
     layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm",
                                                    qk_layernorm=True, multi_latent_attention=True))
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     layer.submodules.self_attention.module = TensorParallelMLA
     attention = layer.submodules.self_attention.submodules
     attention.q_layernorm = attention.kv_layernorm = norm
-    attention.core_attention = SDPAttention
+    attention.core_attention = core_attention
     return layer

@@ -83,7 +83,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """Causal attention of this rank's zigzag chunks q [b, h, 2c, d] against the whole sequence, within the
     documents `documents` [b, 2c·CP] (the whole sequence's document ids) says.
 
-    k/v may have fewer (grouped) heads than q; they travel the ring un-expanded.
+    k/v may have fewer (grouped) heads than q, and v another head size than q and k (multi-latent attention's); they
+    travel the ring un-expanded, joined along the channels.
     """
     cp, rank = len(global_ranks), dist.get_rank(group)
     next_rank, prev_rank = global_ranks[(rank + 1) % cp], global_ranks[(rank - 1) % cp]
@@ -101,12 +102,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     q_early, q_late = q[:, :, :c], q[:, :, c:]
     early: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     late: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-    kv = torch.stack([k, v])
+    kv = torch.cat([k, v], dim=-1)
     for step in range(cp):
         if step > 0:
             kv = _RingShift.apply(kv, next_rank, prev_rank, group)
         source = (rank - step) % cp
-        k_blk, v_blk = (x.repeat_interleave(repeat, dim=1) if repeat > 1 else x for x in kv)
+        k_blk, v_blk = (x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+                        for x in kv.split([k.size(-1), v.size(-1)], dim=-1))
         k_early, k_late, v_early, v_late = k_blk[:, :, :c], k_blk[:, :, c:], v_blk[:, :, :c], v_blk[:, :, c:]
         mine, late_chunk, source_late = rank, 2 * cp - 1 - rank, 2 * cp - 1 - source
         if source == rank:
@@ -129,8 +131,6 @@ class RingAttention(CausalCoreAttention):
         super().__init__(config, *args, **kwargs)
         if self.dropout_p > 0:
             raise ValueError("RingAttention does not implement attention dropout")
-        if not self.same_head_sizes:  # the ring passes keys and values stacked in one tensor
-            raise ValueError("RingAttention needs keys and values of one head size (multi-latent attention's differ)")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                documents: Optional[torch.Tensor]) -> torch.Tensor:

@@ -3,6 +3,7 @@ padding), distributed optimizer and Megatron-FSDP allocate them; checkpoint size
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -115,18 +116,33 @@ def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp
     return owned
 
 
-@functools.lru_cache(maxsize=4096)
 def stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
                   overlap_grad_reduce: bool, experts: bool = False) -> tuple[int, int, tuple[int, ...]]:
     """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage; with
     `experts`, of its expert buffers instead, over expert-DP ranks (`dp` is then the expert-DP size)."""
-    dp_cp = dp if experts else dp * shape.cp
+    # a search asks again for layouts that differ only where the buffers do not: sequence parallelism and CP (passed
+    # as the DP×CP size), and for the expert buffers TP too
+    key = _BUFFER_SHAPES.get((shape, experts))
+    if key is None:
+        key = _BUFFER_SHAPES[shape, experts] = dataclasses.replace(shape, cp=1, sp=False,
+                                                                   **({"tp": 1} if experts else {}))
+    return _stage_static(key, stages, vpp, pp_rank, dp, dp if experts else dp * shape.cp, distopt, overlap_grad_reduce,
+                         experts)
+
+
+_BUFFER_SHAPES: dict[tuple[RankShape, bool], RankShape] = {}  # a shape → the one its buffers are cached under
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, dp_cp: int,
+                  distopt: bool, overlap_grad_reduce: bool, experts: bool) -> tuple[int, int, tuple[int, ...]]:
     param_elems = grad_elems = 0
     owned = [0] * dp_cp
+    expert_params = [(n, False) for n in shape.expert_params()] if experts else []
     for c, (layers, pre, post) in enumerate(stage_chunks(stages, vpp, pp_rank)):
         if experts:
             held = [*layers, *(mtp_layers(shape) if post else [])]
-            params = [(n, False) for layer in held if shape.model.is_moe_layer(layer) for n in shape.expert_params()]
+            params = [param for layer in held if shape.model.is_moe_layer(layer) for param in expert_params]
         else:
             params = chunk_params(shape, len(stages), layers, pre, post)
         bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there

@@ -99,12 +99,12 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
     cp_comm = 0.0
     if cp > 1:
         bw, lat = link(tp * cp)
-        kv = tokens * 2 * shape.groups * shape.head_dim // tp * d_bytes
+        kv = tokens * shape.model.key_value_channels // tp * d_bytes
         ring = 3 * (cp - 1) * (kv / (bw * 1e9) + lat)  # K/V forward, K/V + dK/dV backward
         attention = shape.model.attention_flops_per_token() * layout.mbs * shape.seq / (tp * cp) / peak
         # Each of the 2·CP block steps (forward, backward) launches its own kernels and rescales the
         # partial output with the new log-sum-exp: a memory-bound pass over the fp32 output.
-        rescale = tokens * shape.heads * shape.head_dim // tp * 4 * 3 / (gpu.hbm_tb_s * 1e12)
+        rescale = tokens * shape.heads * shape.model.value_head_dim // tp * 4 * 3 / (gpu.hbm_tb_s * 1e12)
         cp_comm = layers * (max(0.0, ring - attention) + 2 * cp * (CP_STEP_LAUNCH_S + rescale))
 
     moe_comm = 0.0

@@ -1,4 +1,5 @@
-"""Ring attention (context parallel, no TE) equals full causal attention: outputs and input/weight grads."""
+"""Ring attention (context parallel, no TE) equals full causal attention: outputs and input/weight grads, values of
+the keys' head size or (multi-latent attention) another."""
 
 from __future__ import annotations
 
@@ -26,6 +27,6 @@ def test_ring_attention_matches_full_attention(cp, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert len(results) == 9  # 3 sequence lengths × (MHA, GQA 2:1, GQA 4:1 / MQA)
+    assert len(results) == 12  # 3 sequence lengths × (MHA, GQA 2:1, GQA 4:1 / MQA, MLA's value head size)
     worst = {name: max(d.values()) for name, d in results.items()}
     assert all(v <= TOLERANCE for v in worst.values()), worst

@@ -6,8 +6,9 @@ stage.
 
 EP2 × PP2 trains it as one process does, step by step within the parity matrix's bounds, from the same initial weights
 (saved at EP1); stopped at STOP and resumed it repeats the uninterrupted run exactly; its checkpoint at STOP goes on
-under TP2 + SP × EP2 (the MLA projections and the experts split over TP) as the one process does, within the reshard
-bounds.
+under TP2 + SP × CP2 × EP2 (the MLA projections and the experts split over TP, the sequence over CP: MLA's keys and
+values of different head sizes through the ring attention, the MTP layer's token shift across the CP ranks) as the one
+process does, within the reshard bounds.
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ FULL_LAYOUT = ["TP1 × CP1 × DP2 × PP2", "expert layers: world=4 = ETP1 × EP2
                "width 128",
                "multi-token prediction: 1 layer (an MoE layer as the last decoder layer) on the last pipeline stage, "
                "predicting 2 tokens ahead; MTP losses × 0.1 into the gradients, logged as mtp/loss_k"]
-RESHARDED_LAYOUT = ["TP2 × CP1 × DP2 × PP1", "expert layers: world=4 = ETP2 × EP2 × expert-DP1 × PP1",
-                    "kernels: sequence parallel"]
+RESHARDED_LAYOUT = ["TP2 × CP2 × DP1 × PP1", "expert layers: world=4 = ETP2 × EP2 × expert-DP1 × PP1",
+                    "value 32) through ring attention over CP", "kernels: sequence parallel"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Initial weights (EP1); the 1-process run; EP2×PP2 uninterrupted, saving at STOP in the format that reshards;
-    that checkpoint alone resumed at EP2×PP2, and continued at TP2+SP × EP2."""
+    that checkpoint alone resumed at EP2×PP2, and continued at TP2+SP × CP2 × EP2."""
     root = tmp_path_factory.mktemp("deepseek")
     init = root / "init"
     run_pretrain(1, [*parity_overrides(None, root / "unused", 0), *SMALL, *SINGLE, f"checkpoint.save={init}",
@@ -64,7 +65,8 @@ def runs(tmp_path_factory) -> dict:
     run_pretrain(4, [*overrides("resumed"), f"checkpoint.load={ckpt}"], config=TINY_DEEPSEEK)
     resharded = run_pretrain(4, [*overrides("resharded"), f"checkpoint.load={ckpt}",
                                  "parallel.pipeline_model_parallel_size=1", "parallel.tensor_model_parallel_size=2",
-                                 "parallel.sequence_parallel=true"], config=TINY_DEEPSEEK)
+                                 "parallel.sequence_parallel=true", "parallel.context_parallel_size=2"],
+                             config=TINY_DEEPSEEK)
     return {"root": root, "full_log": full.stdout + full.stderr, "resharded_log": resharded.stdout + resharded.stderr}
 
 
@@ -83,9 +85,21 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
         assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}
 
 
-def test_its_checkpoint_continues_under_tp2_sp_ep2_as_one_process_does(runs):
+def test_its_checkpoint_continues_under_tp2_sp_cp2_ep2_as_one_process_does(runs):
+    """The first step after the reshard, from the same weights, is the one process's within the reshard bounds (the
+    forward under CP: MLA's rotary slices and the ring attention). Then megatron-core 0.19.2's MTP gradient weights
+    each CP rank's tokens by its own counts (original / rolled: 64/63 on the rank holding each sequence's end, 64/64
+    on the other, 128/127 on one process; Megatron-LM issue 7452): the MTP gradient differs by up to 0.8 %, × 0.1
+    its loss weight. Measured: grad norm 3.0e-4, MTP loss 4.3e-5, aux loss 2.4e-6, LM loss 8.7e-7; with the counts
+    summed over CP (tried in megatron-core's process_mtp_loss) 7.4e-6, 4.0e-5 (its logging averages the ranks'
+    means), 1.1e-7 and 6.1e-8."""
     log = runs["resharded_log"]
     assert not _missing(log, RESHARDED_LAYOUT), log[:5000]
-    steps = range(STOP + 1, STEPS + 1)
-    bounds = {**TOLERANCE, **RESHARD_TOLERANCE}
-    _assert_matches(runs["root"] / "resharded", runs["root"] / "single", bounds, steps, "deepseek tp2_sp_ep2 resharded")
+    resharded, single = runs["root"] / "resharded", runs["root"] / "single"
+    for tag, bound in {**TOLERANCE, **RESHARD_TOLERANCE}.items():
+        if tag != MTP:
+            ours, theirs = read_scalars(resharded, tag)[STOP + 1], read_scalars(single, tag)[STOP + 1]
+            assert abs(ours - theirs) <= bound * abs(theirs), (tag, ours, theirs)
+    mtp_weighting = {"train/lm_loss": 5e-6, "train/grad_norm": 1e-3, MTP: 2e-4, AUX: 1e-5}
+    _assert_matches(resharded, single, {**TOLERANCE, **RESHARD_TOLERANCE, **mtp_weighting}, range(STOP + 1, STEPS + 1),
+                    "deepseek tp2_sp_cp2_ep2 resharded")

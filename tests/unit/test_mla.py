@@ -84,6 +84,13 @@ def test_flops_count_the_latent_projections_and_both_head_sizes():
     assert ModelShape.of(cfg.model).flops_per_token(VOCAB) == layers * per_layer + 6 * VOCAB * h
 
 
+def test_context_parallelism_passes_every_heads_key_and_value_around_its_ring():
+    """Under CP the keys (non-rotary + rotary channels) and values of every head travel (the ring attention's and
+    TE's), not the compressed KV; a grouped-query model passes its groups' keys and values."""
+    assert ModelShape.of(load_config(TINY, MLA).model).key_value_channels == 8 * ((16 + 8) + 12)  # 8 heads
+    assert ModelShape.of(load_config(TINY).model).key_value_channels == 4 * 2 * 32  # 4 groups of 32 channels
+
+
 def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
     """With model.moe_layer_freq a dense layer counts the dense SwiGLU (ffn_hidden_size wide) and an MoE layer its
     router, top-k experts and shared expert; an integer N marks every N-th layer from the first."""
@@ -108,7 +115,6 @@ def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
     (["model.qk_layernorm=true"], "has its own norms (over the compressed query and KV), always on"),
     (["model.q_lora_rank=33"], "the q down-projection's 33 outputs are split over parallel.tensor_model_parallel_size=2"),
     (["model.kv_lora_rank=23"], "the kv down-projection's 31 outputs are split over"),
-    (["parallel.context_parallel_size=2"], "is not wired for multi-latent attention here yet"),
     (["model.rope_scaling_factor=8"], "does not apply to multi-latent attention, whose long-context scaling is YaRN"),
     (["model.multi_latent_attention=false", "model.rope_type=yarn"], "model.rope_type='yarn' is invalid: (YaRN) is "
                                                                      "multi-latent attention's"),

@@ -66,6 +66,8 @@ def test_every_candidate_is_accepted_by_the_recipe_and_keeps_tp_in_a_node():
     # validate_layout's rules hold for all of them, e.g. interleaving needs micro batches % PP == 0
     assert not any(L.vpp and (128 // (L.mbs * L.dp)) % L.pp for L in layouts)
     assert any(L.vpp for L in layouts) and any(L.cp > 1 for L in layouts)
+    # CP up to chunks of MIN_CP_CHUNK_TOKENS: 8,192 tokens in 2·8 chunks of 512, not CP 16's 256
+    assert max(L.cp for L in layouts) == 8 and planner.search.MIN_CP_CHUNK_TOKENS == 512
 
 
 def test_best_layout_gives_config_values_the_recipe_accepts():

@@ -27,18 +27,20 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def case(seq: int, heads: int, groups: int, rank: int, cp: int, group) -> dict[str, float]:
+def case(seq: int, heads: int, groups: int, rank: int, cp: int, group, value_dim: int = 8) -> dict[str, float]:
+    """`value_dim` other than the query/key head size (8): multi-latent attention's values."""
     torch.manual_seed(seq * 100 + heads * 10 + groups)
     batch, hidden, dim = 2, 16, 8
+    dims = {"q": dim, "k": dim, "v": value_dim}
     x_full = torch.randn(batch, seq, hidden, requires_grad=True)
-    weights = {name: torch.randn(hidden, n * dim, requires_grad=True) / hidden ** 0.5
+    weights = {name: torch.randn(hidden, n * dims[name], requires_grad=True) / hidden ** 0.5
                for name, n in (("q", heads), ("k", groups), ("v", groups))}
     weights = {k: w.detach().requires_grad_() for k, w in weights.items()}
-    probe = torch.randn(batch, heads, seq, dim)
+    probe = torch.randn(batch, heads, seq, value_dim)
     scale = dim ** -0.5
 
     def project(x, name, n):
-        return (x @ weights[name]).view(batch, -1, n, dim).transpose(1, 2)  # [b, n, s, d]
+        return (x @ weights[name]).view(batch, -1, n, dims[name]).transpose(1, 2)  # [b, n, s, d]
 
     ref = F.scaled_dot_product_attention(project(x_full, "q", heads), project(x_full, "k", groups),
                                          project(x_full, "v", groups), is_causal=True, scale=scale,
@@ -70,6 +72,7 @@ def main() -> None:
     for seq in (4 * cp, 8 * cp, 32 * cp):
         for heads, groups in ((4, 4), (4, 2), (4, 1)):
             results[f"cp{cp}_seq{seq}_heads{heads}_groups{groups}"] = case(seq, heads, groups, rank, cp, group)
+        results[f"cp{cp}_seq{seq}_heads4_values_of_5_channels"] = case(seq, 4, 4, rank, cp, group, value_dim=5)
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
