@@ -30,18 +30,23 @@ from megatron_ext.errors import CheckpointError
 class CheckpointManager:
     """Checkpoints of one run on this rank (every method is collective over the job's ranks)."""
 
+    @staticmethod
+    def start_save_helper(cfg: RecipeConfig, initializer: Optional[Callable[[], object]] = None) -> bool:
+        """Before the process groups exist, for a run that saves: start the save helper process, which runs
+        `initializer` first (:func:`save_load.start_save_helpers`); whether it was started."""
+        if cfg.checkpoint.save is None:
+            return False
+        save_load.start_save_helpers(initializer)
+        return True
+
     def __init__(self, cfg: RecipeConfig, model_chunks: list, optimizer: MegatronOptimizer,
-                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None,
-                 helper_initializer: Optional[Callable[[], object]] = None):
-        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it.
-        `helper_initializer`: run first in the long-lived save helper process (picklable: it is spawned)."""
+                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None):
+        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it."""
         self.cfg = cfg
         self.before_commit = before_commit
         self.model, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         ck = cfg.checkpoint
         self.enabled = ck.save is not None
-        if self.enabled:
-            save_load.start_save_helpers(helper_initializer)
         use_async = ck.async_save if ck.async_save is not None else on_gpu
         self.saver = AsyncCheckpointSaver() if self.enabled and use_async else None
         self.lock: RunLock | None = None

@@ -13,15 +13,13 @@ TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint.compat`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.managers
 import re
 import shutil
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -154,40 +152,26 @@ _save_helper = None  # the Manager process below, for the life of the rank
 
 def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> None:
     """Start dist_checkpointing's long-lived helper process now, with SIGTERM/SIGUSR1 ignored, running
-    `initializer` first (a picklable function: the process is spawned).
+    `initializer` first; call it before process groups exist.
 
     The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.19.2,
     strategies/filesystem_async.py, ``get_write_results_queue``) and keeps it for the life of the rank; started
     later, a pre-emption signal to the rank's process tree would kill it and fail the checkpoint the signal asked
     for. Started here (megatron-core's own takes no initializer), `initializer` can make it end with its rank:
-    otherwise a rank killed with SIGKILL leaves it, and its resource tracker, running for good.
+    otherwise a rank killed with SIGKILL leaves it, and its resource tracker, running for good. It is forked, not
+    spawned as megatron-core's is: the write results it queues unpickle into torch's classes, which a spawned helper
+    imports first (with the rank's entry point: 2.5-4 s of CPU per rank, on 2 cores a 4-rank run's start-up or
+    first save 3.5-4 s longer); forked before the process groups start their threads, it has them already.
     """
     global _save_helper
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
-    with signals_ignored(), _entry_point_not_imported_by_spawned_children():
-        _save_helper = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    with signals_ignored():
+        _save_helper = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("fork"))
         _save_helper.start(initializer)
         filesystem_async._results_queue = _save_helper.Queue()  # what _get_write_results_queue would create
-
-
-@contextlib.contextmanager
-def _entry_point_not_imported_by_spawned_children() -> Iterator[None]:
-    """A process spawned meanwhile does not import this process's ``__main__`` module again. multiprocessing's spawn
-    runs the parent's entry point (here recipes.pretrain: torch, megatron-core, the trainer) in every child to find
-    the functions it is given by name; the save helper is given none of its functions (its initializer is named by
-    its own module), so the import bought nothing and cost the helper's whole start: 3.9 s of a 4-rank start-up on
-    2 cores. The helper imports torch's checkpoint classes on the first save, when it first unpickles a result."""
-    main = sys.modules["__main__"]
-    hidden = {name: main.__dict__.pop(name) for name in ("__spec__", "__file__") if name in main.__dict__}
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        del main.__spec__
-        main.__dict__.update(hidden)
 
 
 def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:

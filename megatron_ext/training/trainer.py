@@ -126,6 +126,9 @@ class Trainer:
         self.where = "start-up"  # what this rank is doing, for failure messages
         self.startup = startup or StartupClock()
         self.on_gpu = not cpu_backend.install()
+        # forked before the process groups start their threads; it must not outlive its rank
+        if CheckpointManager.start_save_helper(cfg, die_with_parent):
+            self.startup.mark("checkpoint save helper process")
         init_distributed(cfg, self.on_gpu)
         self.startup.mark("process groups")
         self.world_size = dist.get_world_size()
@@ -144,12 +147,9 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self._wire_schedule_hooks()
         self.startup.mark("model and optimizer")
-        # an orphan must not complete a checkpoint (its shards stay without a manifest, which a resume ignores),
-        # and the save helper process must not outlive its rank
+        # an orphan must not complete a checkpoint (its shards stay without a manifest, which a resume ignores)
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu,
-                                              before_commit=raise_if_launcher_gone, helper_initializer=die_with_parent)
-        if cfg.checkpoint.save:
-            self.startup.mark("checkpoint save helper process")
+                                              before_commit=raise_if_launcher_gone)
         try:
             resumed = self._load_state(partial(self.checkpointer.load, start))
         except BaseException:

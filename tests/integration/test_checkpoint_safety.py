@@ -64,8 +64,8 @@ def test_the_runs_own_empty_save_directory_starts_fresh(tmp_path):
     assert f"no checkpoint in {own} yet" in proc.stdout and latest_iteration(own) == 1
     # the time to the first step, in parts, in the log and the summary
     assert re.search(r"start-up: [\d.]+ s to the end of the first step: imports [\d.]+ s, megatron-core imports, "
-                     r"config and data checks [\d.]+ s, process groups [\d.]+ s, model and optimizer [\d.]+ s, "
-                     r"checkpoint save helper process [\d.]+ s, run lock \(no checkpoint to load\) [\d.]+ s, "
+                     r"config and data checks [\d.]+ s, checkpoint save helper process [\d.]+ s, process groups "
+                     r"[\d.]+ s, model and optimizer [\d.]+ s, run lock \(no checkpoint to load\) [\d.]+ s, "
                      r"dataset indices [\d.]+ s, first step [\d.]+ s",
                      proc.stdout)
     assert proc.stdout.count("start-up: ") == 2, proc.stdout

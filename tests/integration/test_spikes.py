@@ -76,7 +76,8 @@ def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batch
     seconds = ledger.seconds
     print(f"{ledger.summary()}; test's wall-clock {ended - started:.2f} s; seconds {seconds}")
     assert ledger.starts == 2 and ledger.furthest_iteration == STEPS
-    assert abs(ledger.total - (ended - started)) <= 0.02 * (ended - started), (ledger, ended - started)
+    # within 2 %, and the launchers' own start and end around the ranks' (0.25 s measured), which no rank sees
+    assert abs(ledger.total - (ended - started)) <= 0.02 * (ended - started) + 0.3, (ledger, ended - started)
     assert DOWN_S <= seconds["down"] <= DOWN_S + 3, seconds  # the wait, the kill's last second and the relaunch
     assert all(seconds[b] > 0 for b in ("startup", "checkpoint", "evaluation")), seconds
     # 5 steps recomputed (5 and 6 after the rewind; 5, 6, 7 after the restart) against 8 that advanced the run
