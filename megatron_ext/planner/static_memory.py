@@ -158,8 +158,8 @@ def _stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int],
 def _chunk_buffer(params: tuple[tuple[int, bool], ...], dp_cp: int, distopt: bool, bucket_size: Optional[int]
                   ) -> tuple[int, int, tuple[int, ...]]:
     """(padded elements, parameter elements, optimizer-owned elements per DP×CP rank) of one model chunk's grad
-    buffer. Cached by the parameters themselves: layouts that differ only where the buffer does not (sequence
-    parallelism, and for the expert buffers TP and CP) share it."""
+    buffer. Cached by the parameters themselves: the chunks of other stages and pipeline splits that hold the same
+    parameters (a middle stage's MoE layers, one stage of two splits) share it."""
     buckets = _ddp_buckets(list(params), dp_cp, distopt, bucket_size)
     unpadded = sum(n for n, _ in params)
     owned = _owned_elements(buckets, dp_cp) if distopt else [unpadded] * dp_cp
