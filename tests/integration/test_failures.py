@@ -181,10 +181,12 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
     """kill -9 of torchrun (its ranks are in their own sessions, so nothing reached them before): every rank is
     gone within seconds, says why in its log, and no orphan completes the checkpoint due at step 3. With
     `signal_lost` the ranks never see the parent-death signal (blocked, as when its exception is raised inside a
-    finalizer and dropped): the step boundary's check stops them before the next save."""
+    finalizer and dropped): the step boundary's check stops them before the next save. Each micro batch waits
+    250 ms for its data (4 per step), so steps 2 and 3 take 2 s: the kill, at most 0.5 s after step 1 is logged,
+    lands before the save is due."""
     logs, ckpt, out = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "out.txt"
     cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"logging.log_dir={logs}", f"checkpoint.save={ckpt}",
-                               "checkpoint.save_interval=3"], launcher="torchrun")
+                               "checkpoint.save_interval=3"], module="tests.workers.slowed_worker", launcher="torchrun")
     marker = {"TEST_PROCESS_TREE": str(tmp_path)}  # inherited by every process the run starts
 
     def run_processes() -> list[psutil.Process]:
@@ -193,8 +195,8 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
 
     with open(out, "w") as sink:
         block = (lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})) if signal_lost else None
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**run_env(), **marker}, stdout=sink, stderr=subprocess.STDOUT,
-                                preexec_fn=block)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**run_env({"SLOW_DATA_MS": "250"}), **marker}, stdout=sink,
+                                stderr=subprocess.STDOUT, preexec_fn=block)
     try:
         _wait_for(out, "step      1/", proc)
         ranks = _children(proc.pid)
@@ -213,9 +215,7 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
         for leftover in run_processes():
             leftover.kill()
     time.sleep(2)
-    # Nothing a resume would use: no tracker, no complete (manifest-bearing) checkpoint. On a loaded machine the
-    # ranks may reach step 3 before the kill lands and stop mid-save, leaving shards without a manifest, which a
-    # resume ignores and the next save of that iteration replaces.
+    # Nothing a resume would use: no tracker, no complete (manifest-bearing) checkpoint.
     assert latest_iteration(ckpt) is None and complete_iterations(ckpt) == [], sorted(ckpt.rglob("*"))
     said = [(logs / f"rank-{r}.log").read_text() for r in range(2) if (logs / f"rank-{r}.log").exists()]
     assert any("the launcher died: stopped without a checkpoint" in text for text in said), said
