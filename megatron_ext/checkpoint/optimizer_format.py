@@ -1,28 +1,44 @@
-"""The distributed optimizer's checkpoint format: megatron-core's metadata for it, and the guard on dp_reshardable.
+"""The distributed optimizer's checkpoint format: megatron-core's metadata for it, the guard on dp_reshardable, and
+the repair of fully_reshardable's save.
 
 dp_reshardable writes each DP rank's slice of the optimizer's flat grad buffers as they are: it loads correctly
 only into buffers with the same parameters at the same offsets in the same buckets (same TP/PP/VPP split, same
 layer spec, same bucket size; the DP size may change). A save records a signature of that layout per (PP, TP)
 rank; a load compares it first, so a mismatch is one error instead of optimizer state silently landing on the
 wrong parameters (megatron-core only checks the buckets' total sizes).
+
+fully_reshardable gathers each grad buffer's optimizer state into one tensor per state (``param``, ``exp_avg``, ...)
+and cuts every parameter's state out of it. In megatron-core 0.19.2 the gathered tensor packs the buckets one after
+the other without the padding at each bucket's end, while the cuts are at the parameter's offsets in the padded
+buffer: every parameter after a bucket whose end is padded is saved shifted by that padding, its tail zeros (fixed
+upstream after 0.19.2 by Megatron-LM pull request 5077). Any buffer of more than one bucket is exposed: overlapped
+grad reduction splits buffers into 40M-element buckets, and megatron-core puts an embedding that another pipeline
+stage shares (tied output layer, multi-token prediction) in a bucket of its own. :func:`state_in_buffer_layout`
+lays the gathered tensors out as the buffer is, so the cuts hold.
 """
 
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ext.checkpoint.common_state import CommonState
+from megatron_ext.checkpoint.compat import megatron_optimizers
 
 DP_RESHARDABLE = "dp_reshardable"
 # Config keys that change the buffers' layout: named in the error as the likely cause.
 _LAYOUT_KEYS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                 "parallel.virtual_pipeline_model_parallel_size", "parallel.num_layers_in_first_pipeline_stage",
                 "parallel.num_layers_in_last_pipeline_stage", "parallel.use_distributed_optimizer",
+                "parallel.overlap_grad_reduce", "parallel.ddp_bucket_size",
                 "model.attention_backend", "train.compile")
 
 
@@ -82,3 +98,46 @@ def load_problem(ckpt_dir: Path, common: CommonState, model_chunks, current_conf
         + ". Resume it under its saved layout with checkpoint.optimizer_format=fully_reshardable and "
           "train.exit_interval=1 (one step, then a checkpoint loadable under any layout), or start from its "
           "weights only with checkpoint.pretrained_checkpoint")
+
+
+def placed_at_bucket_offsets(packed: torch.Tensor, buckets: list[tuple[int, int]], numel: int) -> torch.Tensor:
+    """`packed` (the buckets' unpadded elements one after the other) placed at each bucket's offset in a buffer of
+    `numel` elements; `buckets`: (offset, unpadded numel) per bucket, in order."""
+    placed = packed.new_zeros(numel)
+    start = 0
+    for offset, size in buckets:
+        placed[offset:offset + size] = packed[start:start + size]
+        start += size
+    return placed
+
+
+def _gathered_in_buffer_layout(optimizer: DistributedOptimizer, gathered: Optional[dict]) -> Optional[dict]:
+    """get_parameter_state_dp_zero's world tensors (None on the DP ranks that receive none), each in its buffer's
+    layout."""
+    if gathered is None:
+        return None
+    for buffer_index, buffer in enumerate(optimizer.buffers):
+        buckets = [(bucket.offset, bucket.numel_unpadded) for bucket in buffer.buckets]
+        for world in gathered[buffer_index].values():
+            for key, packed in world.items():
+                if isinstance(packed, torch.Tensor):
+                    world[key] = placed_at_bucket_offsets(packed, buckets, buffer.numel)
+    return gathered
+
+
+@contextmanager
+def state_in_buffer_layout(optimizer: MegatronOptimizer) -> Iterator[None]:
+    """While it is open, the fully_reshardable format cuts each parameter's optimizer state from tensors laid out as
+    its grad buffer is (see the module's docstring)."""
+    distributed = [opt for opt in megatron_optimizers(optimizer) if isinstance(opt, DistributedOptimizer)]
+    for opt in distributed:
+        def gather(*args, _opt=opt, _gather=opt.get_parameter_state_dp_zero, **kwargs):
+            return _gathered_in_buffer_layout(_opt, _gather(*args, **kwargs))
+
+        opt.get_parameter_state_dp_zero = gather
+    try:
+        yield
+    finally:
+        for opt in distributed:
+            del opt.get_parameter_state_dp_zero
+

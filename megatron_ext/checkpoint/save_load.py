@@ -49,6 +49,7 @@ from megatron_ext.checkpoint.optimizer_format import (
     buffer_layouts,
     load_problem,
     optimizer_metadata,
+    state_in_buffer_layout,
 )
 from megatron_ext.checkpoint.retention import apply_retention
 from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_state
@@ -107,10 +108,11 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
     state = _model_state(_bare(model_chunks))
     if optimizer is not None:
         compat.fill_empty_adam_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(
-            {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
-            metadata=optimizer_metadata(optimizer_format),
-        )
+        with state_in_buffer_layout(optimizer):
+            state["optimizer"] = optimizer.sharded_state_dict(
+                {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
+                metadata=optimizer_metadata(optimizer_format),
+            )
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:

@@ -117,8 +117,8 @@ def validate_mla(cfg: RecipeConfig) -> None:
 
 
 def validate_mtp(cfg: RecipeConfig) -> None:
-    """Multi-token prediction: what it is verified with here (its layers sit on the last pipeline stage, megatron-core's
-    default placement)."""
+    """Multi-token prediction: what it is verified with here (its layers sit on the last pipeline stage, in its last
+    virtual stage: megatron-core's default placement)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.mtp_num_layers is None:
         return
@@ -126,10 +126,8 @@ def validate_mtp(cfg: RecipeConfig) -> None:
             "multi-token prediction is verified here with an output layer of its own (DeepSeek-V3's): set it true")
     require(not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True, "computes the main loss only; "
             "multi-token prediction's losses need megatron-core's output layer: set it false")
-    for ok, key, value in [(p.virtual_pipeline_model_parallel_size is None,
-                            "parallel.virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size),
-                           (not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
-                           (not cfg.data.reset_attention_mask, "data.reset_attention_mask", True),
-                           (not cfg.data.reset_position_ids, "data.reset_position_ids", True)]:
-        require(ok, key, value, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
-                f"set it {'null' if key.endswith('virtual_pipeline_model_parallel_size') else 'false'}")
+    for ok, key in [(not p.use_megatron_fsdp, "parallel.use_megatron_fsdp"),
+                    (not cfg.data.reset_attention_mask, "data.reset_attention_mask"),
+                    (not cfg.data.reset_position_ids, "data.reset_position_ids")]:
+        require(ok, key, True, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
+                "set it false")

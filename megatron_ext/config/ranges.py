@@ -59,7 +59,7 @@ RANGES: dict[str, Range] = {
     **{f"parallel.{key}": AT_LEAST_1 for key in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-        "num_distributed_optimizer_instances", "distributed_timeout_minutes")},
+        "num_distributed_optimizer_instances", "distributed_timeout_minutes", "ddp_bucket_size")},
     "parallel.num_layers_in_first_pipeline_stage": AT_LEAST_0, "parallel.num_layers_in_last_pipeline_stage": AT_LEAST_0,
     "train.train_iters": AT_LEAST_0, "train.global_batch_size": AT_LEAST_1, "train.micro_batch_size": AT_LEAST_1,
     "train.seed": AT_LEAST_0, "train.eval_interval": AT_LEAST_1, "train.eval_iters": AT_LEAST_0,

@@ -200,6 +200,9 @@ class ParallelConfig:
     # optimizer state sharded across them too; needs optim_grads_params)
     outer_dp_sharding_strategy: OuterShardingStrategy = "no_shard"
     overlap_grad_reduce: bool = False  # reduce gradients over DP in buckets during the backward pass
+    # elements per gradient bucket with overlap_grad_reduce (first model chunk of pipeline stage 0, where megatron-core
+    # buckets); null = megatron-core's max(4e7, 1e6 × DP)
+    ddp_bucket_size: Optional[int] = None
     overlap_param_gather: bool = False  # gather updated parameters during the next forward pass (distributed opt.)
     # a collective that waits longer than this fails the job; auto = from the plan at launch: at least 10, and 5
     # minutes above the hang timeout and the planned checkpoint write (a rank may wait for another's)

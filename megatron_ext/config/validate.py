@@ -246,6 +246,9 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
     require(o.lr >= o.min_lr >= 0, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
     require(p.overlap_param_gather is False or p.use_distributed_optimizer,
             "parallel.overlap_param_gather", True, "needs parallel.use_distributed_optimizer=true")
+    require(p.ddp_bucket_size is None or p.overlap_grad_reduce, "parallel.ddp_bucket_size", p.ddp_bucket_size,
+            "sizes the buckets of overlapped gradient reduction (one bucket without it): set "
+            "parallel.overlap_grad_reduce=true or the key null")
 
 
 def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool) -> None:

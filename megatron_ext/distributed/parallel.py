@@ -122,6 +122,7 @@ def ddp_config(cfg: RecipeConfig) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=p.overlap_grad_reduce,
+        bucket_size=p.ddp_bucket_size,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.use_distributed_optimizer,
         # off: megatron_ext/resilience/divergence.py checks the same buffers and names the iteration and rank

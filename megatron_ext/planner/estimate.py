@@ -13,6 +13,7 @@ from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.activations import layer_activation_bytes, output_loss_bytes, stage_activation_bytes
 from megatron_ext.planner.layout import GIB, Layout, RankShape
 from megatron_ext.planner.static_memory import (
+    ddp_bucket_size,
     expert_static,
     largest_layer_elements,
     sharded_static,
@@ -61,11 +62,11 @@ def stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: i
     """Peak bytes on one pipeline stage (worst DP×CP rank), by category."""
     layout, shape, stages = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size), tuple(pipeline_stage_layers(cfg))
     d_bytes = shape.bytes_per_value
-    params, grads, owned = stage_static(shape, stages, layout.vpp, pp_rank, layout.dp, layout.distopt,
-                                         cfg.parallel.overlap_grad_reduce)
+    bucket_size = ddp_bucket_size(cfg, layout.dp)
+    params, grads, owned = stage_static(shape, stages, layout.vpp, pp_rank, layout.dp, layout.distopt, bucket_size)
     if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
         expert_params, expert_grads, expert_owned = expert_static(
-            shape, world_size, stages, layout.vpp, pp_rank, layout.distopt, cfg.parallel.overlap_grad_reduce)
+            shape, world_size, stages, layout.vpp, pp_rank, layout.distopt, bucket_size)
         params, grads, owned = params + expert_params, grads + expert_grads, (max(owned) + max(expert_owned),)
     gathered = 0
     if layout.sharding:

@@ -116,18 +116,27 @@ def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp
     return owned
 
 
+def ddp_bucket_size(cfg: RecipeConfig, dp: int) -> Optional[int]:
+    """Elements per gradient bucket where megatron-core's DDP buckets (the first chunk of pipeline stage 0), as it
+    sizes them from parallel.ddp_bucket_size over `dp` data-parallel ranks; None = one bucket (no overlap)."""
+    p = cfg.parallel
+    if not p.overlap_grad_reduce:
+        return None
+    return p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+
+
 def stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,
-                  overlap_grad_reduce: bool, experts: bool = False) -> tuple[int, int, tuple[int, ...]]:
+                  bucket_size: Optional[int], experts: bool = False) -> tuple[int, int, tuple[int, ...]]:
     """(param elements, grad-buffer elements, optimizer-owned elements per DP×CP rank) of one stage; with
-    `experts`, of its expert buffers instead, over expert-DP ranks (`dp` is then the expert-DP size)."""
+    `experts`, of its expert buffers instead, over expert-DP ranks (`dp` is then the expert-DP size); `bucket_size`:
+    :func:`ddp_bucket_size`."""
     # a search asks again for layouts that differ only where the buffers do not: sequence parallelism and CP (passed
     # as the DP×CP size), and for the expert buffers TP too
     key = _BUFFER_SHAPES.get((shape, experts))
     if key is None:
         key = _BUFFER_SHAPES[shape, experts] = dataclasses.replace(shape, cp=1, sp=False,
                                                                    **({"tp": 1} if experts else {}))
-    return _stage_static(key, stages, vpp, pp_rank, dp, dp if experts else dp * shape.cp, distopt, overlap_grad_reduce,
-                         experts)
+    return _stage_static(key, stages, vpp, pp_rank, dp, dp if experts else dp * shape.cp, distopt, bucket_size, experts)
 
 
 _BUFFER_SHAPES: dict[tuple[RankShape, bool], RankShape] = {}  # a shape → the one its buffers are cached under
@@ -135,7 +144,7 @@ _BUFFER_SHAPES: dict[tuple[RankShape, bool], RankShape] = {}  # a shape → the 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, dp_cp: int,
-                  distopt: bool, overlap_grad_reduce: bool, experts: bool) -> tuple[int, int, tuple[int, ...]]:
+                  distopt: bool, bucket_size: Optional[int], experts: bool) -> tuple[int, int, tuple[int, ...]]:
     param_elems = grad_elems = 0
     owned = [0] * dp_cp
     expert_params = [(n, False) for n in shape.expert_params()] if experts else []
@@ -145,9 +154,8 @@ def _stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int],
             params = [param for layer in held if shape.model.is_moe_layer(layer) for param in expert_params]
         else:
             params = chunk_params(shape, len(stages), layers, pre, post)
-        bucketed = overlap_grad_reduce and pp_rank == 0 and c == 0  # DDP buckets only there
-        numel, unpadded, chunk_owned = _chunk_buffer(tuple(params), dp_cp, distopt,
-                                                     max(40_000_000, 1_000_000 * dp) if bucketed else None)
+        bucketed = pp_rank == 0 and c == 0  # DDP buckets only there
+        numel, unpadded, chunk_owned = _chunk_buffer(tuple(params), dp_cp, distopt, bucket_size if bucketed else None)
         grad_elems += numel
         param_elems += numel if distopt else unpadded
         owned = [a + b for a, b in zip(owned, chunk_owned)]
@@ -167,11 +175,11 @@ def _chunk_buffer(params: tuple[tuple[int, bool], ...], dp_cp: int, distopt: boo
 
 
 def expert_static(shape: RankShape, world_size: int, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int,
-                   distopt: bool, overlap_grad_reduce: bool) -> tuple[int, int, tuple[int, ...]]:
-    """:func:`stage_static` of the stage's expert buffers, over the expert-DP ranks of `world_size`."""
-    return stage_static(shape, stages, vpp, pp_rank, shape.expert_dp(world_size, len(stages)), distopt,
-                         overlap_grad_reduce,
-                         experts=True)
+                   distopt: bool, bucket_size: Optional[int]) -> tuple[int, int, tuple[int, ...]]:
+    """:func:`stage_static` of the stage's expert buffers, over the expert-DP ranks of `world_size` (buckets of the
+    dense DP's `bucket_size`, as megatron-core sizes them)."""
+    return stage_static(shape, stages, vpp, pp_rank, shape.expert_dp(world_size, len(stages)), distopt, bucket_size,
+                        experts=True)
 
 
 def model_elements(shape: RankShape) -> int:

@@ -10,6 +10,7 @@ from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipe
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.layout import Layout, RankShape
 from megatron_ext.planner.static_memory import (
+    ddp_bucket_size,
     expert_static,
     model_elements,
     mtp_layers,
@@ -124,11 +125,11 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
         p2p = v * 2 * (sent / (bw * 1e9) + lat)
 
     # Grads are reduced over DP×CP: distopt = reduce-scatter + param all-gather, else all-reduce.
-    params, grads, owned = stage_static(shape, stages, layout.vpp, 0, dp, layout.distopt,
-                                         cfg.parallel.overlap_grad_reduce)
+    bucket_size = ddp_bucket_size(cfg, dp)
+    params, grads, owned = stage_static(shape, stages, layout.vpp, 0, dp, layout.distopt, bucket_size)
     expert_dp = shape.expert_dp(world_size, pp)
     expert_params, expert_grads, expert_owned = expert_static(shape, world_size, stages, layout.vpp, 0, layout.distopt,
-                                                               cfg.parallel.overlap_grad_reduce)
+                                                               bucket_size)
     # What a micro batch costs besides its FLOPs: why small micro batches are slow (measured mbs 1 → 4: 1.45×)
     overhead = (params + expert_params) * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
 

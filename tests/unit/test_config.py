@@ -73,6 +73,10 @@ def test_overrides_are_typed():
          "with PP=1"),
         ([*ZERO3, "parallel.tensor_model_parallel_size=4"], 4, "there is nothing to shard at DP×CP=1"),
         ([*ZERO3, "parallel.overlap_grad_reduce=true"], 4, "Megatron-FSDP overlaps its own gathers"),
+        (["parallel.ddp_bucket_size=1000000"], 4, "parallel.ddp_bucket_size=1000000 is invalid: sizes the buckets of "
+         "overlapped gradient reduction (one bucket without it): set parallel.overlap_grad_reduce=true"),
+        (["parallel.ddp_bucket_size=0", "parallel.overlap_grad_reduce=true"], 4,
+         "parallel.ddp_bucket_size=0 is invalid: must be >= 1"),
         ([*ZERO3, "train.precision=fp16"], 4, "fp16 under Megatron-FSDP is not verified"),
         # HSDP (TP2 × DP2 at 4 processes)
         ([*ZERO3, "parallel.num_distributed_optimizer_instances=2"], 4,

@@ -135,9 +135,6 @@ def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
     (["model.moe_layer_freq=2"], "says which layers of an MoE model are MoE layers: set model.num_moe_experts"),
     (["model.mtp_num_layers=1", "model.untie_embeddings_and_output_weights=false"], "model.untie_embeddings_and_"
      "output_weights=False is invalid: multi-token prediction is verified here with an output layer of its own"),
-    (["model.mtp_num_layers=1", "parallel.pipeline_model_parallel_size=2",
-      "parallel.virtual_pipeline_model_parallel_size=2"], "parallel.virtual_pipeline_model_parallel_size=2 is invalid: "
-     "is not verified with multi-token prediction (model.mtp_num_layers) here yet: set it null"),
     (["model.mtp_num_layers=1", "data.reset_attention_mask=true"], "data.reset_attention_mask=True is invalid: is not "
      "verified with multi-token prediction"),
     (["model.mtp_num_layers=0"], "model.mtp_num_layers=0 is invalid: must be >= 1"),

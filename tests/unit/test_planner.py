@@ -16,7 +16,7 @@ from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.hardware import GPUS
 from megatron_ext.planner import GIB, Layout, best_layout, explain, plan
-from megatron_ext.planner.static_memory import _ddp_buckets, _owned_elements
+from megatron_ext.planner.static_memory import _ddp_buckets, _owned_elements, ddp_bucket_size
 from tests.launch import ROOT
 
 LLAMA3_8B = ROOT / "configs" / "llama3_8b_8gpu_bf16.yaml"
@@ -41,6 +41,14 @@ def test_ddp_bucket_padding_and_shared_embedding_bucket():
     assert _owned_elements(buckets, 3) == [100 + 50, 3, 0]  # each bucket sliced in 3 x 128
     plain = _ddp_buckets(params, dp_cp=3, distopt=False, bucket_size=None)
     assert [(s, e) for s, e, _ in plain] == [(0, 153)]  # no padding, no split without distopt
+
+
+def test_bucket_size_is_megatron_cores_with_overlap_only():
+    cfg = load_config(LLAMA3_8B)
+    assert cfg.parallel.overlap_grad_reduce and ddp_bucket_size(cfg, 8) == 40_000_000
+    assert ddp_bucket_size(cfg, 64) == 64_000_000  # max(4e7, 1e6 × DP)
+    assert ddp_bucket_size(load_config(LLAMA3_8B, ["parallel.ddp_bucket_size=1000"]), 64) == 1000
+    assert ddp_bucket_size(load_config(LLAMA3_8B, ["parallel.overlap_grad_reduce=false"]), 8) is None
 
 
 def test_microbatches_in_flight_match_megatron_schedule():

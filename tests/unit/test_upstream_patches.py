@@ -51,6 +51,11 @@ PATCHED = [
             "checkpoint/compat.py"),
     Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
             "40cab784659711a8", "checkpoint/compat.py"),
+    # the fully reshardable save cuts each parameter's state at its padded buffer offset from bucket-packed tensors
+    Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_param_state_fully_reshardable",
+            "6df6392a0ebb4c79", "checkpoint/optimizer_format.py"),
+    Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero",
+            "14d11a75ad9ccd8b", "checkpoint/optimizer_format.py"),
     # the HSDP grad norm with the optimizer sharded across replicas
     Patched("megatron.core.optimizer.optimizer.MegatronOptimizer.get_grad_stats_parallel_group", "e9e42213a75e2cd1",
             "training/optimizer.py"),
