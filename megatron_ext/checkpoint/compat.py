@@ -89,7 +89,7 @@ def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
             state["step"] = torch.zeros((), dtype=torch.float32)
 
 
-def _optimizer_substates(optimizer: MegatronOptimizer, state: Any) -> list[tuple[MegatronOptimizer, dict]]:
+def optimizer_substates(optimizer: MegatronOptimizer, state: Any) -> list[tuple[MegatronOptimizer, dict]]:
     """Pair each megatron-core optimizer with its part of a loaded optimizer state (ChainedOptimizer's layout)."""
     opts = megatron_optimizers(optimizer)
     if len(opts) == 1:
@@ -111,7 +111,7 @@ def _saved_step(saved: dict) -> Optional[float]:
 
 def adapt_optimizer_state(optimizer: MegatronOptimizer, state: Any) -> None:
     """Rewrite a loaded optimizer state, in place, to the step convention of the Adam it is loaded into."""
-    for opt, part in _optimizer_substates(optimizer, state):
+    for opt, part in optimizer_substates(optimizer, state):
         saved = part["optimizer"] if "optimizer" in part else part  # FP32Optimizer's is torch's own dict
         inner = opt.optimizer
         step = _saved_step(saved)
@@ -147,7 +147,7 @@ def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
     """
     adapt_optimizer_state(optimizer, state)
     steps = [_saved_step(part["optimizer"] if "optimizer" in part else part)
-             for _, part in _optimizer_substates(optimizer, state)]
+             for _, part in optimizer_substates(optimizer, state)]
     repaired = [opt for opt in megatron_optimizers(optimizer)
                 if is_torch_adam(opt.optimizer) and hasattr(opt, "_set_main_param_and_optimizer_states")]
     for opt in repaired:

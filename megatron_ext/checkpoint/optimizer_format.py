@@ -31,7 +31,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ext.checkpoint.common_state import CommonState
-from megatron_ext.checkpoint.compat import megatron_optimizers
+from megatron_ext.checkpoint.compat import megatron_optimizers, optimizer_substates
 
 DP_RESHARDABLE = "dp_reshardable"
 # Config keys that change the buffers' layout: named in the error as the likely cause.
@@ -141,3 +141,37 @@ def state_in_buffer_layout(optimizer: MegatronOptimizer) -> Iterator[None]:
         for opt in distributed:
             del opt.get_parameter_state_dp_zero
 
+
+def master_weights_problem(ckpt_dir: Path, optimizer: MegatronOptimizer, loaded: Any) -> Optional[str]:
+    """Collective: why `ckpt_dir`'s fully reshardable optimizer state (`loaded`, as the load returned it) is not the
+    state of the weights the model now holds from it (the same on every rank), or None.
+
+    After every step megatron-core copies each fp32 master weight into the model's weight, so a saved master copy
+    cast to the weight's dtype is the saved weight, bit for bit; one that is not was saved at the wrong offsets
+    (megatron-core 0.19.2's save, see the module's docstring) or damaged since, and would become the weight. The
+    saved states are numbered as megatron-core's load reads them: parameter by parameter through each grad buffer."""
+    mine = None
+    for opt, part in optimizer_substates(optimizer, loaded):
+        if not isinstance(opt, DistributedOptimizer) or part.get("param_state_sharding_type") != "fully_reshardable":
+            continue
+        names = {param: name for chunk in opt.model_chunks for name, param in chunk.module.named_parameters()}
+        params = [param for buffer in opt.buffers for param in buffer.param_index_map]
+        for param, saved in zip(params, (part["param_state"][index] for index in range(len(params)))):
+            master = saved.get("param", saved.get("fp32_param")).to(param.dtype).view_as(param)
+            if not torch.equal(master, param.detach()):
+                differ = int((master != param.detach()).sum())
+                mine = f"{names[param]} ({differ} of {param.numel()} elements on rank {dist.get_rank()})"
+                break
+        if mine:
+            break
+    every: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    first = next((problem for problem in every if problem), None)
+    if first is None:
+        return None
+    return (f"{ckpt_dir}'s optimizer state does not belong to its weights: the master copy of {first} differs from "
+            "the saved weight (megatron-core 0.19.2's fully reshardable save, before this project repaired it, cut "
+            "such state at the wrong offsets: docs/architecture.md). Resume from an earlier checkpoint of the run "
+            "(checkpoint.optimizer_format=auto saves dp_reshardable along the way, which this does not touch), or "
+            f"take its weights alone: checkpoint.pretrained_checkpoint={ckpt_dir.parent} with checkpoint.load=null "
+            "(iteration 0, a fresh optimizer state)")

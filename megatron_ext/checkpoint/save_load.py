@@ -48,6 +48,7 @@ from megatron_ext.checkpoint.optimizer_format import (
     DP_RESHARDABLE,
     buffer_layouts,
     load_problem,
+    master_weights_problem,
     optimizer_metadata,
     state_in_buffer_layout,
 )
@@ -334,6 +335,9 @@ def load_training_state(ckpt_dir: Path, common: CommonState, model_chunks, optim
                            optimizer_format=common.optimizer_format)
     loaded = compat.load_sharded(state, ckpt_dir)
     compat.load_model_chunks(_bare(model_chunks), loaded)
+    problem = master_weights_problem(ckpt_dir, optimizer, loaded["optimizer"])
+    if problem:
+        raise CheckpointError(problem)
     # no_grad: in fp32 the distributed optimizer's main params are views of the model's leaf params, which
     # dp_reshardable's load copies into in place (an autograd error otherwise).
     with torch.no_grad():

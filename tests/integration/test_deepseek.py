@@ -110,3 +110,20 @@ def test_its_checkpoint_continues_under_tp2_sp_cp2_ep2_as_one_process_does(runs)
     mtp_weighting = {"train/lm_loss": 5e-6, "train/grad_norm": 1e-3, MTP: 2e-4, AUX: 1e-5}
     _assert_matches(resharded, single, {**TOLERANCE, **RESHARD_TOLERANCE, **mtp_weighting}, range(STOP + 1, STEPS + 1),
                     "deepseek tp2_sp_cp2_ep2 resharded")
+
+
+def test_a_checkpoint_from_the_unrepaired_save_is_refused_in_one_line(tmp_path):
+    """One process, buckets of 20k elements: megatron-core 0.19.2's own fully reshardable save cuts the optimizer
+    state of the parameters after a padded bucket end at the wrong offsets. Resuming from it would make those cuts
+    the weights; the load names the first such parameter and what to do instead."""
+    one_process = [*parity_overrides(None, tmp_path / "tb", 1), *SMALL, *SINGLE, "parallel.overlap_grad_reduce=true",
+                   "parallel.ddp_bucket_size=20000", "checkpoint.optimizer_format=fully_reshardable"]
+    run_pretrain(1, [*one_process, f"checkpoint.save={tmp_path / 'ckpt'}"], config=TINY_DEEPSEEK,
+                 module="tests.workers.unrepaired_save_worker")
+    refused = run_pretrain(1, [*one_process, "train.train_iters=2", f"checkpoint.load={tmp_path / 'ckpt'}"],
+                           config=TINY_DEEPSEEK, check=False)
+    said = [line for line in refused.stderr.splitlines() if "does not belong to its weights" in line]
+    assert refused.returncode != 0 and len(said) == 1, refused.stderr[-3000:]
+    assert f"checkpoint error: {tmp_path / 'ckpt' / 'iter_0000001'}'s optimizer state does not belong to its " \
+           "weights: the master copy of " in said[0] and "Resume from an earlier checkpoint" in said[0], said[0]
+
