@@ -109,10 +109,14 @@ def _rank_0_says(rank: int, message: str, exit_code: int) -> int:
 
 
 def _startup_clock():
-    """The start-up timer, from this process's start: what came before main() is the imports."""
-    from megatron_ext.metrics.run_logger import StartupClock, process_start_time
+    """The start-up timer, from the launcher's start on a first start by an elastic agent (to this process's start:
+    the phase "launcher"), else from this process's start; what came before main() is the imports."""
+    from megatron_ext.metrics.run_logger import StartupClock, launcher_start_time, process_start_time
 
-    clock = StartupClock(process_start_time())
+    launched, started = launcher_start_time(), process_start_time()
+    clock = StartupClock(started if launched is None else min(launched, started))
+    if launched is not None:
+        clock.mark("launcher", at=started)
     clock.mark("imports")
     return clock
 

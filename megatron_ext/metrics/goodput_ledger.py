@@ -6,8 +6,9 @@ Every second from the first start to the last record is in exactly one bucket:
 - ``productive``: training steps that took the run to an iteration it had not reached before;
 - ``recomputed``: steps redone — after a restart, the work since the last checkpoint; after a rewind, the steps
   since the checkpoint it went back to;
-- ``startup``: start-up and recovery — each process's start to its first step (imports, process groups, model,
-  checkpoint load) and each rewind's reload;
+- ``startup``: start-up and recovery — each attempt's start to its first step (its launcher's start on a first start
+  by an elastic agent: run_logger.launcher_start_time; imports, process groups, model, checkpoint load) and each
+  rewind's reload;
 - ``checkpoint``: training stalled for checkpoint saves (and for the last background save at the end);
 - ``evaluation``: validation and the test split;
 - ``down``: no process of the run was keeping the ledger — from an attempt's last record to the next one's start:
@@ -40,7 +41,7 @@ LOST_TO = {"recomputed": "recomputed steps", "startup": "start-up and recovery",
 
 @dataclass
 class Ledger:
-    first_start: float  # the first attempt's process start (seconds since the epoch)
+    first_start: float  # the first attempt's start (seconds since the epoch)
     accounted_until: float  # the end of the last second in a bucket
     furthest_iteration: int = 0  # the highest iteration any attempt finished
     starts: int = 1
@@ -81,7 +82,8 @@ def read_ledger(path: Path) -> Optional[Ledger]:
 
 
 class GoodputLedger:
-    """Rank 0's ledger (`writer`) of the run saving into `root`, from this process's start (`process_start`)."""
+    """Rank 0's ledger (`writer`) of the run saving into `root`, from this attempt's start (`process_start`: its
+    launcher's or its process's, as the start-up clock has it)."""
 
     WRITE_EVERY_S = 1.0
 

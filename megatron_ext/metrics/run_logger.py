@@ -30,6 +30,7 @@ from megatron_ext.hardware import peak_bf16_tflops
 from megatron_ext.metrics.goodput_ledger import Ledger
 from megatron_ext.metrics.step_time import PARTS
 from megatron_ext.metrics.units import format_duration
+from megatron_ext.resilience.elastic import RESTART_DECIDED_AT
 from megatron_ext.resilience.spikes import Spike
 from megatron_ext.resilience.stragglers import Straggler, spread_scalars, warn_stragglers
 
@@ -81,18 +82,28 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def process_start_time() -> float:
-    """When this process started (seconds since the epoch), to the kernel's clock tick. psutil's create_time adds
-    the tick count to a boot time rounded to the second, which moved every start-up phase by up to a second (0.5 s
-    measured)."""
+def process_start_time(pid: int | Literal["self"] = "self") -> float:
+    """When this process (or `pid`) started (seconds since the epoch), to the kernel's clock tick. psutil's
+    create_time adds the tick count to a boot time rounded to the second, which moved every start-up phase by up to
+    a second (0.5 s measured)."""
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
     except (OSError, IndexError, ValueError):  # not Linux
         import psutil
 
-        return psutil.Process().create_time()
+        return psutil.Process(None if pid == "self" else pid).create_time()
     booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
     return booted + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def launcher_start_time() -> Optional[float]:
+    """When the launcher of this attempt started: an elastic agent (torchrun, recipes.launch, NVRx's ft_launcher, the
+    suite's fork launcher) starts its workers as its children with TORCHELASTIC_RUN_ID set, so on their first start
+    it is the parent's start. None without an agent, and on a restart by one (it started before the attempt)."""
+    if ("TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+            or RESTART_DECIDED_AT in os.environ):
+        return None
+    return process_start_time(os.getppid())
 
 
 class StartupClock:
@@ -103,9 +114,9 @@ class StartupClock:
         self.start = self.last = since if since is not None else time.time()
         self.phases: list[tuple[str, float]] = []
 
-    def mark(self, phase: str) -> None:
-        """`phase` ended now (it began where the previous one ended)."""
-        now = time.time()
+    def mark(self, phase: str, at: Optional[float] = None) -> None:
+        """`phase` ended now, or `at` (it began where the previous one ended)."""
+        now = time.time() if at is None else at
         self.phases.append((phase, now - self.last))
         self.last = now
 

@@ -442,7 +442,7 @@ class Trainer:
                 if cfg.train.offload_modules:
                     self._info(activation_offload.describe())
                 if self.restart:
-                    timed = (self.startup.start, self.startup.phases)  # from this process's start to now
+                    timed = (self.startup.start, self.startup.phases)  # from the attempt's start to now
                     self.run_logger.restart(self.iteration, self.restart.describe(*timed),
                                             self.restart.scalars(*timed))
             if rewound:  # the step boundary of the checkpoint's iteration has been passed already

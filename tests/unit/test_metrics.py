@@ -81,6 +81,34 @@ def test_the_startup_clock_splits_the_time_to_the_first_step_into_its_phases(mon
                                "model and optimizer 0.5 s, first step 7.0 s")
 
 
+def test_the_launchers_start_counts_on_a_first_start_by_an_elastic_agent_only(monkeypatch):
+    import os
+
+    from megatron_ext.metrics import run_logger
+    from megatron_ext.resilience.elastic import RESTART_DECIDED_AT
+
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", RESTART_DECIDED_AT):
+        monkeypatch.delenv(name, raising=False)
+    assert run_logger.launcher_start_time() is None  # no agent: python -m recipes.pretrain
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    parent = run_logger.launcher_start_time()  # this test's parent process stands in for the agent
+    assert parent == pytest.approx(run_logger.process_start_time(os.getppid()), abs=1e-3)
+    assert parent <= run_logger.process_start_time()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the agent restarted its workers: it is older
+    assert run_logger.launcher_start_time() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(RESTART_DECIDED_AT, "100.0")  # recipes.launch's agent restarted them for a node joining
+    assert run_logger.launcher_start_time() is None
+
+    now = iter([110.0])
+    monkeypatch.setattr(run_logger.time, "time", lambda: next(now))
+    clock = run_logger.StartupClock(since=95.0)
+    clock.mark("launcher", at=98.0)
+    clock.mark("imports")
+    assert clock.summary() == "15.0 s to the end of the first step: launcher 3.0 s, imports 12.0 s"
+
+
 def test_each_bottleneck_rule_gives_its_advice_with_the_planners_gain_once_and_a_healthy_run_none():
     from megatron_ext.metrics.advice import Advisor, Machine, advise
 
