@@ -263,8 +263,8 @@ class TrainConfig:
     skip_nonfinite_steps: int = 0  # skip up to N steps with a non-finite loss/gradient before stopping
     # A loss more than spike_threshold median absolute deviations (at least 1 % of the median each) above the median of
     # the previous spike_window steps is a spike: warn; skip its update (the run reads every step's loss before its
-    # update); or rewind to checkpoint.save's newest checkpoint and continue on the data after the spike
-    # (docs/monitoring.md "Loss spikes"); off = not checked
+    # update); or rewind to checkpoint.save's newest checkpoint and continue on the data after the spike (also past a
+    # non-finite step that skip_nonfinite_steps does not skip; docs/monitoring.md "Loss spikes"); off = not checked
     spike_policy: SpikePolicy = "warn"
     spike_window: int = 50  # steps in the median; spikes are looked for once a fifth of them are seen
     spike_threshold: float = 10.0  # median absolute deviations above the median

@@ -72,6 +72,10 @@ class NonFiniteSteps:
     def __init__(self, allowed: int, lr: float, speak: bool):
         self.allowed, self.skipped, self.lr, self.speak = allowed, 0, lr, speak  # speak: this rank logs the skips
 
+    @property
+    def can_skip(self) -> bool:
+        return self.skipped < self.allowed
+
     def skip_or_raise(self, description: str) -> None:
         if self.skipped < self.allowed:
             self.skipped += 1

@@ -7,13 +7,16 @@ counts as at least 1 % of the median, so noise on a flat loss curve is no spike.
 
 The answers: ``warn`` (a line and ``train/loss_spike``); ``skip`` (the step's update is dropped, decided before it
 as a non-finite step's is — such runs read every step's loss before its update); ``rewind`` (the trainer goes back
-to the newest checkpoint and the data continues after the spike: :mod:`megatron_ext.checkpoint.data_skips`).
+to the newest checkpoint and the data continues after the spike: :mod:`megatron_ext.checkpoint.data_skips`). Under
+``rewind`` a non-finite loss or gradient that train.skip_nonfinite_steps does not skip is rewound past as well (its
+update has made the weights non-finite; the checkpoint has not).
 Skips and rewinds are capped by train.max_rewinds; the next spike stops the run with one line. Every rank sees the
 same global-batch losses in the same order, so every rank decides the same without a collective of its own.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -34,11 +37,14 @@ class Spike:
     median: float
     deviations: float  # median absolute deviations above the median
     samples: tuple[int, int]  # the first and last sample of the step's global batch
+    nonfinite: str = ""  # for a non-finite step (loss NaN, deviations infinite): where it was seen
 
     def describe(self) -> str:
-        return (f"loss spike at iteration {self.iteration}: {self.loss:.4f} is {self.deviations:.1f} median absolute "
-                f"deviations above the median {self.median:.4f} of the previous steps; the step trained on samples "
-                f"{self.samples[0]}..{self.samples[1]} of the training dataset (in megatron-core's shuffled order)")
+        what = self.nonfinite or (
+            f"loss spike at iteration {self.iteration}: {self.loss:.4f} is {self.deviations:.1f} median absolute "
+            f"deviations above the median {self.median:.4f} of the previous steps")
+        return (f"{what}; the step trained on samples {self.samples[0]}..{self.samples[1]} of the training dataset "
+                "(in megatron-core's shuffled order)")
 
 
 class SpikeDetector:
@@ -99,6 +105,16 @@ class LossSpikes:
             self._act(spike, "rewound past")
             return spike
         self.detector.remember(loss)
+        return spike
+
+    def nonfinite(self, iteration: int, first_sample: int, description: str) -> Optional[Spike]:
+        """``rewind``: the non-finite step (`description`: divergence.describe_nonfinite's) to rewind past, counted
+        as a spike; None under the other policies (the run skips or stops as train.skip_nonfinite_steps says)."""
+        if self.policy != "rewind":
+            return None
+        spike = Spike(iteration, math.nan, math.nan, math.inf,
+                      (first_sample, first_sample + self.global_batch_size - 1), description)
+        self._act(spike, "rewound past")
         return spike
 
     def count(self, done: str) -> str:

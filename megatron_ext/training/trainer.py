@@ -263,7 +263,8 @@ class Trainer:
             self.pending.add(self.iteration + 1, self.consumed_samples, losses, flags, router,
                              self.optimizer.param_groups[0]["lr"])
             loss, nonfinite = self.pending.newest_now() if self.decide_before_update else (None, False)
-        if nonfinite:
+        # past train.skip_nonfinite_steps under train.spike_policy=rewind, the step goes on and its settling rewinds
+        if nonfinite and (self.nonfinite.can_skip or self.spikes.policy != "rewind"):
             self.pending.drop_newest()
             self.nonfinite.skip_or_raise(describe_nonfinite(self.iteration + 1, flags))
             return False
@@ -356,13 +357,17 @@ class Trainer:
         bad = settled.first_nonfinite
         for step in settled.steps:
             if bad and step.iteration >= bad[0]:
-                break
+                description = describe_nonfinite(*bad)
+                spike = self.spikes.nonfinite(step.iteration, step.first_sample, description)
+                if spike:
+                    self._rewind(result, spike)
+                    return True
+                self.nonfinite.skip_or_raise(description)
+                return False
             spike = self._record_step(result, step)
             if spike and self.spikes.policy == "rewind":
                 self._rewind(result, spike)
                 return True
-        if bad:
-            self.nonfinite.skip_or_raise(describe_nonfinite(*bad))
         return False
 
     def _record_step(self, result: RunResult, step: SettledStep) -> Optional[Spike]:

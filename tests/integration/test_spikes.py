@@ -1,6 +1,7 @@
 """Loss spikes and the goodput ledger on CPU/gloo, PP2: a run that rewinds past a corrupted batch, is killed before
 its next checkpoint and started again ends bit-identical to a run whose data skipped the same batches from the start
-(the restart skips them again), and its goodput ledger puts every second of the two attempts in a bucket."""
+(the restart skips them again), and its goodput ledger puts every second of the two attempts in a bucket; a run whose
+corrupted batch makes the step non-finite rewinds past it to the same end."""
 
 from __future__ import annotations
 
@@ -40,8 +41,19 @@ def _numbers(tb) -> dict[str, dict[int, float]]:
     return {tag: read_scalars(tb, tag) for tag in ("train/lm_loss", "train/grad_norm", "val/lm_loss")}
 
 
+@pytest.fixture(scope="module")
+def skipped(initial_weights, tmp_path_factory) -> dict[str, dict[int, float]]:
+    """The numbers of the run whose data skips the batches of iterations 5 and 6 from the start (its corrupted batch
+    is never reached): what a rewind past iteration 6 must end as."""
+    root = tmp_path_factory.mktemp("skipped")
+    (root / "skipped").mkdir()
+    (root / "skipped" / DATA_SKIPS).write_text(json.dumps([SKIPPED]))
+    assert "loss spike" not in _run(initial_weights, root, "skipped", "tb_skipped", env={})
+    return _numbers(root / "tb_skipped")
+
+
 def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batches_and_every_second_is_accounted(
-        initial_weights, tmp_path):
+        initial_weights, skipped, tmp_path):
     started = time.time()
     said = _run(initial_weights, tmp_path, "rewound", "tb_rewound", check=False,
                 env={"KILL_AT_ITERATION": str(KILLED), "KILLED_MARKER": str(tmp_path / "killed")})
@@ -64,13 +76,10 @@ def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batch
     assert f"resumed from {tmp_path / 'rewound'} at iteration {SAVE_EVERY}" in said_again and skip_said in said_again
     assert "] loss spike" not in said_again
 
-    # the same run whose data skips those batches from the start (its corrupted batch is never reached)
-    (tmp_path / "skipped").mkdir()
-    (tmp_path / "skipped" / DATA_SKIPS).write_text(json.dumps([SKIPPED]))
-    assert "loss spike" not in _run(initial_weights, tmp_path, "skipped", "tb_skipped", env={})
-    rewound, skipped = _numbers(tmp_path / "tb_rewound"), _numbers(tmp_path / "tb_skipped")
+    # as the run whose data skips those batches from the start
     assert sorted(skipped["train/lm_loss"]) == list(range(1, STEPS + 1)) and skipped["val/lm_loss"]
-    assert rewound == skipped  # every step's last loss and gradient norm, and the final validation loss, bit for bit
+    # every step's last loss and gradient norm, and the final validation loss, bit for bit
+    assert _numbers(tmp_path / "tb_rewound") == skipped
 
     ledger = Ledger(**json.loads((tmp_path / "rewound" / GOODPUT).read_text()))
     seconds = ledger.seconds
@@ -89,3 +98,16 @@ def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batch
     assert read_scalars(tmp_path / "tb_rewound", "goodput/productive")[STEPS] == pytest.approx(
         seconds["productive"] / ledger.total, rel=1e-6)  # TensorBoard keeps float32
     assert read_training_end(tmp_path / "logs_rewound").goodput_seconds == seconds
+
+
+def test_a_nonfinite_step_is_rewound_past_as_a_spike_is(initial_weights, skipped, tmp_path):
+    """The corrupted batch's loss is infinite: past train.skip_nonfinite_steps (0) the step's update has made the
+    weights non-finite, and under train.spike_policy=rewind the run goes back to iteration 4 and on after that
+    batch, ending as the run that skipped it."""
+    said = _run(initial_weights, tmp_path, "rewound", "tb_rewound", env={"SPIKE_FACTOR": "inf"})
+    rewind = [line for line in said.splitlines() if "] non-finite loss at iteration" in line]
+    assert len(rewind) == 1 and f"non-finite loss at iteration {SPIKE}, first seen on pipeline stage 1" in rewind[0]
+    assert re.search(rf"samples {(SPIKE - 1) * GLOBAL_BATCH}..{SPIKE * GLOBAL_BATCH - 1} .*; rewound to iteration "
+                     rf"{SAVE_EVERY} \(\S+iter_{SAVE_EVERY:07d}\) \(1 of train.max_rewinds=3\)$", rewind[0]), rewind[0]
+    assert _numbers(tmp_path / "tb_rewound") == skipped
+

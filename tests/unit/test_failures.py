@@ -148,6 +148,17 @@ def test_each_spike_policy_acts_where_it_should_and_remembers_only_accepted_loss
     assert rewind.acted == 1 and 9.0 not in rewind.detector.history
 
 
+def test_a_nonfinite_step_is_a_spike_to_rewind_past_under_rewind_only():
+    assert _policy("skip").nonfinite(4, 24, "non-finite loss at iteration 4") is None
+    rewind = _policy("rewind")
+    spike = rewind.nonfinite(4, 24, "non-finite loss at iteration 4, first seen on pipeline stage 1")
+    assert (spike.iteration, spike.samples, rewind.acted) == (4, (24, 31), 1) and spike.deviations == float("inf")
+    assert spike.describe().startswith("non-finite loss at iteration 4, first seen on pipeline stage 1; the step "
+                                       "trained on samples 24..31 of the training dataset")
+    with pytest.raises(DivergenceError, match="non-finite loss at iteration 5.*after 1 spikes rewound past"):
+        rewind.nonfinite(5, 32, "non-finite loss at iteration 5")  # max_rewinds=1 used
+
+
 @pytest.mark.parametrize("policy", ["skip", "rewind"])
 def test_the_spike_after_train_max_rewinds_stops_the_run_with_one_line(policy):
     spikes = _policy(policy, max_rewinds=1)
