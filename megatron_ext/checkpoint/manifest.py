@@ -8,14 +8,13 @@ A checkpoint without a manifest (saved before this existed) is loaded unverified
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_ext.checkpoint.layout import MANIFEST, has_manifest
+from megatron_ext.checkpoint.layout import MANIFEST, has_manifest, write_atomically
 
 _CHUNK = 8 << 20
 
@@ -66,9 +65,7 @@ def write_manifest(ckpt_dir: Path) -> None:
     shares = _gather(mine)
     if _rank_and_world()[0] == 0:
         files = {name: entry for share in shares for name, entry in share.items()}
-        tmp = ckpt_dir / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1))
-        os.replace(tmp, ckpt_dir / MANIFEST)
+        write_atomically(ckpt_dir / MANIFEST, json.dumps({"files": dict(sorted(files.items()))}, indent=1))
 
 
 def _problem(ckpt_dir: Path, name: str, expected: dict, read: bool = True) -> Optional[str]:

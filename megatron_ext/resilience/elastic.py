@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_ext.checkpoint.layout import write_atomically
+
 # Set by recipes.launch in torchrun's agent (its workers inherit its environment): when it decided to restart the
 # workers (a failure, or a node waiting to join), and when the rendezvous of the new world was complete.
 RESTART_DECIDED_AT = "RECIPES_RESTART_DECIDED_AT"
@@ -148,7 +150,5 @@ class ProgressRecord:
         now = time.time()
         if not self.writer or now - self.written < self.WRITE_EVERY_S:
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(Progress(iteration, now, *self.world))))
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps(asdict(Progress(iteration, now, *self.world))))
         self.written = now
