@@ -111,7 +111,11 @@ def save(model_chunks: list, optimizer: MegatronOptimizer, target: Path, common:
 
 
 def load(ckpt_dir: Path, model_chunks: list, optimizer: MegatronOptimizer) -> None:
-    """Collective: the model weights and optimizer moments of `ckpt_dir`, resharded to this run's DP size."""
+    """Collective: the model weights and optimizer moments of `ckpt_dir`, resharded to this run's DP size. Also in a
+    run that has trained (a spike rewind): Megatron-FSDP's parameter gathers still in flight or held from the last
+    step are settled and released first, so the next forward pass gathers the loaded shards."""
+    for chunk in model_chunks:
+        chunk.synchronize_param_gather()
     state, own = _dtensor_state(model_chunks, optimizer, is_loading=True)
     with safe_unpickle.refusals_named(ckpt_dir):
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))

@@ -96,10 +96,6 @@ def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
     require(t.spike_policy != "rewind" or cfg.checkpoint.save is not None, "train.spike_policy", t.spike_policy,
             "goes back to the newest checkpoint in checkpoint.save: set checkpoint.save (and a "
             "checkpoint.save_interval), or use train.spike_policy=skip")
-    # Megatron-FSDP gathers the updated parameters for the next step as the optimizer step ends: a reload under
-    # gathers in flight is unproven, so it is refused rather than risked
-    require(t.spike_policy != "rewind" or not cfg.parallel.use_megatron_fsdp, "train.spike_policy", t.spike_policy,
-            "is not supported with parallel.use_megatron_fsdp=true yet: use train.spike_policy=skip there")
     collective_timeout_s, hang_s = collective_timeout_minutes(cfg) * 60, hang_timeout_s(cfg)
     require(hang_s is None or 0 < hang_s < collective_timeout_s, "train.hang_timeout_s", hang_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
             f"{collective_timeout_s} s, so that the watchdog names the hung rank before the collectives time out")

@@ -1,7 +1,8 @@
 """Loss spikes and the goodput ledger on CPU/gloo, PP2: a run that rewinds past a corrupted batch, is killed before
 its next checkpoint and started again ends bit-identical to a run whose data skipped the same batches from the start
-(the restart skips them again), and its goodput ledger puts every second of the two attempts in a bucket; a run whose
-corrupted batch makes the step non-finite rewinds past it to the same end."""
+(the restart skips them again), and its goodput ledger puts every second of the two attempts in a bucket; under
+Megatron-FSDP ZeRO-3 a run whose corrupted batch makes the step non-finite rewinds past it to the end of the ZeRO-3 run
+that skipped it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ STEPS, SAVE_EVERY, SPIKE, KILLED = 8, 4, 6, 8  # checkpoints at 4 and 8; iterati
 GLOBAL_BATCH = 8  # SMALL_MODEL's
 TWO_STAGES = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
               "parallel.sequence_parallel=false"]
+ZERO3 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+         "parallel.sequence_parallel=false", "parallel.use_megatron_fsdp=true"]
 REWIND = ["train.spike_policy=rewind", "train.spike_window=5", f"checkpoint.save_interval={SAVE_EVERY}",
           "train.eval_interval=1000", "train.eval_iters=1"]
 # the corrupted batch starts at this sample; the rewind goes back to iteration 4 and skips the batches of 5 and 6
@@ -29,9 +32,10 @@ SKIPPED = {"iteration": SAVE_EVERY, "from_sample": SAVE_EVERY * GLOBAL_BATCH, "t
 DOWN_S = 2.0  # between the killed attempt and the next, as a requeue would wait
 
 
-def _run(initial_weights, root, ckpt: str, tb: str, env: dict[str, str], check: bool = True) -> str:
+def _run(initial_weights, root, ckpt: str, tb: str, env: dict[str, str], check: bool = True,
+         layout: tuple[str, ...] = tuple(TWO_STAGES)) -> str:
     """A run saving into root/ckpt, logging to root/tb; its console output."""
-    proc = run_pretrain(2, [*parity_overrides(initial_weights, root / tb, STEPS), *TWO_STAGES, *REWIND,
+    proc = run_pretrain(2, [*parity_overrides(initial_weights, root / tb, STEPS), *layout, *REWIND,
                             f"checkpoint.save={root / ckpt}", f"logging.log_dir={root / f'logs_{ckpt}'}"],
                         module="tests.workers.spiked_worker", env={**SPIKED, **env}, check=check)
     return proc.stdout
@@ -100,14 +104,18 @@ def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batch
     assert read_training_end(tmp_path / "logs_rewound").goodput_seconds == seconds
 
 
-def test_a_nonfinite_step_is_rewound_past_as_a_spike_is(initial_weights, skipped, tmp_path):
-    """The corrupted batch's loss is infinite: past train.skip_nonfinite_steps (0) the step's update has made the
-    weights non-finite, and under train.spike_policy=rewind the run goes back to iteration 4 and on after that
-    batch, ending as the run that skipped it."""
-    said = _run(initial_weights, tmp_path, "rewound", "tb_rewound", env={"SPIKE_FACTOR": "inf"})
+def test_a_nonfinite_step_is_rewound_past_as_a_spike_is_also_under_zero3(initial_weights, tmp_path):
+    """Megatron-FSDP ZeRO-3 over 2 ranks; the corrupted batch's loss is infinite: past train.skip_nonfinite_steps (0)
+    the step's update has made the weights non-finite, and under train.spike_policy=rewind the run goes back to
+    iteration 4 (the checkpoint loaded into the sharded model in-process) and on after that batch, ending as the
+    ZeRO-3 run that skipped it."""
+    said = _run(initial_weights, tmp_path, "rewound", "tb_rewound", env={"SPIKE_FACTOR": "inf"}, layout=tuple(ZERO3))
     rewind = [line for line in said.splitlines() if "] non-finite loss at iteration" in line]
-    assert len(rewind) == 1 and f"non-finite loss at iteration {SPIKE}, first seen on pipeline stage 1" in rewind[0]
+    assert len(rewind) == 1 and f"non-finite loss at iteration {SPIKE}, first seen on pipeline stage 0" in rewind[0]
     assert re.search(rf"samples {(SPIKE - 1) * GLOBAL_BATCH}..{SPIKE * GLOBAL_BATCH - 1} .*; rewound to iteration "
                      rf"{SAVE_EVERY} \(\S+iter_{SAVE_EVERY:07d}\) \(1 of train.max_rewinds=3\)$", rewind[0]), rewind[0]
-    assert _numbers(tmp_path / "tb_rewound") == skipped
+    (tmp_path / "skipped").mkdir()
+    (tmp_path / "skipped" / DATA_SKIPS).write_text(json.dumps([SKIPPED]))
+    assert "non-finite" not in _run(initial_weights, tmp_path, "skipped", "tb_skipped", env={}, layout=tuple(ZERO3))
+    assert _numbers(tmp_path / "tb_rewound") == _numbers(tmp_path / "tb_skipped")
 

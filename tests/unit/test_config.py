@@ -122,9 +122,6 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be > 0"),
     (["train.spike_policy=rewind", "checkpoint.save=null"], "train.spike_policy='rewind' is invalid: goes back to the "
      "newest checkpoint in checkpoint.save"),
-    (["train.spike_policy=rewind", "checkpoint.save=/tmp/ckpt", "parallel.use_megatron_fsdp=true",
-      "parallel.pipeline_model_parallel_size=1"], "train.spike_policy='rewind' is invalid: is not supported with "
-     "parallel.use_megatron_fsdp=true"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
       "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
 ])
