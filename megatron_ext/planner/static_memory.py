@@ -223,12 +223,13 @@ def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_ra
         owned = shard
     else:
         stages, vpp = tuple(pipeline_stage_layers(cfg)), p.virtual_pipeline_model_parallel_size
+        bucket_size = ddp_bucket_size(cfg, dp)
         params, grads, dense_owned = stage_static(shape, stages, vpp, pp_rank, dp, p.use_distributed_optimizer,
-                                                   p.overlap_grad_reduce)
+                                                   bucket_size)
         owned = dense_owned[dp_cp_rank]
         if shape.experts:
             expert_params, expert_grads, expert_owned = expert_static(
-                shape, world_size, stages, vpp, pp_rank, p.use_distributed_optimizer, p.overlap_grad_reduce)
+                shape, world_size, stages, vpp, pp_rank, p.use_distributed_optimizer, bucket_size)
             params, grads, owned = params + expert_params, grads + expert_grads, owned + expert_owned[expert_dp_rank]
     return {"params": params * shape.bytes_per_value, "grads": grads * 4,
             "optimizer": owned * optimizer_bytes_per_element(shape)}
