@@ -14,7 +14,8 @@ buffer: every parameter after a bucket whose end is padded is saved shifted by t
 upstream after 0.19.2 by Megatron-LM pull request 5077). Any buffer of more than one bucket is exposed: overlapped
 grad reduction splits buffers into 40M-element buckets, and megatron-core puts an embedding that another pipeline
 stage shares (tied output layer, multi-token prediction) in a bucket of its own. :func:`state_in_buffer_layout`
-lays the gathered tensors out as the buffer is, so the cuts hold.
+lays the gathered tensors out as the buffer is, so the cuts hold; :func:`master_weights_problem` refuses a
+checkpoint written without it (or damaged since) on load.
 """
 
 from __future__ import annotations
