@@ -107,8 +107,8 @@ def launcher_start_time() -> Optional[float]:
 
 
 class StartupClock:
-    """Where the time to the first step goes: each start-up phase's seconds, from the process's start (the imports)
-    to the end of the first training step."""
+    """Where the time to the first step goes: each start-up phase's seconds, from the attempt's start (the launcher's,
+    see :func:`launcher_start_time`, or the process's: its imports) to the end of the first training step."""
 
     def __init__(self, since: Optional[float] = None):
         self.start = self.last = since if since is not None else time.time()
