@@ -17,7 +17,7 @@ from megatron_ext.model.document_mask import pack_documents
 
 def device() -> torch.device:
     """This rank's device: its GPU, or the CPU in rehearsal."""
-    return torch.device("cuda", torch.cuda.currentdevice()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

