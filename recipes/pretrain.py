@@ -48,8 +48,8 @@ def _setup_logging() -> None:
     )
     for noisy in ("megatron", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Announces at WARNING that it is disabled, on every start: not something to act on.
-    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
+    # Its lines are the state machine's internals; megatron_ext.resilience.reruns says what it found, once
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.CRITICAL)
 
 
 def _summary(cfg, result) -> str:

@@ -72,6 +72,7 @@ OPTIMIZER_FORMATS: tuple[str, ...] = get_args(OptimizerFormat)
 # What a loss spike does (megatron_ext/resilience/spikes.py): nothing, a warning, the step skipped before its update,
 # or the run rewound to its newest checkpoint with the data advanced past the spike
 SpikePolicy = Literal["off", "warn", "skip", "rewind"]
+RerunModeName = Literal["disabled", "validate_results", "report_determinism_stats"]  # megatron-core's RerunMode
 # Keys of earlier versions: a config naming one gets a line pointing at its successor; configs saved inside older
 # checkpoints drop them when read back (recipes.convert)
 RETIRED_KEYS = {
@@ -269,6 +270,12 @@ class TrainConfig:
     spike_window: int = 50  # steps in the median; spikes are looked for once a fifth of them are seen
     spike_threshold: float = 10.0  # median absolute deviations above the median
     max_rewinds: int = 3  # skip/rewind: the spikes a run acts on; the next one stops it (exit 3)
+    # megatron-core's rerun state machine. validate_results: a step whose loss or gradients are non-finite on a rank
+    # is run again from the same state before anything else; if the re-run is finite, the fault was transient and the
+    # step goes on with the re-run's result (one line names the rank's node and device), else skip_nonfinite_steps and
+    # spike_policy decide. Costs a host sync per step. report_determinism_stats: every step runs twice, and
+    # train/rerun_relative_difference says how far apart (docs/monitoring.md "Re-running a step")
+    rerun_mode: RerunModeName = "disabled"
 
 
 @dataclass

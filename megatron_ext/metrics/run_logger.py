@@ -285,6 +285,12 @@ class RunLogger:
                      f"loss scale stays {after:,.0f} (it halves after train.hysteresis overflows)")
             log.info(f"fp16 overflow at iteration {iteration}: step skipped, {scale}")
 
+    def transient_faults(self, iteration: int, total: int) -> None:
+        """train.rerun_mode=validate_results healed a step (resilience.reruns): `train/transient_faults`, how many so
+        far (the ranks that saw them say so themselves)."""
+        if self.enabled:
+            self._write({"train/transient_faults": float(total)}, iteration)
+
     def restart(self, iteration: int, line: str, scalars: dict[str, float]) -> None:
         """What a restart changed and cost (resilience.elastic), once, at the first step after it."""
         if self.enabled:

@@ -88,3 +88,9 @@ def reduce_experts_over_expert_data_parallel(chunks: list[torch.nn.Module]) -> N
             if isinstance(module, MoELayer):  # its routed experts (local or TE layers); shared experts stay dense
                 for param in module.experts.parameters():
                     param.allreduce = False
+
+
+def expert_biases(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """The routers' learned expert biases (auxiliary-loss-free balancing), which the end of every step updates."""
+    return [module.expert_bias for chunk in chunks for module in chunk.modules()
+            if getattr(module, "expert_bias", None) is not None]

@@ -22,20 +22,25 @@ log = logging.getLogger("megatron_ext")
 LOSS_NONFINITE, GRADS_NONFINITE = 1, 2
 
 
-def local_nonfinite(losses_reduced: list[dict[str, torch.Tensor]], model: list, device: torch.device,
-                    check_grads: bool = True) -> torch.Tensor:
-    """[loss non-finite, grads non-finite] on this rank as a float tensor on `device`: no host sync, so it can
-    ride along the step's loss all-reduce. Loss sums exist only on the last pipeline stage. `check_grads` False
-    (fp16: overflowing scaled gradients are the grad scaler's to skip) leaves the gradients unchecked."""
-    loss_bad = torch.zeros((), device=device)
+def step_sums(losses_reduced: list[dict[str, torch.Tensor]], model: list, device: torch.device,
+              check_grads: bool = True) -> torch.Tensor:
+    """[this rank's loss summed over the step's micro batches, its gradient buffers summed] as a float tensor on
+    `device` (0 where there is none: loss sums exist only on the last pipeline stage; `check_grads` False — fp16, whose
+    overflowing scaled gradients are the grad scaler's to skip — leaves the gradients out). One reduction over each
+    gradient buffer and no host sync, so its flags can ride along the step's loss all-reduce; a non-finite value
+    anywhere makes its sum non-finite."""
+    loss_sum = torch.zeros((), device=device)
     if losses_reduced:
-        sums = torch.stack([item["lm loss"][0] for item in losses_reduced]).to(device)
-        loss_bad = (~torch.isfinite(sums)).any().to(loss_bad.dtype)
+        loss_sum = torch.stack([item["lm loss"][0] for item in losses_reduced]).to(device).float().sum()
     grad_sums = [buffer.sum(dtype=torch.float32) for chunk in model for buffer in grad_buffers(chunk)
                  ] if check_grads else []
-    grads_bad = ((~torch.isfinite(torch.stack(grad_sums))).any().to(loss_bad.dtype) if grad_sums
-                 else torch.zeros_like(loss_bad))
-    return torch.stack([loss_bad, grads_bad])
+    grad_sum = torch.stack(grad_sums).to(device).sum() if grad_sums else torch.zeros_like(loss_sum)
+    return torch.stack([loss_sum, grad_sum])
+
+
+def nonfinite_flags(sums: torch.Tensor) -> torch.Tensor:
+    """[loss non-finite, grads non-finite] on this rank (1.0/0.0) from :func:`step_sums`."""
+    return (~torch.isfinite(sums)).to(sums.dtype)
 
 
 def _ranks(ranks: list[int]) -> str:

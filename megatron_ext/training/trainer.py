@@ -52,17 +52,20 @@ from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
 from megatron_ext.model.document_mask import uses_packed_sequences
+from megatron_ext.model.moe import expert_biases
 from megatron_ext.planner.timeouts import hang_ceiling_s
 from megatron_ext.resilience.divergence import (
     NonFiniteSteps,
     check_loss_scale_floor,
     describe_nonfinite,
-    local_nonfinite,
+    nonfinite_flags,
+    step_sums,
 )
 from megatron_ext.resilience.elastic import ProgressRecord
 from megatron_ext.resilience.exit_signal import ExitSignal
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.process_guard import die_with_parent, raise_if_launcher_gone
+from megatron_ext.resilience.reruns import StepReruns
 from megatron_ext.resilience.spikes import LossSpikes, Spike
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training import micro_batch
@@ -188,7 +191,8 @@ class Trainer:
         return self.data.consumed_samples
 
     def _build_monitors(self) -> None:
-        """Divergence, loss spikes, stragglers, hangs (each off when its setting is null or off) and the profiler."""
+        """Divergence, step re-runs, loss spikes, stragglers, hangs (each off when its setting is null or off) and the
+        profiler."""
         t = self.cfg.train
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikes(t)
@@ -197,6 +201,8 @@ class Trainer:
         self.decide_before_update = decides_before_update(self.cfg)  # such runs settle every step
         self.router_metrics = RouterMetrics(self.cfg, device(), self.model)
         self.mtp_metrics = MTPMetrics(self.cfg, device())
+        self.reruns = StepReruns(t.rerun_mode, [self.router_metrics.counts, self.router_metrics.tokens,
+                                                *expert_biases(self.model)], device())
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
                                      ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
@@ -248,18 +254,26 @@ class Trainer:
         """One global batch: forward/backward through the pipeline schedule, then one optimizer step, its numbers
         left pending on the device; False when it was skipped: a non-finite loss or gradient under
         train.skip_nonfinite_steps, a loss spike under train.spike_policy=skip, or an fp16 overflow (weights and
-        schedule unchanged either way)."""
-        with self.metrics.timers.region("optimizer"):
-            for chunk in self.model:
-                chunk.train()
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-        losses = self._run_schedule(data_iterator, forward_only=False)
+        schedule unchanged either way). Under train.rerun_mode a step may run twice before its update."""
+        data_iterator = self.reruns.replayable(data_iterator)
+        for _ in self.reruns.runs(data_iterator):
+            with self.metrics.timers.region("optimizer"):
+                for chunk in self.model:
+                    chunk.train()
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            losses = self._run_schedule(data_iterator, forward_only=False)
+            with self.metrics.timers.region("loss_sync"):
+                # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
+                sums = step_sums(losses, self.model, device(), check_grads=self.cfg.train.precision != "fp16")
+                self.reruns.check(sums)
+        healed = self.reruns.outcome(self.iteration + 1)
+        if healed:
+            self.run_logger.transient_faults(self.iteration + 1, self.reruns.transient_faults)
         with self.metrics.timers.region("loss_sync"):
             router = {**self.router_metrics.step(self.iteration + 1, self.num_microbatches),
-                      **self.mtp_metrics.step(self.num_microbatches)}
-            # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
-            flags = local_nonfinite(losses, self.model, device(), check_grads=self.cfg.train.precision != "fp16")
+                      **self.mtp_metrics.step(self.num_microbatches), **self.reruns.step_scalars()}
+            flags = nonfinite_flags(sums)
             self.pending.add(self.iteration + 1, self.consumed_samples, losses, flags, router,
                              self.optimizer.param_groups[0]["lr"])
             loss, nonfinite = self.pending.newest_now() if self.decide_before_update else (None, False)
@@ -469,6 +483,10 @@ class Trainer:
         self.watchdog.close()
         self.profiler.close()
         bar.close()
+        reruns = self.reruns.summary()
+        if reruns:
+            self._info(reruns)
+        self.reruns.close()
         if t.train_iters == 0:  # a run of 0 steps saves the initial weights
             result.checkpoint = self._checkpoint(stopping=False)
         self.checkpointer.close()  # the last checkpoint is complete before the run reports it

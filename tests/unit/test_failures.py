@@ -4,8 +4,10 @@ the detectors behind the run log (loss spikes, stragglers)."""
 from __future__ import annotations
 
 import errno
+import math
 
 import pytest
+import torch
 
 from megatron_ext.config.schema import TrainConfig, load_config
 from megatron_ext.errors import (
@@ -22,6 +24,7 @@ from megatron_ext.errors import (
     TokenizerError,
 )
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
+from megatron_ext.resilience.reruns import relative_difference
 from megatron_ext.resilience.spikes import LossSpikes, Spike, SpikeDetector
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
 from tests.launch import ROOT, TINY, read_scalars
@@ -325,3 +328,14 @@ def test_the_launcher_names_the_rank_that_failed_by_itself():
     assert _root_cause(oom)[0] == 1  # without a hang, a killed rank is the cause
     crash = {0: Failure(exitcode=EXIT_PEER_FAILED, timestamp=3), 1: Failure(exitcode=1, timestamp=4)}
     assert _root_cause(crash)[0] == 1
+
+
+@pytest.mark.parametrize("initial, rerun, difference", [
+    ([math.nan, math.nan], [math.nan, math.nan], 0.0),  # a NaN that recurs is the same result
+    ([4.0, math.nan], [4.0, 2.0], math.inf),  # a NaN that did not recur: a transient fault
+    ([math.inf, 1.0], [-math.inf, 1.0], math.inf),
+    ([2.0, 1.0], [2.0, 1.5], 1 / 3),  # relative to the larger
+    ([0.0, 0.0], [0.0, 0.0], 0.0),
+])
+def test_a_reruns_difference_from_its_run(initial, rerun, difference):
+    assert relative_difference(torch.tensor(initial), torch.tensor(rerun)) == pytest.approx(difference)

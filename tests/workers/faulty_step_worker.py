@@ -1,0 +1,31 @@
+"""The recipe's entry point with hardware-like faults on one rank (FAULTY_RANK): the forward output of the step at
+TRANSIENT_AT is made NaN on that step's first run only (a fault that a re-run on the same device does not meet
+again), that of the step at RECURRING_AT on every run (as bad data or a bad model would)."""
+
+from __future__ import annotations
+
+import os
+
+from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+from recipes.pretrain import entry_point
+from tests.workers.step_patch import forward_step_per_step
+
+
+def _choose(step, plain):
+    iteration, rank = str(step.iteration + 1), os.environ["RANK"]
+    recurring = iteration == os.environ.get("RECURRING_AT")
+    if rank != os.environ["FAULTY_RANK"] or not (recurring or iteration == os.environ.get("TRANSIENT_AT")):
+        return plain
+
+    def forward_step_with_a_fault(data_iterator, model):
+        output, loss_func = plain(data_iterator, model)
+        first_run = get_rerun_state_machine().state == RerunState.INITIAL_RUN
+        return (output * float("nan") if recurring or first_run else output), loss_func
+
+    return forward_step_with_a_fault
+
+
+if __name__ == "__main__":  # guard required: dist_checkpointing's async save spawns processes
+    forward_step_per_step(_choose)
+    entry_point()
