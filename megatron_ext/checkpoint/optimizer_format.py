@@ -1,5 +1,5 @@
 """The distributed optimizer's checkpoint format: megatron-core's metadata for it, the guard on dp_reshardable, and
-the repair of fully_reshardable's save.
+the repairs of both formats' saves (:func:`padding_within_buckets`, :func:`state_in_buffer_layout`).
 
 dp_reshardable writes each DP rank's slice of the optimizer's flat grad buffers as they are: it loads correctly
 only into buffers with the same parameters at the same offsets in the same buckets (same TP/PP/VPP split, same
@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -124,6 +126,33 @@ def _gathered_in_buffer_layout(optimizer: DistributedOptimizer, gathered: Option
                 if isinstance(packed, torch.Tensor):
                     world[key] = placed_at_bucket_offsets(packed, buckets, buffer.numel)
     return gathered
+
+
+def padding_within_buckets(sharded: Any) -> Any:
+    """dp_reshardable's `sharded` optimizer state with every padding shard cut at its bucket's unpadded end.
+
+    megatron-core 0.19.2 covers the gap between a DP rank's last parameter and the end of its slice with a padding
+    shard that reaches the slice's end, while each bucket's checkpoint tensor ends at the bucket's unpadded size. The
+    two differ when the unpadded end is the aligned start of a shared embedding (tied output layer at PP > 1, or
+    multi-token prediction) that lies inside the last slice: the shard runs past its tensor and torch's distributed
+    checkpoint refuses the whole save (Megatron-LM pull request 5898, open). The padding holds no state; the cut
+    shard covers exactly what the tensor has, in a save and in the load that reads it."""
+    if isinstance(sharded, list):
+        return [padding_within_buckets(item) for item in sharded]
+    if not isinstance(sharded, dict):
+        return sharded
+    padding = sharded.get("padding")
+    if isinstance(padding, LocalNonpersistentObject) and padding.obj is True:
+        return {key: _cut_at_tensor_end(value) if isinstance(value, ShardedTensor) else value
+                for key, value in sharded.items()}
+    return {key: padding_within_buckets(value) for key, value in sharded.items()}
+
+
+def _cut_at_tensor_end(shard: ShardedTensor) -> ShardedTensor:
+    fits = shard.global_shape[0] - shard.global_offset[0]
+    if fits >= shard.local_shape[0]:
+        return shard
+    return replace(shard, data=shard.data[:fits], local_shape=(fits,))
 
 
 @contextmanager

@@ -50,6 +50,7 @@ from megatron_ext.checkpoint.optimizer_format import (
     load_problem,
     master_weights_problem,
     optimizer_metadata,
+    padding_within_buckets,
     state_in_buffer_layout,
 )
 from megatron_ext.checkpoint.retention import apply_retention
@@ -110,10 +111,10 @@ def _sharded_state(model_chunks, optimizer: Optional[MegatronOptimizer], schedul
     if optimizer is not None:
         compat.fill_empty_adam_state(optimizer)
         with state_in_buffer_layout(optimizer):
-            state["optimizer"] = optimizer.sharded_state_dict(
+            state["optimizer"] = padding_within_buckets(optimizer.sharded_state_dict(
                 {k: v for k, v in state.items() if k.startswith("model")}, is_loading=is_loading,
                 metadata=optimizer_metadata(optimizer_format),
-            )
+            ))
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:

@@ -5,7 +5,7 @@ Every second from the first start to the last record is in exactly one bucket:
 
 - ``productive``: training steps that took the run to an iteration it had not reached before;
 - ``recomputed``: steps redone — after a restart, the work since the last checkpoint; after a rewind, the steps
-  since the checkpoint it went back to;
+  since the checkpoint it went back to; a step's first run that a re-run replaced (train.rerun_mode);
 - ``startup``: start-up and recovery — each attempt's start to its first step (its launcher's start on a first start
   by an elastic agent: run_logger.launcher_start_time; imports, process groups, model, checkpoint load) and each
   rewind's reload;

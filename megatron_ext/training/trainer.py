@@ -256,7 +256,9 @@ class Trainer:
         train.skip_nonfinite_steps, a loss spike under train.spike_policy=skip, or an fp16 overflow (weights and
         schedule unchanged either way). Under train.rerun_mode a step may run twice before its update."""
         data_iterator = self.reruns.replayable(data_iterator)
-        for _ in self.reruns.runs(data_iterator):
+        for run in self.reruns.runs(data_iterator):
+            if run:  # the step's first run was for nothing: recomputed work in the goodput ledger
+                self.goodput.spent("recomputed")
             with self.metrics.timers.region("optimizer"):
                 for chunk in self.model:
                     chunk.train()

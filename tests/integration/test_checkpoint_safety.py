@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.checkpoint.layout import RUN_LOCK, TRACKER, latest_iteration
+from megatron_ext.checkpoint.layout import RUN_LOCK, TRACKER, iteration_dir, latest_iteration, write_tracker
 from tests.launch import (
     ROOT,
     SINGLE_PROCESS,
@@ -343,3 +344,29 @@ def test_resumed_dropout_draws_from_the_restored_rng_streams(tmp_path):
     run_pretrain(1, _overrides(tmp_path, "tb_resumed", *dropout, f"checkpoint.load={tmp_path / 'ckpt'}"))
     full = read_scalars(tmp_path / "tb_full", "train/lm_loss")
     assert read_scalars(tmp_path / "tb_resumed", "train/lm_loss") == {3: full[3], 4: full[4]}
+
+
+def test_a_dp_reshardable_save_whose_last_padding_runs_past_its_bucket_is_written_and_resumes_exactly(tmp_path):
+    """2 processes, PP2 with the output layer tied to the embedding: hidden size 200 leaves the first stage's last
+    parameter 8 elements past a multiple of 64, so the embedding's bucket starts 56 elements later and the bucket
+    before it is padded 64 further. megatron-core 0.19.2 covers that gap with one padding shard reaching past the
+    bucket's checkpoint tensor, and torch's distributed checkpoint refuses the save (Megatron-LM pull request 5898).
+    Without optimizer_format.padding_within_buckets the first save never ends (tried): torch refuses the plan on rank
+    0 while rank 1 waits in megatron-core's barrier. The checkpoint written at step 2 resumes to the uninterrupted
+    run's numbers."""
+    tied = [*SMALL_MODEL, "model.hidden_size=200", "model.num_attention_heads=4", "model.num_query_groups=2",
+            "model.ffn_hidden_size=256", "model.num_layers=2", "model.untie_embeddings_and_output_weights=false",
+            "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
+            "parallel.sequence_parallel=false", "train.train_iters=4", "optimizer.lr_decay_iters=null",
+            "checkpoint.optimizer_format=dp_reshardable"]
+    saved = tmp_path / "saved"
+    run_pretrain(2, [*tied, f"logging.tensorboard_dir={tmp_path / 'full'}", f"checkpoint.save={saved}",
+                     "checkpoint.save_interval=2"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(iteration_dir(saved, 2), iteration_dir(ckpt, 2))
+    write_tracker(ckpt, 2)
+    run_pretrain(2, [*tied, f"logging.tensorboard_dir={tmp_path / 'resumed'}", f"checkpoint.load={ckpt}",
+                     "checkpoint.save=null"])
+    for tag in ("train/lm_loss", "train/grad_norm"):
+        full, resumed = read_scalars(tmp_path / "full", tag), read_scalars(tmp_path / "resumed", tag)
+        assert sorted(resumed) == [3, 4] and resumed == {step: full[step] for step in (3, 4)}, tag

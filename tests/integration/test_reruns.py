@@ -8,6 +8,8 @@ the healed run's numbers differ from the reference (tried)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.launch import ROOT, SMALL_MODEL, read_scalars, run_pretrain
@@ -51,9 +53,11 @@ def test_a_transient_fault_is_healed_and_a_recurring_one_is_skipped_as_without_r
     assert f"skipped: non-finite loss at iteration {RECURRING}" in said
     assert "1 step(s) with a transient fault healed" in said
     assert numbers["train/transient_faults"] == {TRANSIENT: 1.0}
+    discarded = re.search(r"goodput [\d.]+ % of .*: recomputed steps ([\d.]+) %", said)  # the steps' first runs
+    assert discarded and float(discarded.group(1)) > 0.5, said[-1500:]
 
     said_without, without = without_reruns
-    assert f"skipped: non-finite loss at iteration {RECURRING}" in said_without
+    assert f"skipped: non-finite loss at iteration {RECURRING}" in said_without and "recomputed" not in said_without
     assert sorted(without["train/lm_loss"]) == [s for s in range(1, STEPS + 1) if s != RECURRING]
     for tag in ("train/lm_loss", "train/grad_norm"):  # bit for bit
         assert numbers[tag] == without[tag], tag

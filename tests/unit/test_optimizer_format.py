@@ -1,11 +1,13 @@
-"""The repair of megatron-core 0.19.2's fully reshardable optimizer save (checkpoint/optimizer_format.py), on the
-grad-buffer layout megatron-core builds (the planner's model of it, tests/unit/test_planner.py)."""
+"""The repairs of megatron-core 0.19.2's fully reshardable and dp_reshardable optimizer saves
+(checkpoint/optimizer_format.py), on the grad-buffer layout megatron-core builds (the planner's model of it,
+tests/unit/test_planner.py)."""
 
 from __future__ import annotations
 
 import torch
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 
-from megatron_ext.checkpoint.optimizer_format import placed_at_bucket_offsets
+from megatron_ext.checkpoint.optimizer_format import padding_within_buckets, placed_at_bucket_offsets
 from megatron_ext.planner.static_memory import _ddp_buckets
 
 
@@ -28,3 +30,25 @@ def _filled(start: int, members: list[tuple[int, int]], state: dict) -> torch.Te
     for a, b in members:
         bucket[a - start:b - start] = state[a, b]
     return bucket
+
+
+def _shard(key: str, offset: int, size: int, total: int) -> ShardedTensor:
+    return ShardedTensor(key, torch.zeros(size), torch.float32, (size,), (total,), (offset,), None,
+                         replica_id=(0, 0, 0))
+
+
+def test_a_padding_shard_past_its_buckets_tensor_is_cut_at_its_end_and_nothing_else_is():
+    """The geometry of the hidden-200 tied PP2 run: the last parameter ends at 274056, the bucket's tensor (its
+    unpadded size, the shared embedding's aligned start) at 274112, the rank's slice at 274176."""
+    bucket = [
+        {"param": _shard("b0.param", 0, 274056, 274112), "padding": LocalNonpersistentObject(False)},
+        {"param": _shard("b0.param", 274056, 120, 274112), "exp_avg": _shard("b0.exp_avg", 274056, 120, 274112),
+         "padding": LocalNonpersistentObject(True)},
+    ]
+    cut = padding_within_buckets({"param_state": {0: {"fp32": [bucket]}}, "other": 3})["param_state"][0]["fp32"][0]
+    assert cut[0]["param"] is bucket[0]["param"]
+    for key in ("param", "exp_avg"):
+        shard = cut[1][key]
+        assert (shard.global_offset, shard.local_shape, shard.data.shape) == ((274056,), (56,), (56,)), key
+    inside = {"param": _shard("b1.param", 64, 40, 128), "padding": LocalNonpersistentObject(True)}
+    assert padding_within_buckets([inside])[0]["param"] is inside["param"]  # within its tensor: left as it is

@@ -56,6 +56,9 @@ PATCHED = [
             "6df6392a0ebb4c79", "checkpoint/optimizer_format.py"),
     Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero",
             "14d11a75ad9ccd8b", "checkpoint/optimizer_format.py"),
+    # the dp_reshardable save's last padding shard of a DP rank runs past its bucket's checkpoint tensor
+    Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_param_state_dp_reshardable",
+            "5e103700ca80a82a", "checkpoint/optimizer_format.py"),
     # the HSDP grad norm with the optimizer sharded across replicas
     Patched("megatron.core.optimizer.optimizer.MegatronOptimizer.get_grad_stats_parallel_group", "e9e42213a75e2cd1",
             "training/optimizer.py"),
