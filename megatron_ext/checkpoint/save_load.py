@@ -187,7 +187,16 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
     # ENOSPC, permission, a broken file system; torch's CheckpointException is a BaseException
     except (Exception, CheckpointException) as e:
         error = e
-    causes = agreed_failure(error)
+    try:
+        causes = agreed_failure(error)
+    except BaseException as agreement:  # the collective timed out: other ranks still wait inside megatron-core's save
+        if error is None:
+            raise
+        raise CheckpointError(
+            f"saving {target} failed on this rank while {what} ({type(error).__name__}: {error}), and the ranks that "
+            f"did not fail never joined the agreement on it (they waited inside megatron-core's save until the "
+            f"collective timeout, parallel.distributed_timeout_minutes); the tracker still names the previous "
+            f"checkpoint") from agreement
     if causes is None:
         return
     if dist.get_rank() == 0:

@@ -116,3 +116,25 @@ def test_only_the_empty_optimizer_entry_of_other_dp_ranks_is_kept_out_of_the_log
     with caplog.at_level(logging.WARNING, logger=logger.name):
         logger.warning(message)
     assert (message in caplog.text) == said
+
+
+def test_a_save_failing_where_other_ranks_wait_inside_megatron_core_names_its_cause_after_the_timeout(
+        monkeypatch, tmp_path):
+    """torch refuses a save plan on the coordinating rank alone while the others wait in megatron-core's barrier: the
+    agreement on the failure times out, and the error still names what failed (not only the timeout)."""
+    from megatron_ext.checkpoint import save_load
+    from megatron_ext.errors import CheckpointError
+
+    def timed_out(error):
+        raise RuntimeError("[gloo] Timed out waiting 600000ms")
+
+    def refused():
+        raise ValueError("Failed to validate global plan")
+
+    monkeypatch.setattr(save_load, "agreed_failure", timed_out)
+    with pytest.raises(CheckpointError, match=r"failed on this rank while writing the shards \(ValueError: Failed to "
+                                              r"validate global plan\), and the ranks that did not fail") as raised:
+        save_load._on_every_rank(refused, tmp_path / "iter_0000002", "writing the shards")
+    assert "Timed out" in str(raised.value.__cause__)
+    with pytest.raises(RuntimeError, match="Timed out"):  # nothing failed here: the timeout is the news
+        save_load._on_every_rank(lambda: None, tmp_path / "iter_0000002", "writing the shards")
