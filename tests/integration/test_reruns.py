@@ -1,6 +1,7 @@
-"""train.rerun_mode on CPU/gloo, a tiny MoE at EP2 with the auxiliary-loss-free expert bias (which the end of every
-step updates, so a re-run must start from the bias before it) and dropout (which must draw the same masks again): one
-rank's NaN that a re-run of the step does not meet again is healed and leaves every step's loss and gradient norm
+"""train.rerun_mode on CPU/gloo, a tiny MoE at PP2 with two virtual stages per rank (the schedule reads one data
+iterator per model chunk, each replayed), the auxiliary-loss-free expert bias (which the end of every step updates,
+so a re-run must start from the bias before it) and dropout (which must draw the same masks again): the last stage's
+NaN that a re-run of the step does not meet again is healed and leaves every step's loss and gradient norm
 bit-identical to a run that never met it; a NaN that recurs is skipped as train.skip_nonfinite_steps says, as without
 re-runs; report_determinism_stats runs each step twice and finds the CPU bit-reproducible
 (tests/workers/faulty_step_worker.py makes the faults). Without the bias restored, or megatron-core's random states,
@@ -15,15 +16,15 @@ import pytest
 from tests.launch import ROOT, SMALL_MODEL, read_scalars, run_pretrain
 
 TRANSIENT, RECURRING, STEPS = 2, 4, 5  # the first step after a start is not checked (megatron-core's rule)
-FAULTY_RANK = 1
+FAULTY_RANK = 1  # the last pipeline stage, where the loss is computed
 
 
 def _run(root, mode: str, faults: dict[str, str], steps: int = STEPS) -> tuple[str, dict[str, dict[int, float]]]:
     """A run's console and its every-step numbers."""
     tb = root / f"tb_{mode}"
     proc = run_pretrain(2, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1",
-                            "parallel.pipeline_model_parallel_size=1", "parallel.sequence_parallel=false",
-                            "parallel.expert_model_parallel_size=2", f"train.train_iters={steps}",
+                            "parallel.pipeline_model_parallel_size=2", "parallel.sequence_parallel=false",
+                            "parallel.virtual_pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=1", f"train.train_iters={steps}",
                             "checkpoint.save=null", f"logging.tensorboard_dir={tb}",
                             f"logging.log_dir={root / f'logs_{mode}'}", "model.moe_router_score_function=sigmoid",
                             "model.moe_router_enable_expert_bias=true", "model.moe_aux_loss_coeff=0",
