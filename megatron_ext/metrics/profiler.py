@@ -30,24 +30,29 @@ class StepProfiler:
         self.snapshot = g.memory_snapshot and self.window is not None
         self.out = profile_dir(cfg)
         self._profile: Optional[torch.profiler.profile] = None
+        self._first = self._last = 0  # the iterations traced so far
+        self._done = False  # written: a rewind back into the window traces nothing more
         if self.snapshot and not on_gpu:
             log.warning(f"rank {rank}: logging.memory_snapshot needs a GPU (torch.cuda.memory); none is taken on CPU")
             self.snapshot = False
 
     @contextlib.contextmanager
     def step(self, iteration: int) -> Iterator[None]:
-        """Around one training iteration: starts the trace at the first, writes it after the last."""
-        if self.window is None or not self.window[0] <= iteration <= self.window[1]:
+        """Around one training iteration: starts the trace at the first in the window (a run resumed inside it starts
+        there), writes it after the last."""
+        if self.window is None or self._done or not self.window[0] <= iteration <= self.window[1]:
             yield
             return
-        if iteration == self.window[0]:
-            self._start()
+        if self._profile is None:
+            self._start(iteration)
         with torch.profiler.record_function(f"step {iteration}"):
             yield
+        self._last = iteration
         if iteration == self.window[1]:
             self._write()
 
-    def _start(self) -> None:
+    def _start(self, iteration: int) -> None:
+        self._first = iteration
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.on_gpu:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -58,8 +63,9 @@ class StepProfiler:
         self._profile.__enter__()
 
     def _write(self) -> None:
-        first, last = self.window
+        first, last = self._first, self._last
         self._profile.__exit__(None, None, None)
+        self._done = True
         self.out.mkdir(parents=True, exist_ok=True)
         trace = self.out / f"rank-{self.rank}.iter_{first}-{last}.json"
         self._profile.export_chrome_trace(str(trace))

@@ -347,3 +347,16 @@ def test_the_log_gives_mfu_in_torchtitans_convention_beside_megatron_lms(monkeyp
     other_half = 6 * m.num_layers * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads) \
         * m.seq_length * tokens
     assert scalars["train/mfu_full_attention"] - scalars["train/mfu"] == pytest.approx(other_half / 0.5 / 2 / 1e14)
+
+
+def test_a_run_resumed_inside_the_profile_window_traces_from_where_it_resumed(tmp_path):
+    """logging.profile_steps=[2,4] and a run resumed at iteration 2 (its first step is 3): the trace covers 3-4
+    instead of the run crashing at 4 on a profile never started; a rewind back into the window traces nothing more."""
+    from megatron_ext.metrics.profiler import StepProfiler
+
+    cfg = load_config(TINY, ["logging.profile_steps=[2,4]", f"logging.log_dir={tmp_path / 'logs'}"])
+    profiler = StepProfiler(cfg, rank=0, on_gpu=False)
+    for iteration in (3, 4, 3, 4):
+        with profiler.step(iteration):
+            torch.ones(4).sum()
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank-0.iter_3-4.json"]
