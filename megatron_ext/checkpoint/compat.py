@@ -85,8 +85,9 @@ def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
             continue
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        if is_torch_adam(inner):
-            state["step"] = torch.zeros((), dtype=torch.float32)
+        if is_torch_adam(inner):  # where torch Adam keeps it: beside the param when fused or capturable
+            on_param = inner.defaults.get("fused") or inner.defaults.get("capturable")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_param else "cpu")
 
 
 def optimizer_substates(optimizer: MegatronOptimizer, state: Any) -> list[tuple[MegatronOptimizer, dict]]:

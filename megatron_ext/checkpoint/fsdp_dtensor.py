@@ -33,6 +33,7 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_s
 from megatron_ext.checkpoint import compat, safe_unpickle
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import COMMON_STATE, DCP_METADATA, DIST_METADATA
+from megatron_ext.distributed.parallel import device
 
 FORMAT = "fsdp_dtensor"  # megatron-core's distrib_optim_sharding_type and Megatron-LM's --ckpt-format
 _WRAPPER = "module."  # what each wrapper (FSDP adapter, MegatronFSDP) adds in front of a parameter's name
@@ -87,7 +88,8 @@ def _agree_on_step_counts(optimizer_state: dict[str, Any]) -> None:
     steps = [moments["step"] for _, moments in sorted(optimizer_state["state"].items()) if "step" in moments]
     if not steps:
         return
-    agreed = torch.stack([step.float() for step in steps])
+    # torch Adam keeps its steps on the host unless fused; NCCL reduces device tensors only
+    agreed = torch.stack([step.float().to(device()) for step in steps])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     for step, value in zip(steps, agreed):
         step.fill_(value.item())

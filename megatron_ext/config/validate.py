@@ -190,6 +190,10 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
     require(m.attention_dropout == 0.0 or cp == 1 or m.attention_backend == "te", "model.attention_dropout",
             m.attention_dropout, "ring attention (context_parallel_size > 1 without TransformerEngine) has no "
             "attention dropout: set it to 0, or model.attention_backend=te")
+    require(m.attention_dropout == 0.0 or not cfg.data.reset_attention_mask or m.attention_backend == "te",
+            "model.attention_dropout", m.attention_dropout, "document masking (data.reset_attention_mask) in the local "
+            "layers runs FlexAttention on a GPU, which has no attention dropout: set it to 0, or "
+            "model.attention_backend=te")
 
     if p.sequence_parallel:
         require(tp > 1, "parallel.sequence_parallel", True, "needs tensor_model_parallel_size > 1")
@@ -311,6 +315,10 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
             (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size",
              p.pipeline_model_parallel_size, "train.cuda_graphs keeps one graph per micro batch in flight under "
              "pipelining, which eval's different micro-batch count breaks; use it with pipeline size 1"),
+            (t.rerun_mode == "disabled" or m.hidden_dropout == m.attention_dropout == 0.0, "train.rerun_mode",
+             t.rerun_mode, "a re-run restores the random streams it saved, and the graph-safe ones of train.cuda_graphs "
+             "are saved by reference, so a re-run would draw other dropout masks: set the dropouts to 0 or "
+             "train.rerun_mode=disabled"),
         ]:
             require(ok, key, value, why)
 

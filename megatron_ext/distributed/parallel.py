@@ -47,6 +47,11 @@ def _restarted_world_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"megatron_ext/world_{restart}/", store)
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU, or the CPU in rehearsal."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
     """Process group (NCCL on GPU, gloo in CPU rehearsal), megatron-core's TP/CP/DP/PP groups, seeds."""
     p = cfg.parallel

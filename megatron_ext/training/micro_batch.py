@@ -12,12 +12,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_ext.distributed.parallel import device
 from megatron_ext.model.document_mask import pack_documents
-
-
-def device() -> torch.device:
-    """This rank's device: its GPU, or the CPU in rehearsal."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -38,6 +38,7 @@ from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.parallel import (
     describe_sharding,
     destroy_distributed,
+    device,
     init_distributed,
     stop_data_parallel_communication,
     wrap_with_ddp,
@@ -69,7 +70,6 @@ from megatron_ext.resilience.reruns import StepReruns
 from megatron_ext.resilience.spikes import LossSpikes, Spike
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training import micro_batch
-from megatron_ext.training.micro_batch import device
 from megatron_ext.training.optimizer import (
     build_optimizer,
     build_scheduler,

@@ -106,6 +106,11 @@ def test_overrides_are_typed():
         (["train.min_offloaded_tensor_size=-1"], 4, "train.min_offloaded_tensor_size=-1 is invalid"),
         (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
+        (["model.attention_dropout=0.1", "data.reset_attention_mask=true", "model.attention_backend=local"], 4,
+         "runs FlexAttention on a GPU, which has no attention dropout"),
+        (["train.cuda_graphs=true", "train.rerun_mode=validate_results", "model.hidden_dropout=0.1",
+          "parallel.pipeline_model_parallel_size=1"], 4, "train.rerun_mode='validate_results' is invalid: a re-run "
+         "restores the random streams it saved"),
     ],
 )
 def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, fragment):
