@@ -107,7 +107,8 @@ class ModelConfig:
     init_method_std: float = 0.02  # std of the normal weight initialisation
     # dropout on the attention and MLP outputs (Llama pretraining uses none; the planner counts no dropout masks)
     hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0  # dropout on the attention probabilities (not with ring attention, CP > 1)
+    # dropout on the attention probabilities (local layers: not with ring attention, CP > 1, nor document masking)
+    attention_dropout: float = 0.0
     untie_embeddings_and_output_weights: bool = True  # false = the output layer shares the embedding's weights
     # auto: TransformerEngine when importable; te; local: megatron-core's local layers (SDPA; ring attention
     # under CP)
