@@ -528,5 +528,5 @@ def pretrain(cfg: RecipeConfig, startup: Optional[StartupClock] = None) -> RunRe
 
 def _out_of_memory_advice(cfg: RecipeConfig) -> str:
     stage = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return out_of_memory_advice(cfg, stage, dist.get_world_size() if dist.is_initialized() else 1, device)
+    device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return out_of_memory_advice(cfg, stage, dist.get_world_size() if dist.is_initialized() else 1, device_bytes)
