@@ -43,6 +43,7 @@ from megatron_ext.config.schema import RerunModeName
 
 log = logging.getLogger("megatron_ext")
 
+
 def relative_difference(initial: torch.Tensor, rerun: torch.Tensor) -> float:
     """0 when the two results agree exactly, inf when they differ in which values are NaN, +inf or -inf, else the
     largest relative difference of their finite values."""
@@ -64,6 +65,7 @@ class StepReruns:
     def __init__(self, mode: RerunModeName, restorable: list[torch.Tensor], device: torch.device):
         self.mode, self.restorable, self.device = mode, restorable, device
         self.largest_difference = 0.0  # report_determinism_stats: this rank's, over the run
+        self._difference = 0.0  # the last re-run's, as megatron-core's comparison found it
         self.transient_faults = 0  # validate_results: the steps a re-run healed, in this process's life
         self._results: list[torch.Tensor] = []
         self._replayable: tuple[object, object] = (None, None)
@@ -109,17 +111,17 @@ class StepReruns:
                                      tolerance=0.0, fatal=False)
 
     def _compare(self, initial: torch.Tensor, rerun: torch.Tensor) -> float:
-        difference = relative_difference(initial, rerun)
-        if self.mode == "report_determinism_stats":
-            self.largest_difference = max(self.largest_difference, difference)
-        return difference
+        """megatron-core's comparison of a re-run's result with its run's, kept for the step's scalars."""
+        self._difference = relative_difference(initial, rerun)
+        return self._difference
 
     def step_scalars(self) -> dict[str, torch.Tensor]:
         """report_determinism_stats: this step's relative difference between its run and re-run, the largest over the
         ranks, as a device tensor (collective); {} otherwise."""
         if self.mode != "report_determinism_stats" or len(self._results) < 2:
             return {}
-        difference = torch.tensor(relative_difference(*self._results), device=self.device)
+        self.largest_difference = max(self.largest_difference, self._difference)
+        difference = torch.tensor(self._difference, device=self.device)
         dist.all_reduce(difference, op=dist.ReduceOp.MAX)
         return {"train/rerun_relative_difference": difference}
 
