@@ -96,7 +96,8 @@ class GoodputLedger:
             self.ledger = before
             self.ledger.starts += 1
             self.ledger.seconds["down"] += max(0.0, process_start - before.accounted_until)
-            self.ledger.accounted_until = process_start
+            # a start before the last record (a spare agent's launcher, waiting to join) counts from that record
+            self.ledger.accounted_until = max(process_start, before.accounted_until)
         self.written = float("-inf")
 
     def spent(self, bucket: Bucket) -> None:

@@ -120,6 +120,13 @@ class StartupClock:
         self.phases.append((phase, now - self.last))
         self.last = now
 
+    def not_before(self, moment: float) -> None:
+        """This attempt follows another whose last step was at `moment`: a launcher that started before it (a spare
+        agent, waiting to join until a node was lost) is no part of this attempt's start-up, which then starts with
+        its process."""
+        if self.phases and self.phases[0][0] == "launcher" and self.start < moment:
+            self.start += self.phases.pop(0)[1]
+
     def summary(self) -> str:
         parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.phases)
         return f"{self.last - self.start:.1f} s to the end of the first step: {parts}"

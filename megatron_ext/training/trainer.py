@@ -163,6 +163,8 @@ class Trainer:
         self.progress = ProgressRecord(progress_path(cfg.checkpoint.save), self.rank, self.world_size, self.dp_size,
                                        self.num_microbatches)
         self.restart = self.progress.restart(self.iteration)
+        if self.restart:
+            self.startup.not_before(self.restart.before.time)
         self._info(f"optimizer: {update_kernel(self.optimizer)}; " + (
             describe_sharding(self.model) if cfg.parallel.use_megatron_fsdp
             else _describe_grad_sync(self.model, self.optimizer)))

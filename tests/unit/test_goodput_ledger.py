@@ -76,3 +76,17 @@ def test_a_record_that_is_not_a_ledger_is_said_once_and_the_accounting_starts_ov
         ledger = GoodputLedger(tmp_path, 990.0, writer=True)
     assert ledger.ledger.starts == 1 and ledger.ledger.first_start == 990.0
     assert len(caplog.records) == 1 and "is not a goodput ledger" in caplog.text and str(tmp_path / GOODPUT) in caplog.text
+
+
+def test_an_attempt_whose_launcher_started_before_the_last_record_counts_from_that_record(tmp_path, clock):
+    """A spare agent's launcher waits from the job's start; when it joins after a node is lost, its workers' attempt
+    starts at the last record, so no second is counted twice and the total is still the wall-clock."""
+    first = _attempt(tmp_path, clock, 1000.0, range(1, 6))
+    first.write()  # the record is as of 1015
+    clock.now = 1020.0  # the spare's workers, started at the restart, reach their first record
+    second = GoodputLedger(tmp_path, process_start=1002.0, writer=True)  # its launcher started at 1002
+    second.spent("startup")
+    second.write()
+    ledger = Ledger(**json.loads((tmp_path / GOODPUT).read_text()))
+    assert ledger.total == clock.now - 1000.0 and ledger.seconds["down"] == 0.0, ledger
+    assert ledger.seconds["startup"] == 5.0 + 5.0, ledger  # each attempt's own

@@ -81,6 +81,23 @@ def test_the_startup_clock_splits_the_time_to_the_first_step_into_its_phases(mon
                                "model and optimizer 0.5 s, first step 7.0 s")
 
 
+def test_a_spare_agents_launcher_is_no_part_of_the_attempt_after_a_lost_node(monkeypatch):
+    """On a restart, a launcher phase that began before the previous attempt's last step (a spare agent waiting to
+    join) is dropped: the attempt starts with its process."""
+    from megatron_ext.metrics import run_logger
+
+    now = iter([100.0, 101.0])
+    monkeypatch.setattr(run_logger.time, "time", lambda: next(now))
+    clock = run_logger.StartupClock(since=40.0)
+    clock.mark("launcher", at=97.0)
+    clock.mark("imports")
+    clock.not_before(90.0)  # the previous attempt's last step
+    assert (clock.start, clock.phases) == (97.0, [("imports", 3.0)])
+    requeued = run_logger.StartupClock(since=95.0)
+    requeued.mark("launcher", at=97.0)
+    requeued.not_before(90.0)  # a requeue's launcher started after it: its phase is part of the recovery
+    assert (requeued.start, requeued.phases) == (95.0, [("launcher", 2.0)])
+
 def test_the_launchers_start_counts_on_a_first_start_by_an_elastic_agent_only(monkeypatch):
     import os
 
