@@ -50,9 +50,17 @@ def die_with_parent(sig: signal.Signals = PARENT_DEATH_SIGNAL) -> Optional[str]:
 
 
 _guarded_parent: Optional[int] = None
+_launcher_gone_raised = False
 
 
 def _on_parent_death(signum: int, _frame) -> None:
+    """Raise LauncherGone once. The kernel signals a child again each time it is handed to another of the dying
+    launcher's threads (two SIGHUPs within milliseconds from a SIGKILLed torchrun, measured with strace); a second
+    raise would land in the first one's unwind, before the rank's log says why, and leave the rank silently."""
+    global _launcher_gone_raised
+    if _launcher_gone_raised:
+        return
+    _launcher_gone_raised = True
     raise LauncherGone(128 + signum)
 
 

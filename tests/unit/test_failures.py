@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import errno
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -90,6 +93,26 @@ def test_advice_carried_by_an_error_is_printed_on_its_own_line(tmp_path, capsys,
                    "start-up", tmp_path)
     assert capsys.readouterr().err.splitlines()[:2] == ["[rank 0, start-up] checkpoint error: ckpt/iter_0000004 "
                                                         "is corrupt", "  → resume from iter_0000002"]
+
+
+def test_a_second_parent_death_signal_does_not_cut_short_the_reporting_of_the_first():
+    """A SIGKILLed torchrun signals each rank twice within milliseconds (once per launcher thread the rank is handed
+    to): the second must not raise inside the first one's failure path, which then ended the rank without its log
+    line."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from megatron_ext.resilience.process_guard import LauncherGone, _on_parent_death
+        signal.signal(signal.SIGHUP, _on_parent_death)
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(5)
+        except LauncherGone:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)  # the failure path: the second signal's handler runs in here
+            print("reported")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "reported\n" and done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
 def test_out_of_memory_advice_names_stage_micro_batch_and_the_planner_estimate():
