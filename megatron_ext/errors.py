@@ -17,6 +17,9 @@ EXIT_DIVERGED = 3  # non-finite loss or gradients
 EXIT_HUNG = 4  # the hang watchdog ended the job: requeue it, it resumes from the last checkpoint
 EXIT_PEER_FAILED = 5  # this rank stopped because another one failed (that one's message says why)
 EXIT_STORAGE = 6  # disk full, quota or permission denied on a path: not a node fault, so not requeued elsewhere
+# a step's fault recurred when re-run on the same GPUs (train.recurring_fault=rerun_elsewhere): resume without the
+# node(s) named in the run record, where the step runs again. megatron-core's EXIT_CODE_RESUME_TO_DISAMBIGUATE
+EXIT_RERUN_ELSEWHERE = 16
 # The errno values that make an OSError a storage error (EXIT_STORAGE)
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -44,6 +47,13 @@ class RecipeError(Exception):
     def __init__(self, message: str, advice: str = "") -> None:
         super().__init__(message)
         self.advice = advice
+
+
+class RerunElsewhereError(RecipeError):
+    """A step's fault recurred in place: the job must re-run the step on other GPUs (train.recurring_fault)."""
+
+    kind = "fault recurred"
+    exit_code = EXIT_RERUN_ELSEWHERE
 
 
 class ConfigError(RecipeError, ValueError):

@@ -17,14 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_config, log_dir
 from megatron_ext.errors import EXIT_FAILED, EXIT_HUNG, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.agent import Agent, agent
 from megatron_ext.resilience.failures import rank_log
-from megatron_ext.resilience.run_record import NodeRecord, forget, node_record_path, write_node_end
+from megatron_ext.resilience.run_record import NodeRecord, forget, node_name, node_record_path, write_node_end
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
 
 
@@ -103,11 +102,6 @@ def _root_cause(failures: dict) -> tuple[int, object]:
     return min(failures.items(), key=lambda item: (_is_consequence(item[1], hung), item[1].timestamp, item[0]))
 
 
-def _node() -> str:
-    """This node's name as SLURM knows it (what ``--exclude`` takes), else its hostname."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def _stopped_by(received: signal.Signals, save: str | None, stop_s: float) -> str:
     """The line after a stop on a signal: where the run can resume from, read from what the ranks left; when they
     were ended before they saved, the --shutdown-timeout a stop needs by the plan (`stop_s`). torchrun's default (30
@@ -171,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
-    node = _node()
+    node = node_name()
     forget(node_record_path(log_dir(cfg), node))
     try:
         chosen.run(args)

@@ -143,12 +143,13 @@ _requeue_after_failure() {
     _requeue "$exclude"
 }
 
-# The run's verdict as shell assignments (ENDED, ITERATION, FAILED_NODES), read by a standard-library module: the
+# The run's verdict as shell assignments (ENDED, ITERATION, FAILED_NODES, SUSPECT_NODES), read by a standard-library module: the
 # host's python3 when the ranks run in a container. Empty values when no record could be read.
 _run_record() {
     local py=$PYTHON
     [[ -n ${CONTAINER_IMAGE:-} ]] && py=python3
-    "$py" -m megatron_ext.resilience.run_record "$1" 2>/dev/null || echo 'ENDED="" ITERATION="" FAILED_NODES=""'
+    "$py" -m megatron_ext.resilience.run_record "$1" 2>/dev/null ||
+        echo 'ENDED="" ITERATION="" FAILED_NODES="" SUSPECT_NODES=""'
 }
 
 slurm_pretrain() {
@@ -246,7 +247,7 @@ slurm_pretrain() {
     done
 
     # How the run ended, from the records its ranks and launchers wrote (megatron_ext/resilience/run_record.py)
-    local ENDED="" ITERATION="" FAILED_NODES=""
+    local ENDED="" ITERATION="" FAILED_NODES="" SUSPECT_NODES=""
     eval "$(_run_record "$run_dir/logs")"
     if [[ $ENDED == "exit signal" ]]; then
         _log "training checkpointed and stopped early on a signal after iteration $ITERATION (srun exit $rc)"
@@ -273,6 +274,13 @@ slurm_pretrain() {
         _log "not requeueing: exit $rc (config, data or checkpoint error, divergence, or a full or unwritable" \
              "disk) needs a fix first"
         return "$rc"
+    fi
+    if ((rc == EXIT_RERUN_ELSEWHERE)); then
+        # train.recurring_fault=rerun_elsewhere: the step after the checkpoint runs again on other GPUs, which tells a
+        # faulty GPU from bad data (megatron_ext/resilience/reruns.py)
+        _requeue_after_failure "iteration $((ITERATION + 1))'s fault recurred when re-run on ${SUSPECT_NODES:-its node}" \
+            "$SUSPECT_NODES" || return "$rc"
+        return 0
     fi
     if ((rc == EXIT_HUNG)); then
         # The watchdog named the hung rank(s) in the log and wrote every live rank's stacks to rank-N.log.

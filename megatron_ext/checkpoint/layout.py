@@ -24,6 +24,8 @@ RUN_LOCK = "run.lock"  # held by the run writing into this directory (checkpoint
 PROGRESS = "progress.json"  # the iteration the run reached, when and on which world (resilience.elastic)
 DATA_SKIPS = "data_skips.json"  # training data the run skips, from where to where (checkpoint.data_skips)
 GOODPUT = "goodput.json"  # where the run's wall-clock went since its first start (metrics.goodput_ledger)
+# a step to re-run on other GPUs than those where its fault recurred (resilience.reruns, train.recurring_fault)
+RERUN_ELSEWHERE = "rerun_elsewhere.json"
 # `content` in a checkpoint's common state: a training run's full state, or model weights only
 # (e.g. converted from Hugging Face), which `checkpoint.load` starts from at iteration 0.
 TRAINING_STATE = "training_state"

@@ -51,6 +51,7 @@ class CheckpointManager:
         self.saver = AsyncCheckpointSaver() if self.enabled and use_async else None
         self.lock: RunLock | None = None
         self.last_save = time.monotonic()  # the clock checkpoint.save_interval_minutes runs on
+        self.saved_iteration: Optional[int] = None  # the last checkpoint this run wrote
 
     def load(self, start: Optional[StartPoint] = None) -> Resumed:
         """Take the save directory's run lock, then resume (checkpoint.load) or start from weights
@@ -115,7 +116,7 @@ class CheckpointManager:
             ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
             keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
             optimizer_format=optimizer_format_for(self.cfg, iteration), before_commit=self._before_commit)
-        self.last_save = time.monotonic()
+        self.last_save, self.saved_iteration = time.monotonic(), iteration
         return path, time.perf_counter() - start
 
     def _before_commit(self) -> None:

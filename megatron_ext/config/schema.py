@@ -73,6 +73,7 @@ OPTIMIZER_FORMATS: tuple[str, ...] = get_args(OptimizerFormat)
 # or the run rewound to its newest checkpoint with the data advanced past the spike
 SpikePolicy = Literal["off", "warn", "skip", "rewind"]
 RerunModeName = Literal["disabled", "validate_results", "report_determinism_stats"]  # megatron-core's RerunMode
+RecurringFault = Literal["policies", "rerun_elsewhere"]
 # Keys of earlier versions: a config naming one gets a line pointing at its successor; configs saved inside older
 # checkpoints drop them when read back (recipes.convert)
 RETIRED_KEYS = {
@@ -273,10 +274,15 @@ class TrainConfig:
     max_rewinds: int = 3  # skip/rewind: the spikes a run acts on; the next one stops it (exit 3)
     # megatron-core's rerun state machine. validate_results: a step whose loss or gradients are non-finite on a rank
     # is run again from the same state before anything else; if the re-run is finite, the fault was transient and the
-    # step goes on with the re-run's result (one line names the rank's node and device), else skip_nonfinite_steps and
-    # spike_policy decide. Costs a host sync per step. report_determinism_stats: every step runs twice, and
+    # step goes on with the re-run's result (one line names the rank's node and device), else train.recurring_fault
+    # decides. Costs a host sync per step. report_determinism_stats: every step runs twice, and
     # train/rerun_relative_difference says how far apart (docs/monitoring.md "Re-running a step")
     rerun_mode: RerunModeName = "disabled"
+    # validate_results, when a step's fault recurs on its re-run: policies (skip_nonfinite_steps and spike_policy
+    # decide) or rerun_elsewhere (megatron-core's diagnosis: checkpoint before the step and exit 16; the SLURM
+    # templates requeue without the node, where the step runs again: a fault that recurs there is the data's or the
+    # model's and the policies decide, one that does not was that GPU's and the run goes on)
+    recurring_fault: RecurringFault = "policies"
 
 
 @dataclass

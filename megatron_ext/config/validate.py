@@ -96,6 +96,9 @@ def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
     require(t.spike_policy != "rewind" or cfg.checkpoint.save is not None, "train.spike_policy", t.spike_policy,
             "goes back to the newest checkpoint in checkpoint.save: set checkpoint.save (and a "
             "checkpoint.save_interval), or use train.spike_policy=skip")
+    require(t.recurring_fault == "policies" or (t.rerun_mode == "validate_results" and cfg.checkpoint.save),
+            "train.recurring_fault", t.recurring_fault, "re-runs a step whose fault recurred in place on other GPUs, "
+            "from a checkpoint saved before it: set train.rerun_mode=validate_results and checkpoint.save")
     collective_timeout_s, hang_s = collective_timeout_minutes(cfg) * 60, hang_timeout_s(cfg)
     require(hang_s is None or 0 < hang_s < collective_timeout_s, "train.hang_timeout_s", hang_s, f"must be null (off) or between 0 and parallel.distributed_timeout_minutes × 60 = "
             f"{collective_timeout_s} s, so that the watchdog names the hung rank before the collectives time out")

@@ -6,25 +6,36 @@ step again from the same state: the same micro batches (megatron-core's ``RerunD
 states, router expert biases and router statistics. If the re-run's sums are finite, the first result was a
 transient fault (a flaky GPU, silent data corruption): the step goes on with the re-run's result, and the rank that
 saw the fault says so in one line naming its node and device. If the fault recurs, the data or the model made it (or
-a fault that persists on that device: only a run on another GPU tells), and train.skip_nonfinite_steps and
-train.spike_policy decide as without re-runs. The first step after each start is not checked (megatron-core's rule:
-no checkpoint could yet hold the state before it).
+a fault that persists on that device: only a run on another GPU tells). What then is train.recurring_fault's:
+
+- ``policies``: train.skip_nonfinite_steps and train.spike_policy decide, as without re-runs;
+- ``rerun_elsewhere`` (megatron-core's diagnosis): the state before the step is saved as a checkpoint, the node(s)
+  and device(s) where the fault began are written beside it (:class:`PendingRerun`) and in the run record, and
+  every rank exits 16. The SLURM templates requeue the job without those nodes; there the step runs again. If the
+  fault recurs on other GPUs, the data or the model made it, and the policies decide; if not, those GPUs were faulty
+  and the run goes on. A job that lands on a suspect GPU again exits 16 before training.
+
+The first step after each start is not checked in place (megatron-core's rule: no checkpoint could yet hold the state
+before it).
 
 ``report_determinism_stats``: every step runs twice; the relative difference between the two results is
 ``train/rerun_relative_difference`` and its largest value is said at the end: how far the run is from
 bit-reproducible.
 
 What it costs (validate_results): one host sync and one all-reduce per step, since the state machine decides on the
-host whether to re-run. What is not used: megatron-core's fatal path, which checkpoints and exits (16) so that the
-job resumes on another GPU to re-run the step there; here a recurring fault is the run's own policies' to handle.
+host whether to re-run. Where megatron-core's fatal path exits 17 after the re-run on other GPUs whatever it found
+(and after a transient fault), here a transient fault heals in place, a faulty GPU's step goes on once it ran
+elsewhere, and a fault that is the data's goes to the run's policies.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import os
-from typing import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +50,10 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from megatron_ext.config.schema import RerunModeName
+from megatron_ext.checkpoint.layout import RERUN_ELSEWHERE, write_atomically
+from megatron_ext.config.schema import RecurringFault, RerunModeName
+from megatron_ext.errors import CheckpointError, RerunElsewhereError
+from megatron_ext.resilience.run_record import TrainingRecord, node_name, write_training_end
 
 log = logging.getLogger("megatron_ext")
 
@@ -57,13 +71,79 @@ def relative_difference(initial: torch.Tensor, rerun: torch.Tensor) -> float:
     return float(((a - b).abs()[nonzero] / scale[nonzero]).max()) if bool(nonzero.any()) else 0.0
 
 
+@dataclass(frozen=True)
+class Suspect:
+    """Where a fault that recurred in place began: the rank, its node (as SLURM names it) and device."""
+
+    rank: int
+    node: str
+    device: int
+    what: Literal["loss", "gradients"]
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}'s {self.what} on node {self.node}, device {self.device}"
+
+
+@dataclass(frozen=True)
+class PendingRerun:
+    """Step `iteration`'s fault recurred in place on the `suspects`' GPUs; the checkpoint of the iteration before it
+    is where the job resumes to run it on others. Kept in ``<checkpoint.save>/rerun_elsewhere.json`` until then."""
+
+    iteration: int
+    suspects: tuple[Suspect, ...]
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({s.node for s in self.suspects})
+
+    def places(self) -> set[tuple[str, int]]:
+        return {(s.node, s.device) for s in self.suspects}
+
+    def describe(self) -> str:
+        return "; ".join(map(str, self.suspects))
+
+    @staticmethod
+    def path(save: str | Path) -> Path:
+        return Path(save) / RERUN_ELSEWHERE
+
+    def write(self, save: str | Path) -> None:
+        write_atomically(self.path(save), json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, save: Optional[str | Path]) -> Optional[PendingRerun]:
+        """The step waiting to run elsewhere, if one is (checked: a malformed file is one CheckpointError)."""
+        path = cls.path(save) if save else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            stored = json.loads(path.read_text())
+            suspects = tuple(Suspect(**entry) for entry in stored["suspects"])
+            pending = cls(iteration=stored["iteration"], suspects=suspects)
+            if (type(pending.iteration) is not int or pending.iteration < 1 or not suspects
+                    or any(type(s.rank) is not int or type(s.device) is not int or not isinstance(s.node, str)
+                           or s.what not in ("loss", "gradients") for s in suspects)):
+                raise ValueError("a field out of range")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{path}: not a step to re-run elsewhere ({type(e).__name__}: {e}); expected "
+                '{"iteration": N, "suspects": [{"rank": R, "node": "...", "device": D, "what": "loss"}]}: correct it, '
+                "or delete it to resume without the diagnosis") from None
+        return pending
+
+
 class StepReruns:
     """train.rerun_mode for one rank's run. The loop runs each step's forward and backward passes once for every item
     of :meth:`runs` and passes each run's :func:`step_sums` to :meth:`check`. `restorable`: tensors that a step's
     forward and backward passes change and a re-run must start from (router expert biases and statistics)."""
 
-    def __init__(self, mode: RerunModeName, restorable: list[torch.Tensor], device: torch.device):
+    def __init__(self, mode: RerunModeName, restorable: list[torch.Tensor], device: torch.device,
+                 recurring_fault: RecurringFault = "policies"):
         self.mode, self.restorable, self.device = mode, restorable, device
+        self.recurring_fault = recurring_fault
+        self.elsewhere = False  # the last step's fault recurred in place: stop, to re-run it on other GPUs
+        self.suspects: tuple[Suspect, ...] = ()
+        self.pending: Optional[PendingRerun] = None  # a step this run re-runs on other GPUs (see resume)
+        self._pending_path: Optional[Path] = None
         self.largest_difference = 0.0  # report_determinism_stats: this rank's, over the run
         self._difference = 0.0  # the last re-run's, as megatron-core's comparison found it
         self.transient_faults = 0  # validate_results: the steps a re-run healed, in this process's life
@@ -73,6 +153,11 @@ class StepReruns:
         initialize_rerun_state_machine(mode=RerunMode(mode), state_save_func=self._save,
                                        state_restore_func=self._restore)
         self.machine = get_rerun_state_machine()
+
+    @property
+    def device_index(self) -> int:
+        """This rank's GPU on its node (0 on the CPU rehearsal)."""
+        return self.device.index or 0
 
     @property
     def on(self) -> bool:
@@ -98,7 +183,8 @@ class StepReruns:
         while self.machine.should_run_forward_backward(data_iterator):
             yield run
             run += 1
-        self.machine.should_checkpoint_and_exit()  # never asks to (non-fatal checks); marks the first step done
+        # asks to only after a fault that recurred under rerun_elsewhere; marks the first step done
+        self.elsewhere = self.machine.should_checkpoint_and_exit()[0]
 
     def check(self, sums: torch.Tensor) -> None:
         """This run's loss and gradient sums: megatron-core rejects non-finite ones (a host sync) and compares a
@@ -106,9 +192,14 @@ class StepReruns:
         if not self.on:
             return
         self._results.append(sums.detach().clone())
+        # megatron-core's fatal check checkpoints (after restoring the state before the step) when a re-run
+        # reproduces the result, but also stops after a re-run that does not: fatal only for a reproduced fault
+        reproduced = len(self._results) == 2 and relative_difference(*self._results) == 0.0
+        fatal = (self.recurring_fault == "rerun_elsewhere" and reproduced
+                 and self.pending is None)  # a step re-run elsewhere already is the data's when it recurs
         self.machine.validate_result(sums.detach(), rejection_func=lambda s: not bool(torch.isfinite(s).all()),
                                      message="non-finite loss or gradient sum", comparison_func=self._compare,
-                                     tolerance=0.0, fatal=False)
+                                     tolerance=0.0, fatal=fatal)
 
     def _compare(self, initial: torch.Tensor, rerun: torch.Tensor) -> float:
         """megatron-core's comparison of a re-run's result with its run's, kept for the step's scalars."""
@@ -125,9 +216,13 @@ class StepReruns:
         dist.all_reduce(difference, op=dist.ReduceOp.MAX)
         return {"train/rerun_relative_difference": difference}
 
-    def outcome(self, iteration: int) -> bool:
-        """validate_results, after a step that was re-run (collective then): whether the re-run healed it (no rank's
-        fault recurred); the ranks where the fault began say what they saw. False without a re-run."""
+    def outcome(self, iteration: int, sums: torch.Tensor) -> bool:
+        """After step `iteration`'s runs, `sums` the last one's: whether a re-run healed it (no rank's fault
+        recurred); the ranks where the fault began say what they saw. False without a re-run. Collective after a
+        re-run and for a step re-run elsewhere (:meth:`resume`)."""
+        if self.pending is not None and self.pending.iteration == iteration:
+            self._diagnose(sums)
+            return False
         if self.mode != "validate_results" or len(self._results) < 2:
             return False
         first, again = ((~torch.isfinite(r)).tolist() for r in self._results)
@@ -135,9 +230,18 @@ class StepReruns:
         dist.all_reduce(mine)
         losses_bad, recurred = mine.tolist()
         # a rank's gradients are non-finite after the data-parallel reduction when another rank's loss was
-        if first[0] or (not losses_bad and any(first)):
-            what = "loss" if first[0] else "gradients"
-            where = f"node {os.uname()[1]}, device {torch.cuda.current_device()}"
+        began_here = first[0] or (not losses_bad and any(first))
+        what = "loss" if first[0] else "gradients"
+        if self.elsewhere:
+            self.suspects = self._gather_suspects(what if began_here and any(again) else None)
+            if began_here:
+                log.warning(f"iteration {iteration}: this rank's non-finite {what} recurred when the step was re-run on "
+                            f"the same device (node {node_name()}, device {self.device_index}): the job "
+                            "saves the state before the step and stops (exit 16) to re-run it on other GPUs "
+                            "(train.recurring_fault=rerun_elsewhere)")
+            return False
+        if began_here:
+            where = f"node {node_name()}, device {self.device_index}"
             if any(again):
                 log.warning(f"iteration {iteration}: this rank's non-finite {what} recurred when the step was re-run on "
                             f"the same device ({where}): the data or the model made it, or a fault that persists on "
@@ -150,6 +254,77 @@ class StepReruns:
         healed = not recurred
         self.transient_faults += healed
         return healed
+
+    def _gather_suspects(self, mine: Optional[str]) -> tuple[Suspect, ...]:
+        """Collective: every rank where a fault that recurred in place began (`mine`: this rank's "loss" or
+        "gradients", or None)."""
+        entry = Suspect(dist.get_rank(), node_name(), self.device_index, mine) if mine else None
+        gathered: list[Optional[Suspect]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entry)
+        return tuple(s for s in gathered if s is not None)
+
+    def stop_to_rerun_elsewhere(self, iteration: int, save: str, log_dir: str) -> None:
+        """After the checkpoint of `iteration - 1` is complete: record the step to re-run elsewhere (beside the
+        checkpoints, and in the run record for the SLURM templates) and raise RerunElsewhereError (exit 16)."""
+        pending = PendingRerun(iteration, self.suspects)
+        if dist.get_rank() == 0:
+            pending.write(save)
+        self._tell_the_scheduler(pending, iteration - 1, log_dir)
+        raise RerunElsewhereError(
+            f"iteration {iteration}'s non-finite result recurred when re-run on the same GPUs ({pending.describe()}): "
+            f"the checkpoint of iteration {iteration - 1} holds the state before it",
+            advice=f"resume without node(s) {','.join(pending.nodes)} (the SLURM templates requeue so; by hand: sbatch "
+                   f"--exclude={','.join(pending.nodes)}): the step runs again there, which tells a faulty GPU from "
+                   "bad data")
+
+    @staticmethod
+    def _tell_the_scheduler(pending: PendingRerun, iteration: int, log_dir: str) -> None:
+        if dist.get_rank() == 0:
+            write_training_end(log_dir, TrainingRecord("rerun elsewhere", iteration, suspect_nodes=pending.nodes))
+        dist.barrier()
+
+    def resume(self, save: Optional[str], iteration: int, log_dir: str) -> None:
+        """At the start of training (collective): a step waiting to run elsewhere (:class:`PendingRerun`) after
+        `iteration` is diagnosed when it runs; RerunElsewhereError (exit 16) if any rank is on a suspect GPU again."""
+        pending = PendingRerun.read(save)
+        if pending is None:
+            return
+        if pending.iteration <= iteration:  # a checkpoint past it was resumed: nothing left to tell apart
+            if dist.get_rank() == 0:
+                pending.path(save).unlink(missing_ok=True)
+            return
+        places: list[tuple[str, int]] = [("", 0)] * dist.get_world_size()
+        dist.all_gather_object(places, (node_name(), self.device_index))
+        again = [(rank, *place) for rank, place in enumerate(places) if place in pending.places()]
+        if again:
+            self._tell_the_scheduler(pending, iteration, log_dir)
+            rank, node, device = again[0]
+            raise RerunElsewhereError(
+                f"iteration {pending.iteration} is to run on other GPUs than those where its fault recurred "
+                f"({pending.describe()}), but rank {rank} is on node {node}, device {device} again",
+                advice=f"resume without node(s) {','.join(pending.nodes)} (sbatch --exclude=...; the SLURM templates "
+                       f"requeue so), or delete {pending.path(save)} to go on without the diagnosis")
+        self.pending, self._pending_path = pending, pending.path(save)
+        if dist.get_rank() == 0:
+            log.warning(f"iteration {pending.iteration} runs on other GPUs than those where its fault recurred "
+                        f"({pending.describe()}): its result tells a faulty GPU from bad data")
+
+    def _diagnose(self, sums: torch.Tensor) -> None:
+        """Collective: the step re-run elsewhere, and what its result says."""
+        pending, self.pending = self.pending, None
+        recurred = torch.tensor(int(not bool(torch.isfinite(sums).all())), device=self.device)
+        dist.all_reduce(recurred)
+        if dist.get_rank() != 0:
+            return
+        if recurred.item():
+            log.warning(f"iteration {pending.iteration}: the non-finite result that recurred on {pending.describe()} "
+                        "recurred on other GPUs too: the data or the model made it, not a GPU; "
+                        "train.skip_nonfinite_steps and train.spike_policy decide")
+        else:
+            log.warning(f"iteration {pending.iteration}: the fault that recurred on {pending.describe()} did not recur "
+                        f"on other GPUs: that GPU is faulty; the run goes on (keep node(s) {','.join(pending.nodes)} "
+                        "out of later jobs)")
+        self._pending_path.unlink(missing_ok=True)
 
     def _save(self) -> dict:
         """What megatron-core's state machine saves before a step (it saves the Python, NumPy, torch and CUDA random

@@ -3,14 +3,15 @@ run) read instead of console text, which several nodes interleave into one log.
 
 Two kinds of writer, each its own JSON file, written whole (temporary file, then rename):
 
-- rank 0, when training ends: ``training.json`` — how it ended (``finished``, ``exit signal``, ``exit interval``), at
-  which iteration, and where the run's wall-clock went since its first start (the goodput ledger's seconds);
+- rank 0, when training ends: ``training.json`` — how it ended (``finished``, ``exit signal``, ``exit interval``,
+  ``rerun elsewhere``), at which iteration, where the run's wall-clock went since its first start (the goodput
+  ledger's seconds), and for ``rerun elsewhere`` the nodes a requeue must leave out;
 - each node's launcher (``recipes.launch``), when its ranks have ended: ``node-<name>.json`` — its exit code and, when
   one of its ranks failed by itself, that rank (a node whose ranks only stopped because a peer failed says
   ``followed``).
 
 ``python -m megatron_ext.resilience.run_record LOG_DIR`` prints the job's verdict as shell assignments
-(``ENDED=... ITERATION=... FAILED_NODES=...``). Standard library only: the SLURM batch script runs it with the host's
+(``ENDED=... ITERATION=... FAILED_NODES=... SUSPECT_NODES=...``). Standard library only: the SLURM batch script runs it with the host's
 ``python3`` when the ranks run in a container.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -29,7 +31,7 @@ RECORD_DIR = "run-result"
 TRAINING_RECORD = "training.json"
 VERSION = 1
 
-TrainingEnd = Literal["finished", "exit signal", "exit interval"]
+TrainingEnd = Literal["finished", "exit signal", "exit interval", "rerun elsewhere"]
 NodeOutcome = Literal["finished", "failed", "followed", "signalled"]
 
 
@@ -39,6 +41,8 @@ class TrainingRecord:
     iteration: int
     # where the run's wall-clock went since its first start, in seconds per bucket (metrics.goodput_ledger)
     goodput_seconds: Optional[dict[str, float]] = None
+    # "rerun elsewhere": the nodes whose GPUs met a fault that recurred in place (resilience.reruns)
+    suspect_nodes: Optional[list[str]] = None
     version: int = VERSION
 
 
@@ -49,6 +53,11 @@ class NodeRecord:
     exit_code: int
     failed_rank: Optional[int] = None  # the rank on this node that failed first (outcome "failed")
     version: int = VERSION
+
+
+def node_name() -> str:
+    """This node's name as SLURM knows it (what ``--exclude`` takes), else its hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def record_dir(log_dir: str | Path) -> Path:
@@ -112,11 +121,11 @@ def read_node_ends(log_dir: str | Path) -> list[NodeRecord]:
 
 def verdict(log_dir: str | Path) -> dict[str, str]:
     """ENDED (a TrainingEnd, or empty when training did not end), ITERATION, FAILED_NODES (comma-separated: the
-    nodes where a rank failed by itself)."""
+    nodes where a rank failed by itself), SUSPECT_NODES (comma-separated: ``rerun elsewhere``'s)."""
     training = read_training_end(log_dir)
     failed = [r.node for r in read_node_ends(log_dir) if r.outcome == "failed"]
     return {"ENDED": training.ended if training else "", "ITERATION": str(training.iteration) if training else "",
-            "FAILED_NODES": ",".join(failed)}
+            "FAILED_NODES": ",".join(failed), "SUSPECT_NODES": ",".join(training.suspect_nodes or []) if training else ""}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

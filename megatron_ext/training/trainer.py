@@ -204,7 +204,7 @@ class Trainer:
         self.router_metrics = RouterMetrics(self.cfg, device(), self.model)
         self.mtp_metrics = MTPMetrics(self.cfg, device())
         self.reruns = StepReruns(t.rerun_mode, [self.router_metrics.counts, self.router_metrics.tokens,
-                                                *expert_biases(self.model)], device())
+                                                *expert_biases(self.model)], device(), t.recurring_fault)
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
                                      ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
@@ -271,7 +271,9 @@ class Trainer:
                 # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
                 sums = step_sums(losses, self.model, device(), check_grads=self.cfg.train.precision != "fp16")
                 self.reruns.check(sums)
-        healed = self.reruns.outcome(self.iteration + 1)
+        healed = self.reruns.outcome(self.iteration + 1, sums)
+        if self.reruns.elsewhere:  # nothing of this step is kept: the job re-runs it on other GPUs
+            return False
         if healed:
             self.run_logger.transient_faults(self.iteration + 1, self.reruns.transient_faults)
         with self.metrics.timers.region("loss_sync"):
@@ -357,6 +359,16 @@ class Trainer:
         self.run_logger.checkpoint_stall(self.iteration, stall)
         return path
 
+    def _stop_to_rerun_elsewhere(self, result: RunResult) -> None:
+        """The step after this iteration met a fault that recurred in place (train.recurring_fault=rerun_elsewhere):
+        the steps before it recorded, the state before it saved (unless the interval just did), then exit 16."""
+        self._settle(result)
+        if self.checkpointer.saved_iteration != self.iteration:
+            self._checkpoint(stopping=True)
+        self.checkpointer.close()  # complete before the job is requeued
+        self.where = f"iteration {self.iteration + 1}"
+        self.reruns.stop_to_rerun_elsewhere(self.iteration + 1, self.cfg.checkpoint.save, log_dir(self.cfg))
+
     def _settles(self, exit_interval: bool, first: bool) -> bool:
         """Whether this step boundary reads the device: the first step (the start-up line reports its time), a
         logging step, an evaluation, a save by the interval, train.exit_interval, the last step, and every step where
@@ -431,6 +443,7 @@ class Trainer:
                    f"seq {cfg.model.seq_length}")
         bar = tqdm(total=t.train_iters, initial=self.iteration, desc="train", unit="step",
                    disable=self.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+        self.reruns.resume(cfg.checkpoint.save, self.iteration, log_dir(cfg))
         self.watchdog.start(self.iteration)
         self.goodput.spent("startup")
         while self.iteration < t.train_iters:
@@ -439,6 +452,8 @@ class Trainer:
             with self.profiler.step(self.iteration + 1):
                 # the wait for each batch counts as the step's data time
                 updated = self.train_step(self.data.training_batches(self.metrics.timers.timed_batches))
+            if self.reruns.elsewhere:
+                self._stop_to_rerun_elsewhere(result)
             self.iteration += 1
             self.data.step_done(self.iteration)
             if updated:

@@ -5,36 +5,46 @@ NaN that a re-run of the step does not meet again is healed and leaves every ste
 bit-identical to a run that never met it; a NaN that recurs is skipped as train.skip_nonfinite_steps says, as without
 re-runs; report_determinism_stats runs each step twice and finds the CPU bit-reproducible but for the step whose
 first run met the fault (tests/workers/faulty_step_worker.py makes the faults). Without the bias restored, or megatron-core's random states,
-the healed run's numbers differ from the reference (tried)."""
+the healed run's numbers differ from the reference (tried). Under train.recurring_fault=rerun_elsewhere a fault that
+recurs in place stops the job (exit 16) with the state before the step saved, and the step runs again on another
+"node" (SLURMD_NODENAME), which tells a faulty GPU from the data."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
 
+from megatron_ext.checkpoint.layout import RERUN_ELSEWHERE, complete_iterations
+from megatron_ext.errors import EXIT_RERUN_ELSEWHERE
+from megatron_ext.resilience.run_record import verdict
 from tests.launch import ROOT, SMALL_MODEL, read_scalars, run_pretrain
 
 TRANSIENT, RECURRING, STEPS = 2, 4, 5  # the first step after a start is not checked (megatron-core's rule)
 FAULTY_RANK = 1  # the last pipeline stage, where the loss is computed
 
 
-def _run(root, mode: str, faults: dict[str, str], steps: int = STEPS) -> tuple[str, dict[str, dict[int, float]]]:
+def _run(root, mode: str, faults: dict[str, str], steps: int = STEPS, name: str = "", extra: tuple[str, ...] = (),
+         exit_code: int = 0) -> tuple[str, dict[str, dict[int, float]]]:
     """A run's console and its every-step numbers."""
-    tb = root / f"tb_{mode}"
+    name = name or mode
+    tb = root / f"tb_{name}"
     proc = run_pretrain(2, [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1",
                             "parallel.pipeline_model_parallel_size=2", "parallel.sequence_parallel=false",
                             "parallel.virtual_pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=1", f"train.train_iters={steps}",
                             "checkpoint.save=null", f"logging.tensorboard_dir={tb}",
-                            f"logging.log_dir={root / f'logs_{mode}'}", "model.moe_router_score_function=sigmoid",
+                            f"logging.log_dir={root / f'logs_{name}'}", "model.moe_router_score_function=sigmoid",
                             "model.moe_router_enable_expert_bias=true", "model.moe_aux_loss_coeff=0",
                             "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
-                            "train.skip_nonfinite_steps=1", f"train.rerun_mode={mode}"],
+                            "train.skip_nonfinite_steps=1", f"train.rerun_mode={mode}", *extra],
                         config=ROOT / "configs" / "tiny_moe.yaml", module="tests.workers.faulty_step_worker",
-                        env={"FAULTY_RANK": str(FAULTY_RANK), **faults})
+                        env={"FAULTY_RANK": str(FAULTY_RANK), **faults}, check=exit_code == 0)
+    # the suite's launcher ends as torchrun does (1) and names the rank's code
+    assert exit_code == 0 or f"failed first, exitcode : {exit_code}" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     tags = ("train/lm_loss", "train/grad_norm", "train/transient_faults", "train/rerun_relative_difference")
-    return proc.stdout, {tag: read_scalars(tb, tag) for tag in tags}
+    return proc.stdout + proc.stderr, {tag: read_scalars(tb, tag) for tag in tags}
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +85,46 @@ def test_determinism_stats_run_every_step_twice_and_find_the_cpu_bit_reproducibl
     assert "every step was run twice; the two results' loss and gradient sums differed by at most inf " in said
     _, without = without_reruns
     assert numbers["train/lm_loss"] == {s: without["train/lm_loss"][s] for s in range(1, RECURRING)}
+
+
+def test_a_fault_that_recurs_in_place_runs_again_on_another_node_which_tells_a_faulty_gpu_from_the_data(
+        without_reruns, tmp_path):
+    """Step 3 fails on every run on node-a only: the job saves iteration 2 and exits 16, naming node-a in the run
+    record; on node-a again it refuses to start; on node-b step 3 is clean (node-a's GPU was faulty) and the run goes
+    on. Then step 4, made to fail everywhere with its re-run elsewhere pending, recurs on node-b: the data's, skipped.
+    Every step's numbers equal the run that skipped step 4 without re-runs."""
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    common = (f"checkpoint.save={ckpt}", "train.recurring_fault=rerun_elsewhere", f"logging.log_dir={logs}")
+    on = {"node-a": {"SLURMD_NODENAME": "node-a"}, "node-b": {"SLURMD_NODENAME": "node-b"}}
+    faulty_gpu = {"RECURRING_AT": "3", "FAULTY_NODE": "node-a"}
+
+    said, first = _run(tmp_path, "validate_results", {**faulty_gpu, **on["node-a"]}, name="first", extra=common,
+                       exit_code=EXIT_RERUN_ELSEWHERE)
+    assert "iteration 3's non-finite result recurred when re-run on the same GPUs (rank 1's loss on node node-a" in said
+    assert "resume without node(s) node-a" in said, said[-3000:]
+    assert complete_iterations(ckpt) == [2] and sorted(first["train/lm_loss"]) == [1, 2]
+    pending = json.loads((ckpt / RERUN_ELSEWHERE).read_text())
+    assert pending["iteration"] == 3 and [s["node"] for s in pending["suspects"]] == ["node-a"], pending
+    assert verdict(logs)["ENDED"] == "rerun elsewhere" and verdict(logs)["SUSPECT_NODES"] == "node-a"
+
+    said, _ = _run(tmp_path, "validate_results", {**faulty_gpu, **on["node-a"]}, name="again", extra=common,
+                   exit_code=EXIT_RERUN_ELSEWHERE)
+    assert re.search(r"but rank \d is on node node-a, device \d+ again", said), said[-3000:]
+
+    said, elsewhere = _run(tmp_path, "validate_results", {**faulty_gpu, **on["node-b"]}, name="elsewhere",
+                           extra=(*common, "train.exit_interval=3"))
+    assert "iteration 3: the fault that recurred on rank 1's loss on node node-a" in said
+    assert "did not recur on other GPUs: that GPU is faulty" in said and not (ckpt / RERUN_ELSEWHERE).exists()
+
+    # a pending re-run whose fault recurs elsewhere is the data's (written as the job above would have)
+    (ckpt / RERUN_ELSEWHERE).write_text(json.dumps({"iteration": RECURRING, "suspects": [
+        {"rank": FAULTY_RANK, "node": "node-a", "device": 0, "what": "loss"}]}))
+    said, last = _run(tmp_path, "validate_results", {"RECURRING_AT": str(RECURRING), **on["node-b"]}, name="last",
+                      extra=common)
+    assert f"iteration {RECURRING}: the non-finite result that recurred on rank 1's loss on node node-a" in said
+    assert "recurred on other GPUs too: the data or the model made it" in said
+    assert f"skipped: non-finite loss at iteration {RECURRING}" in said
+
+    _, without = without_reruns
+    for tag in ("train/lm_loss", "train/grad_norm"):
+        assert {**first[tag], **elsewhere[tag], **last[tag]} == without[tag], tag

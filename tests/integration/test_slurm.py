@@ -371,7 +371,7 @@ def test_a_crash_then_a_preemption_requeue_and_the_run_finishes_exactly(cluster,
     assert f"resumed from {ckpt} at iteration {stop} ({stop * GLOBAL_BATCH} samples consumed)" in last, job.debug()
     assert re.findall(r"step +(\d+)/", last)[0] == str(stop + 1)
     assert f"finished at iteration {STEPS}" in last and "training finished" in job.batch_output
-    assert verdict(job.run_dir / "logs") == {"ENDED": "finished", "ITERATION": str(STEPS), "FAILED_NODES": ""}
+    assert verdict(job.run_dir / "logs") == {"ENDED": "finished", "ITERATION": str(STEPS), "FAILED_NODES": "", "SUSPECT_NODES": ""}
     assert (ckpt / f"iter_{stop:07d}").is_dir() and latest_iteration(ckpt) == STEPS
     for tag in ("train/lm_loss", "train/grad_norm", "train/lr"):
         resumed = read_scalars(job.run_dir / "tensorboard", tag)

@@ -127,6 +127,10 @@ def test_invalid_layouts_name_the_key_value_and_valid_choice(overrides, world, f
     (["checkpoint.save_interval_minutes=0"], "checkpoint.save_interval_minutes=0.0 is invalid: must be > 0"),
     (["train.spike_policy=rewind", "checkpoint.save=null"], "train.spike_policy='rewind' is invalid: goes back to the "
      "newest checkpoint in checkpoint.save"),
+    (["train.recurring_fault=rerun_elsewhere"], "train.recurring_fault='rerun_elsewhere' is invalid: re-runs a step "
+     "whose fault recurred in place on other GPUs"),
+    (["train.recurring_fault=rerun_elsewhere", "train.rerun_mode=validate_results", "checkpoint.save=null"],
+     "set train.rerun_mode=validate_results and checkpoint.save"),
     (["parallel.use_megatron_fsdp=true", "parallel.pipeline_model_parallel_size=1",
       "checkpoint.optimizer_format=dp_reshardable"], "Megatron-FSDP runs write megatron-core's fsdp_dtensor format"),
 ])
@@ -137,6 +141,7 @@ def test_invalid_run_settings_name_the_key(overrides, fragment):
         validate(tiny(*overrides), world_size=4)
     assert fragment in str(err.value)
     validate(tiny("logging.profile_steps=[2,2]", "logging.profile_ranks=[0,3]"), world_size=4)
+    validate(tiny("train.recurring_fault=rerun_elsewhere", "train.rerun_mode=validate_results"), world_size=4)
 
 
 def test_wandb_without_its_package_is_one_line_before_launch(monkeypatch):
@@ -504,6 +509,7 @@ def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, valu
 _COMPANIONS = {
     "optimizer.lr_decay_style": ["optimizer.lr_wsd_decay_iters=100"],
     "train.fp8": ["train.precision=bf16"],
+    "train.recurring_fault": ["train.rerun_mode=validate_results"],
     "model.rope_type": ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.q_lora_rank=32",
                         "model.kv_lora_rank=24", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8"],
     "parallel.outer_dp_sharding_strategy": [

@@ -27,7 +27,7 @@ from megatron_ext.errors import (
     TokenizerError,
 )
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
-from megatron_ext.resilience.reruns import relative_difference
+from megatron_ext.resilience.reruns import PendingRerun, Suspect, relative_difference
 from megatron_ext.resilience.spikes import LossSpikes, Spike, SpikeDetector
 from megatron_ext.resilience.stragglers import StragglerDetector, work_units
 from tests.launch import ROOT, TINY, read_scalars
@@ -362,3 +362,24 @@ def test_the_launcher_names_the_rank_that_failed_by_itself():
 ])
 def test_a_reruns_difference_from_its_run(initial, rerun, difference):
     assert relative_difference(torch.tensor(initial), torch.tensor(rerun)) == pytest.approx(difference)
+
+
+def test_a_step_to_rerun_elsewhere_is_read_back_as_written_and_a_malformed_record_is_one_error(tmp_path):
+    pending = PendingRerun(12, (Suspect(3, "node7", 1, "loss"), Suspect(5, "node9", 0, "gradients")))
+    pending.write(tmp_path)
+    assert PendingRerun.read(tmp_path) == pending and pending.nodes == ["node7", "node9"]
+    assert PendingRerun.read(tmp_path / "elsewhere") is None and PendingRerun.read(None) is None
+    for bad in ('{"iteration": 12}', '{"iteration": 0, "suspects": [{"rank": 1, "node": "n", "device": 0, '
+                '"what": "loss"}]}', '{"iteration": 3, "suspects": [{"rank": 1, "node": "n", "device": 0, '
+                '"what": "data"}]}', '{"iteration": 3, "suspects": []}', "[1, 2"):
+        PendingRerun.path(tmp_path).write_text(bad)
+        with pytest.raises(CheckpointError, match="rerun_elsewhere.json: not a step to re-run elsewhere"):
+            PendingRerun.read(tmp_path)
+
+
+def test_the_exit_code_of_a_step_to_rerun_elsewhere_is_megatron_cores():
+    from megatron.core.rerun_state_machine import EXIT_CODE_RESUME_TO_DISAMBIGUATE
+
+    from megatron_ext.errors import EXIT_RERUN_ELSEWHERE
+
+    assert EXIT_RERUN_ELSEWHERE == EXIT_CODE_RESUME_TO_DISAMBIGUATE

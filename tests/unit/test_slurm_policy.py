@@ -1,7 +1,8 @@
 """The SLURM templates' requeue policy (launch/slurm/common.sh `slurm_pretrain`), in plain bash with stand-ins for
 `srun`, `scontrol` and `scancel`: the step's exit code and run records decide. At most MAX_REQUEUES failure
 requeues; none after exit 2, 3 or 6; a hang requeues (without excluding a node); failed nodes are excluded and the
-exclusions add up across requeues; a signal stop requeues and is not counted. (The cluster tests,
+exclusions add up across requeues; a fault that recurred in place (exit 16) requeues without the nodes it names; a
+signal stop requeues and is not counted. (The cluster tests,
 tests/integration/test_slurm.py, run one failure and one signal requeue on a real SLURM.)"""
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_HUNG, EXIT_STORAGE, EXIT_USER_ERROR
+from megatron_ext.errors import (
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_RERUN_ELSEWHERE,
+    EXIT_STORAGE,
+    EXIT_USER_ERROR,
+)
 from tests.launch import ROOT
 
 # srun: ends as $STEP_EXIT after writing the records $STEP_TRAINING (training.json) and $STEP_FAILED_NODE
@@ -94,6 +102,16 @@ def test_a_hang_requeues_without_excluding_a_node_and_counts(job):
     assert code == 0 and calls == REQUEUED and "hang watchdog" in said
     code, _, calls = job(EXIT_HUNG, MAX_REQUEUES="1")
     assert code == EXIT_HUNG and calls == []
+
+
+def test_a_fault_that_recurred_in_place_requeues_without_the_suspect_nodes_not_those_that_followed(job):
+    """Every rank exits 16 (a collective decision), so every node's launcher says "failed": the training record's
+    suspect nodes are the ones left out."""
+    recurred = {"ended": "rerun elsewhere", "iteration": 12, "suspect_nodes": ["node2"]}
+    code, said, calls = job(EXIT_RERUN_ELSEWHERE, failed_node="node1", training=recurred, MAX_REQUEUES="1")
+    assert code == 0 and calls[0] == REQUEUED[0] and calls[-1] == REQUEUED[1], said
+    assert "iteration 13's fault recurred when re-run on node2" in said and job.excluded() == "node2"
+    assert job(EXIT_RERUN_ELSEWHERE, training=recurred, MAX_REQUEUES="1")[::2] == (EXIT_RERUN_ELSEWHERE, [])
 
 
 def test_signal_stops_requeue_and_are_not_counted(job):

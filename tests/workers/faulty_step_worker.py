@@ -1,6 +1,7 @@
 """The recipe's entry point with hardware-like faults on one rank (FAULTY_RANK): the forward output of the step at
 TRANSIENT_AT is made NaN on that step's first run only (a fault that a re-run on the same device does not meet
-again), that of the step at RECURRING_AT on every run (as bad data or a bad model would)."""
+again), that of the step at RECURRING_AT on every run (as bad data or a bad model would) — with FAULTY_NODE, only
+on that node (as SLURMD_NODENAME names it: a GPU that fails the same way each time)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import os
 
 from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
+from megatron_ext.resilience.run_record import node_name
 from recipes.pretrain import entry_point
 from tests.workers.step_patch import forward_step_per_step
 
 
 def _choose(step, plain):
     iteration, rank = str(step.iteration + 1), os.environ["RANK"]
-    recurring = iteration == os.environ.get("RECURRING_AT")
+    recurring = iteration == os.environ.get("RECURRING_AT") and os.environ.get("FAULTY_NODE", node_name()) == node_name()
     if rank != os.environ["FAULTY_RANK"] or not (recurring or iteration == os.environ.get("TRANSIENT_AT")):
         return plain
 
