@@ -273,7 +273,7 @@ class TrainConfig:
     spike_threshold: float = 10.0  # median absolute deviations above the median
     max_rewinds: int = 3  # skip/rewind: the spikes a run acts on; the next one stops it (exit 3)
     # megatron-core's rerun state machine. validate_results: a step whose loss or gradients are non-finite on a rank
-    # is run again from the same state before anything else; if the re-run is finite, the fault was transient and the
+    # (or, under spike_policy=skip, whose loss is a spike) is run again from the same state before anything else; if the re-run is finite, the fault was transient and the
     # step goes on with the re-run's result (one line names the rank's node and device), else train.recurring_fault
     # decides. Costs a host sync per step. report_determinism_stats: every step runs twice, and
     # train/rerun_relative_difference says how far apart (docs/monitoring.md "Re-running a step")

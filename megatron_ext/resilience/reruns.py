@@ -1,11 +1,13 @@
 """Re-running a step in place (train.rerun_mode), with megatron-core's rerun state machine.
 
 ``validate_results``: before a step's update, each rank checks its own loss and gradient sums
-(:func:`~megatron_ext.resilience.divergence.step_sums`). When one is non-finite on any rank, every rank runs the
-step again from the same state: the same micro batches (megatron-core's ``RerunDataIterator`` replays them), random
+(:func:`~megatron_ext.resilience.divergence.step_sums`), and under train.spike_policy=skip the step's loss for a
+spike (megatron-core's spiky-loss check, with this project's detector). When one fails on any rank, every rank runs
+the step again from the same state: the same micro batches (megatron-core's ``RerunDataIterator`` replays them), random
 states, router expert biases and router statistics. If the re-run's sums are finite, the first result was a
 transient fault (a flaky GPU, silent data corruption): the step goes on with the re-run's result, and the rank that
-saw the fault says so in one line naming its node and device. If the fault recurs, the data or the model made it (or
+saw the fault says so in one line naming its node and device (rank 0, for a spike: every rank sees the same loss). A
+spike that recurs is the data's, and train.spike_policy drops the step. If a non-finite fault recurs, the data or the model made it (or
 a fault that persists on that device: only a run on another GPU tells). What then is train.recurring_fault's:
 
 - ``policies``: train.skip_nonfinite_steps and train.spike_policy decide, as without re-runs;
@@ -35,7 +37,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -137,8 +139,11 @@ class StepReruns:
     forward and backward passes change and a re-run must start from (router expert biases and statistics)."""
 
     def __init__(self, mode: RerunModeName, restorable: list[torch.Tensor], device: torch.device,
-                 recurring_fault: RecurringFault = "policies"):
+                 recurring_fault: RecurringFault = "policies", is_spike: Optional[Callable[[float], bool]] = None):
         self.mode, self.restorable, self.device = mode, restorable, device
+        # validate_results: whether a step's global loss is a spike to re-run (None: spikes are not checked)
+        self.is_spike = is_spike if mode == "validate_results" else None
+        self._losses: list[float] = []
         self.recurring_fault = recurring_fault
         self.elsewhere = False  # the last step's fault recurred in place: stop, to re-run it on other GPUs
         self.suspects: tuple[Suspect, ...] = ()
@@ -178,7 +183,7 @@ class StepReruns:
     def runs(self, data_iterator) -> Iterator[int]:
         """Yields 0 for the step's run, 1 for its re-run when megatron-core's state machine asks for one (collective
         then; every rank re-runs)."""
-        self._results = []
+        self._results, self._losses = [], []
         run = 0
         while self.machine.should_run_forward_backward(data_iterator):
             yield run
@@ -186,11 +191,20 @@ class StepReruns:
         # asks to only after a fault that recurred under rerun_elsewhere; marks the first step done
         self.elsewhere = self.machine.should_checkpoint_and_exit()[0]
 
-    def check(self, sums: torch.Tensor) -> None:
+    @property
+    def checks_spikes(self) -> bool:
+        return self.is_spike is not None
+
+    def check(self, sums: torch.Tensor, loss: Optional[float] = None) -> None:
         """This run's loss and gradient sums: megatron-core rejects non-finite ones (a host sync) and compares a
-        re-run's with them."""
+        re-run's with them; `loss`, the step's global loss when :attr:`checks_spikes`, is rejected when a spike."""
         if not self.on:
             return
+        if loss is not None:
+            self._losses.append(loss)
+            self.machine.validate_result(torch.tensor(loss), rejection_func=lambda x: self.is_spike(float(x)),
+                                         message="loss spike", comparison_func=relative_difference, tolerance=0.0,
+                                         fatal=False)
         self._results.append(sums.detach().clone())
         # megatron-core's fatal check checkpoints (after restoring the state before the step) when a re-run
         # reproduces the result, but also stops after a re-run that does not: fatal only for a reproduced fault
@@ -226,9 +240,11 @@ class StepReruns:
         if self.mode != "validate_results" or len(self._results) < 2:
             return False
         first, again = ((~torch.isfinite(r)).tolist() for r in self._results)
-        mine = torch.tensor([first[0], any(first) and any(again)], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([first[0], any(first) and any(again), any(first)], dtype=torch.int64, device=self.device)
         dist.all_reduce(mine)
-        losses_bad, recurred = mine.tolist()
+        losses_bad, recurred, nonfinite = mine.tolist()
+        if not nonfinite:  # re-run for its loss spike
+            return self._spike_outcome(iteration)
         # a rank's gradients are non-finite after the data-parallel reduction when another rank's loss was
         began_here = first[0] or (not losses_bad and any(first))
         what = "loss" if first[0] else "gradients"
@@ -252,6 +268,21 @@ class StepReruns:
                             "corruption); the step goes on with the re-run's result. If it recurs on this node, "
                             "drain it")
         healed = not recurred
+        self.transient_faults += healed
+        return healed
+
+    def _spike_outcome(self, iteration: int) -> bool:
+        """After a step re-run for its loss spike: whether the re-run healed it (said by rank 0)."""
+        first, again = self._losses
+        healed = not self.is_spike(again)
+        if dist.get_rank() == 0:
+            if healed:
+                log.warning(f"iteration {iteration}: the loss spike of the step's first run ({first:.4f}) did not recur "
+                            f"when it was re-run on the same GPUs ({again:.4f}): a transient fault (a flaky GPU or "
+                            "silent data corruption); the step goes on with the re-run's result")
+            else:
+                log.warning(f"iteration {iteration}: the loss spike recurred when the step was re-run on the same GPUs "
+                            f"({first:.4f}, then {again:.4f}): the data made it; train.spike_policy=skip drops it")
         self.transient_faults += healed
         return healed
 

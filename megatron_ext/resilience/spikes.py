@@ -87,6 +87,10 @@ class LossSpikes:
     def _check(self, iteration: int, loss: float, first_sample: int) -> Optional[Spike]:
         return self.detector.spike(iteration, loss, (first_sample, first_sample + self.global_batch_size - 1))
 
+    def would_skip(self, loss: float) -> bool:
+        """Whether :meth:`before_update` would drop a step with this loss now (remembers nothing)."""
+        return self.decides_before_update and math.isfinite(loss) and self.detector.spike(0, loss) is not None
+
     def before_update(self, iteration: int, loss: float, first_sample: int) -> Optional[Spike]:
         """``skip``: the spike whose update the loop drops (counted against train.max_rewinds), else None.
         `first_sample`: where the step's global batch starts."""

@@ -204,7 +204,8 @@ class Trainer:
         self.router_metrics = RouterMetrics(self.cfg, device(), self.model)
         self.mtp_metrics = MTPMetrics(self.cfg, device())
         self.reruns = StepReruns(t.rerun_mode, [self.router_metrics.counts, self.router_metrics.tokens,
-                                                *expert_biases(self.model)], device(), t.recurring_fault)
+                                                *expert_biases(self.model)], device(), t.recurring_fault,
+                                  self.spikes.would_skip if self.spikes.decides_before_update else None)
         self.config.timers = self.metrics.core_timers
         self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
                                      ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
@@ -270,7 +271,7 @@ class Trainer:
             with self.metrics.timers.region("loss_sync"):
                 # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
                 sums = step_sums(losses, self.model, device(), check_grads=self.cfg.train.precision != "fp16")
-                self.reruns.check(sums)
+                self.reruns.check(sums, global_mean_loss(losses, device()) if self.reruns.checks_spikes else None)
         healed = self.reruns.outcome(self.iteration + 1, sums)
         if self.reruns.elsewhere:  # nothing of this step is kept: the job re-runs it on other GPUs
             return False

@@ -174,6 +174,15 @@ def test_each_spike_policy_acts_where_it_should_and_remembers_only_accepted_loss
     assert rewind.acted == 1 and 9.0 not in rewind.detector.history
 
 
+def test_the_spike_a_rerun_checks_for_is_the_one_skip_would_drop_and_is_asked_without_remembering():
+    spikes = LossSpikes(TrainConfig(spike_policy="skip", spike_window=5))
+    for loss in (3.0, 3.1, 2.9):
+        spikes.settled(0, loss, 0)
+    assert spikes.would_skip(9.0) and spikes.would_skip(9.0) and not spikes.would_skip(3.05)
+    assert not spikes.would_skip(math.nan) and list(spikes.detector.history) == [3.0, 3.1, 2.9]
+    assert not LossSpikes(TrainConfig(spike_policy="warn", spike_window=5)).would_skip(9.0)
+
+
 def test_a_nonfinite_step_is_a_spike_to_rewind_past_under_rewind_only():
     assert _policy("skip").nonfinite(4, 24, "non-finite loss at iteration 4") is None
     rewind = _policy("rewind")

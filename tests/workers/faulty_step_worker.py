@@ -1,7 +1,8 @@
 """The recipe's entry point with hardware-like faults on one rank (FAULTY_RANK): the forward output of the step at
 TRANSIENT_AT is made NaN on that step's first run only (a fault that a re-run on the same device does not meet
 again), that of the step at RECURRING_AT on every run (as bad data or a bad model would) — with FAULTY_NODE, only
-on that node (as SLURMD_NODENAME names it: a GPU that fails the same way each time)."""
+on that node (as SLURMD_NODENAME names it: a GPU that fails the same way each time). TRANSIENT_SPIKE_AT and
+RECURRING_SPIKE_AT double the output instead: a loss spike."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ from tests.workers.step_patch import forward_step_per_step
 
 def _choose(step, plain):
     iteration, rank = str(step.iteration + 1), os.environ["RANK"]
-    recurring = iteration == os.environ.get("RECURRING_AT") and os.environ.get("FAULTY_NODE", node_name()) == node_name()
-    if rank != os.environ["FAULTY_RANK"] or not (recurring or iteration == os.environ.get("TRANSIENT_AT")):
+    faults = {name: iteration == os.environ.get(name) for name in
+              ("TRANSIENT_AT", "RECURRING_AT", "TRANSIENT_SPIKE_AT", "RECURRING_SPIKE_AT")}
+    faults["RECURRING_AT"] &= os.environ.get("FAULTY_NODE", node_name()) == node_name()
+    if rank != os.environ["FAULTY_RANK"] or not any(faults.values()):
         return plain
+    factor = float("nan") if faults["TRANSIENT_AT"] or faults["RECURRING_AT"] else 2.0
+    recurring = faults["RECURRING_AT"] or faults["RECURRING_SPIKE_AT"]
 
     def forward_step_with_a_fault(data_iterator, model):
         output, loss_func = plain(data_iterator, model)
         first_run = get_rerun_state_machine().state == RerunState.INITIAL_RUN
-        return (output * float("nan") if recurring or first_run else output), loss_func
+        return (output * factor if recurring or first_run else output), loss_func
 
     return forward_step_with_a_fault
 
