@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from megatron_ext.checkpoint.layout import latest_iteration
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import (
@@ -29,7 +31,8 @@ from tests.launch import (
     run_pretrain,
 )
 
-STEPS = 48  # enough at DP1 (~150 ms a step) for the fourth agent to join before the end
+STEPS = 48
+JOIN_S = 5  # for the fourth agent's rendezvous join, after its config checks, while the DP1 world waits
 PP2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
        "parallel.sequence_parallel=false"]
 # a low peak LR keeps 40 steps of different summation orders within the parity bounds
@@ -85,7 +88,18 @@ def test_a_spare_replaces_a_lost_node_exactly_and_without_one_the_world_shrinks_
               agents["a"], agents["s"])
         os.killpg(agents["s"].pid, signal.SIGKILL)  # no spare is left
         _wait(lambda: said("restart: world 4 → 2"), "a's restart at DP1", agents["a"])
-        agents["c"] = _agent(port, run_id, overrides, out["c"])
+        # a's ranks wait while c starts (its imports take seconds, more on a loaded machine) and joins the
+        # rendezvous, so that c's join, not the end of training, comes first
+        workers = psutil.Process(agents["a"].pid).children()
+        for worker in workers:
+            worker.suspend()
+        try:
+            agents["c"] = _agent(port, run_id, overrides, out["c"])
+            _wait(lambda: "elastic on" in out["c"].read_text(), "the fourth agent's start", agents["a"], agents["c"])
+            time.sleep(JOIN_S)
+        finally:
+            for worker in workers:
+                worker.resume()
         assert agents["a"].wait(timeout=180) == 0, out["a"].read_text()[-4000:]
         assert agents["c"].wait(timeout=60) == 0, out["c"].read_text()[-4000:]
     finally:
