@@ -6,9 +6,10 @@ spike (megatron-core's spiky-loss check, with this project's detector). When one
 the step again from the same state: the same micro batches (megatron-core's ``RerunDataIterator`` replays them), random
 states, router expert biases and router statistics. If the re-run's sums are finite, the first result was a
 transient fault (a flaky GPU, silent data corruption): the step goes on with the re-run's result, and the rank that
-saw the fault says so in one line naming its node and device (rank 0, for a spike: every rank sees the same loss). A
-spike that recurs is the data's, and train.spike_policy drops the step. If a non-finite fault recurs, the data or the model made it (or
-a fault that persists on that device: only a run on another GPU tells). What then is train.recurring_fault's:
+saw the fault says so in one line naming its node and device (rank 0, for a spike: every rank sees the same loss).
+A spike that recurs is the data's, and train.spike_policy drops the step. If a non-finite fault recurs, the data or
+the model made it, or a fault that persists on that device: only a run on another GPU tells. What then is
+train.recurring_fault's:
 
 - ``policies``: train.skip_nonfinite_steps and train.spike_policy decide, as without re-runs;
 - ``rerun_elsewhere`` (megatron-core's diagnosis): the state before the step is saved as a checkpoint, the node(s)
@@ -249,7 +250,7 @@ class StepReruns:
         began_here = first[0] or (not losses_bad and any(first))
         what = "loss" if first[0] else "gradients"
         if self.elsewhere:
-            self.suspects = self._gather_suspects(what if began_here and any(again) else None)
+            self.suspects = self._gather_suspects(what if any(again) else None, began_here)
             if began_here:
                 log.warning(f"iteration {iteration}: this rank's non-finite {what} recurred when the step was re-run on "
                             f"the same device (node {node_name()}, device {self.device_index}): the job "
@@ -286,13 +287,14 @@ class StepReruns:
         self.transient_faults += healed
         return healed
 
-    def _gather_suspects(self, mine: Optional[str]) -> tuple[Suspect, ...]:
-        """Collective: every rank where a fault that recurred in place began (`mine`: this rank's "loss" or
-        "gradients", or None)."""
-        entry = Suspect(dist.get_rank(), node_name(), self.device_index, mine) if mine else None
-        gathered: list[Optional[Suspect]] = [None] * dist.get_world_size()
+    def _gather_suspects(self, recurred: Optional[str], began_here: bool) -> tuple[Suspect, ...]:
+        """Collective: the ranks where a fault that recurred in place began, else every rank where it recurred
+        (`recurred`: this rank's "loss" or "gradients", or None)."""
+        entry = (began_here, Suspect(dist.get_rank(), node_name(), self.device_index, recurred)) if recurred else None
+        gathered: list[Optional[tuple[bool, Suspect]]] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entry)
-        return tuple(s for s in gathered if s is not None)
+        recurring = [e for e in gathered if e is not None]
+        return tuple(suspect for began, suspect in recurring if began) or tuple(s for _, s in recurring)
 
     def stop_to_rerun_elsewhere(self, iteration: int, save: str, log_dir: str) -> None:
         """After the checkpoint of `iteration - 1` is complete: record the step to re-run elsewhere (beside the
