@@ -122,12 +122,10 @@ def _client(module: str, args: list[str]) -> None:
     child = int(conn.recv(64).split()[1])
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, _frame: _kill(child, signum))
-    reply = b""
-    while not reply:
-        try:
-            reply = conn.recv(64)
-        except InterruptedError:
-            continue
+    reply = conn.recv(64)  # the child's end; b"" when the server is gone (a recv at EOF returns at once, forever)
+    if not reply:
+        _kill(child, signal.SIGKILL)
+        raise SystemExit("tests.zygote: the server ended before the run did (the test session was stopped?)")
     code = int(reply.split()[1])
     if code < 0:  # ended by a signal: so is the client
         signal.signal(-code, signal.SIG_DFL)
