@@ -151,7 +151,7 @@ class StepReruns:
         self.pending: Optional[PendingRerun] = None  # a step this run re-runs on other GPUs (see resume)
         self._pending_path: Optional[Path] = None
         self.largest_difference = 0.0  # report_determinism_stats: this rank's, over the run
-        self._difference = 0.0  # the last re-run's, as megatron-core's comparison found it
+        self._difference = 0.0  # the last re-run's relative difference from its run
         self.transient_faults = 0  # validate_results: the steps a re-run healed, in this process's life
         self._results: list[torch.Tensor] = []
         self._replayable: tuple[object, object] = (None, None)
@@ -207,19 +207,16 @@ class StepReruns:
                                          message="loss spike", comparison_func=relative_difference, tolerance=0.0,
                                          fatal=False)
         self._results.append(sums.detach().clone())
+        rerun = len(self._results) == 2
+        if rerun:  # compared with the run once, here: megatron-core's comparison returns it, the step's scalars keep it
+            self._difference = relative_difference(*self._results)
         # megatron-core's fatal check checkpoints (after restoring the state before the step) when a re-run
         # reproduces the result, but also stops after a re-run that does not: fatal only for a reproduced fault
-        reproduced = len(self._results) == 2 and relative_difference(*self._results) == 0.0
-        fatal = (self.recurring_fault == "rerun_elsewhere" and reproduced
+        fatal = (self.recurring_fault == "rerun_elsewhere" and rerun and self._difference == 0.0
                  and self.pending is None)  # a step re-run elsewhere already is the data's when it recurs
         self.machine.validate_result(sums.detach(), rejection_func=lambda s: not bool(torch.isfinite(s).all()),
-                                     message="non-finite loss or gradient sum", comparison_func=self._compare,
-                                     tolerance=0.0, fatal=fatal)
-
-    def _compare(self, initial: torch.Tensor, rerun: torch.Tensor) -> float:
-        """megatron-core's comparison of a re-run's result with its run's, kept for the step's scalars."""
-        self._difference = relative_difference(initial, rerun)
-        return self._difference
+                                     message="non-finite loss or gradient sum",
+                                     comparison_func=lambda _run, _rerun: self._difference, tolerance=0.0, fatal=fatal)
 
     def step_scalars(self) -> dict[str, torch.Tensor]:
         """report_determinism_stats: this step's relative difference between its run and re-run, the largest over the

@@ -89,7 +89,7 @@ class LossSpikes:
 
     def would_skip(self, loss: float) -> bool:
         """Whether :meth:`before_update` would drop a step with this loss now (remembers nothing)."""
-        return self.decides_before_update and math.isfinite(loss) and self.detector.spike(0, loss) is not None
+        return self.decides_before_update and math.isfinite(loss) and self._check(0, loss, 0) is not None
 
     def before_update(self, iteration: int, loss: float, first_sample: int) -> Optional[Spike]:
         """``skip``: the spike whose update the loop drops (counted against train.max_rewinds), else None.
