@@ -6,7 +6,8 @@ then runs torchrun's elastic agent in this process with ``-m recipes.pretrain``.
 naming the rank that failed first and its log instead of torchrun's traceback; the exit code is that rank's
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
 can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
-would repeat. SIGTERM or Ctrl-C to this launcher stops the run with a checkpoint at the next step boundary and one
+would repeat; after exit 16 (a fault that recurred in place) the node where it began leaves when a waiting node or
+``--nnodes MIN:MAX`` lets the job go on without it (megatron_ext/resilience/agent.py). SIGTERM or Ctrl-C to this launcher stops the run with a checkpoint at the next step boundary and one
 line; the exit code is then 128 + the signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's
 ft_launcher instead of torchrun's agent (megatron_ext/resilience/agent.py): the ranks send it heartbeats, its
 ``--ft-*`` options apply.
@@ -20,8 +21,15 @@ import signal
 import sys
 
 from megatron_ext.config.schema import RecipeConfig, data_parallel_size, load_config, log_dir
-from megatron_ext.errors import EXIT_FAILED, EXIT_HUNG, EXIT_PEER_FAILED, EXIT_USER_ERROR, ConfigError
-from megatron_ext.resilience.agent import Agent, agent
+from megatron_ext.errors import (
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_PEER_FAILED,
+    EXIT_RERUN_ELSEWHERE,
+    EXIT_USER_ERROR,
+    ConfigError,
+)
+from megatron_ext.resilience.agent import RERUNS_ELSEWHERE, Agent, agent
 from megatron_ext.resilience.failures import rank_log
 from megatron_ext.resilience.run_record import NodeRecord, forget, node_name, node_record_path, write_node_end
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
@@ -86,7 +94,17 @@ def _describe(code: int) -> str:
         why = (" (the kernel's out-of-memory killer, or kill -9)" if name == "SIGKILL" else
                " (a crash in native code: the rank's log holds its Python stack)" if name in _CRASHES else "")
         return f"was killed by {name}{why}"
+    if code == EXIT_RERUN_ELSEWHERE:
+        return f"exited with code {code} (a fault recurred in place: resume on other GPUs)"
     return f"exited with code {code}"
+
+
+def _left(node: str, leaves: tuple) -> str:
+    """The line of a node whose agent left the job after a fault that recurred on its GPU (resilience.agent)."""
+    pending, waiting = leaves
+    instead = "a waiting node takes its place" if waiting else "the job goes on without it"
+    return (f"node {node} left the job: iteration {pending.iteration}'s fault recurred in place on its GPU "
+            f"({pending.describe()}); {instead}, and the step runs again on other GPUs")
 
 
 def _is_consequence(failure, hung: bool = False) -> bool:
@@ -122,7 +140,8 @@ def _stopped_by(received: signal.Signals, save: str | None, stop_s: float) -> st
             "seconds to the next logging step and through a checkpoint write)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
+    """`entry`: the ranks' module (a wrapper of recipes.pretrain's entry point, as the tests' fault injectors are)."""
     torchrun_argv, recipe_argv = _split(list(sys.argv[1:] if argv is None else argv))
     nvrx = "--nvrx" in torchrun_argv
     torchrun_argv = [arg for arg in torchrun_argv if arg != "--nvrx"]
@@ -137,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("nvidia_resiliency_ext", logging.ERROR)):
         logging.getLogger(name).setLevel(level)
     config, overrides = _recipe_args(recipe_argv)
-    args = chosen.parse_args([*torchrun_argv, "-m", "recipes.pretrain", *recipe_argv])
+    args = chosen.parse_args([*torchrun_argv, "-m", entry, *recipe_argv])
     nodes, per_node = _node_counts(args, chosen)
     world_size, elastic = nodes[-1] * per_node, len(nodes) > 1
     if elastic:
@@ -167,9 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         return stop[1]
     node = node_name()
     forget(node_record_path(log_dir(cfg), node))
+    RERUNS_ELSEWHERE.save, RERUNS_ELSEWHERE.min_nodes = cfg.checkpoint.save, nodes[0]
+    if args.rdzv_backend == "c10d" and not args.standalone:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        RERUNS_ELSEWHERE.rendezvous_port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1]
     try:
         chosen.run(args)
     except chosen.processes.SignalException as e:
+        if hasattr(e, "leaves"):
+            print(_left(node, e.leaves), file=sys.stderr, flush=True)
+            write_node_end(log_dir(cfg), NodeRecord(node, "left", EXIT_RERUN_ELSEWHERE))
+            return EXIT_RERUN_ELSEWHERE
         received = getattr(e, "received", e.sigval)
         print(_stopped_by(received, cfg.checkpoint.save, timeouts.stop_s), file=sys.stderr, flush=True)
         write_node_end(log_dir(cfg), NodeRecord(node, "signalled", 128 + int(received)))

@@ -2,10 +2,15 @@
 
 Two agents: torchrun's, or NVIDIA Resiliency Extension's ``ft_launcher`` (``recipes.launch --nvrx``), a subclass of
 torch's elastic agent that adds rank heartbeats watched from outside the ranks (:mod:`.nvrx`) and node health
-checks. Both get the same four changes, made once per process by :func:`prepare`:
+checks. Both get the same five changes, made once per process by :func:`prepare`:
 
 * a failure whose exit code a restart would repeat (NOT_RESTARTED: config/data/checkpoint errors, divergence) ends
   the job at once instead of using up ``--max-restarts``;
+* after a fault that recurred in place (exit 16, :mod:`.reruns`), the agent of a node where it began leaves the job
+  when a waiting node (a hot spare) can take its place or the job can go on without it (``--nnodes MIN:MAX``): the
+  other agents restart their workers, and the step runs again on other GPUs without a requeue. When neither is
+  possible, or that node hosts the rendezvous, every agent ends the job (the SLURM templates requeue it without the
+  node) instead of restarting its workers where the fault recurs;
 * a run that fails names the ranks that failed (NVRx 0.6.0 loses them when it runs out of restarts);
 * the agent's environment, which the workers it starts inherit, records when it decided to restart them, had
   stopped the old ones and had the new world's rendezvous (:mod:`.elastic` says where a recovery went);
@@ -20,11 +25,13 @@ import importlib.util
 import os
 import signal
 import time
+from datetime import timedelta
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Optional
 
-from megatron_ext.errors import EXIT_DIVERGED, EXIT_STORAGE, EXIT_USER_ERROR, ConfigError
+from megatron_ext.errors import EXIT_DIVERGED, EXIT_RERUN_ELSEWHERE, EXIT_STORAGE, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_AT, WORKERS_STOPPED_AT
+from megatron_ext.resilience.run_record import node_name
 
 # A restart would fail the same way: fix the config/data/checkpoint, or the run's numerics, first.
 NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_STORAGE)
@@ -75,7 +82,7 @@ def agent(nvrx: bool) -> Agent:
 
 
 def prepare(chosen: Agent) -> None:
-    """The four changes of the module docstring (once per class: a second call changes nothing)."""
+    """The five changes of the module docstring (once per class: a second call changes nothing)."""
     _end_restarts_after_errors_a_restart_repeats(chosen)
     _report_the_failures_seen(chosen)
     _time_restarts(chosen.simple_agent)
@@ -92,8 +99,11 @@ def _end_restarts_after_errors_a_restart_repeats(chosen: Agent) -> None:
         result = monitor(agent, worker_group)
         if result.state in failed and result.failures:
             agent.seen_failures = result.failures
-            if any(failure.exitcode in NOT_RESTARTED for failure in result.failures.values()):
+            codes = {failure.exitcode for failure in result.failures.values()}
+            if codes & set(NOT_RESTARTED):
                 agent._remaining_restarts = 0
+            elif EXIT_RERUN_ELSEWHERE in codes and agent._remaining_restarts > 0:
+                _after_a_fault_recurred(agent, worker_group, chosen.processes)
         return result
 
     monitor_workers.ends_restarts = True
@@ -154,3 +164,98 @@ def _stop_ranks_with_a_checkpoint_on_signals(processes: ModuleType) -> None:
         raise stop
 
     processes._terminate_process_handler = raise_stop  # what the agent installs when it starts the ranks
+
+
+@dataclasses.dataclass
+class RerunsElsewhere:
+    """What the agent needs of the run to act on exit 16: where the step to re-run is recorded (checkpoint.save),
+    the fewest nodes the job trains on (``--nnodes MIN:``) and the rendezvous port (its host cannot leave)."""
+
+    save: Optional[str] = None
+    min_nodes: int = 1
+    rendezvous_port: Optional[int] = None
+
+
+RERUNS_ELSEWHERE = RerunsElsewhere()  # recipes.launch fills it in once the recipe is read
+AfterFault = Literal["leave", "restart", "end"]
+HOST_KEY_WAIT = timedelta(seconds=30)
+
+
+def after_a_fault_recurred(node: str, suspects: list[str], host: Optional[str], nodes: int, min_nodes: int,
+                           waiting: int) -> AfterFault:
+    """What this node's agent does after every rank exited 16: the suspect nodes leave ("leave") and the others
+    restart their workers ("restart") if the nodes left and those waiting to join (spares) still make a job of at
+    least `min_nodes`, and the rendezvous host (`host`, None if unknown) is not a suspect; otherwise every agent ends
+    the job ("end")."""
+    left = nodes - len(set(suspects))
+    if left < 1 or left + waiting < min_nodes or (host is not None and host in suspects):
+        return "end"
+    return "leave" if node in suspects else "restart"
+
+
+def _waiting_nodes(rdzv_handler) -> int:
+    """Agents waiting to join the next round: hot spares (torch's redundancy list, once the round is full) and nodes
+    in its wait list. torch exposes only the wait list (``num_nodes_waiting``); the state it reads holds both. A
+    static rendezvous has none."""
+    holder = getattr(rdzv_handler, "_state_holder", None)
+    if holder is None:
+        return 0
+    with rdzv_handler._heartbeat_lock:
+        holder.sync()
+        return len(holder.state.redundancy_list) + len(holder.state.wait_list)
+
+
+def agreed(store, key: str, value: int) -> int:
+    """`value`, unless another agent of the round put its own under `key` first: every agent decides on the first
+    one's count, taken before any agent restarted its workers (a restarted agent waits in the list it counts)."""
+    return int(store.compare_set(key, "", str(value)).decode())
+
+
+def _rendezvous_host(store, iteration: int) -> Optional[str]:
+    """The node whose agent hosts the rendezvous store (it cannot leave without ending the job): that agent says so
+    in the round's store; None when no agent of this round hosts it (a waiting one may)."""
+    import psutil
+    from torch.distributed import DistStoreError
+
+    key = f"rerun_elsewhere/{iteration}/host"
+    port = RERUNS_ELSEWHERE.rendezvous_port
+    if port is not None and any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                for c in psutil.Process().net_connections(kind="tcp")):
+        store.set(key, node_name())
+    try:
+        store.wait([key], HOST_KEY_WAIT)
+    except DistStoreError:
+        return None
+    return store.get(key).decode()
+
+
+def _after_a_fault_recurred(agent, worker_group, processes: ModuleType) -> None:
+    """Exit 16 on this node (every rank exits 16 together): restart as usual, end the job, or leave it (a
+    SignalException, which is how torch's launcher lets an agent go without closing the rendezvous to the others)."""
+    from megatron_ext.errors import RecipeError
+    from megatron_ext.resilience.reruns import PendingRerun
+
+    try:
+        pending = PendingRerun.read(RERUNS_ELSEWHERE.save)
+    except RecipeError:
+        pending = None  # the ranks of the restart say what is wrong with it
+    if pending is None:
+        agent._remaining_restarts = 0
+        return
+    nodes = worker_group.group_world_size
+    waiting = agreed(worker_group.store, f"rerun_elsewhere/{pending.iteration}/waiting",
+                     _waiting_nodes(worker_group.spec.rdzv_handler))
+
+    def decide(host: Optional[str]) -> AfterFault:
+        return after_a_fault_recurred(node_name(), pending.nodes, host, nodes, RERUNS_ELSEWHERE.min_nodes, waiting)
+
+    # every agent decides alike: the host's name is asked for only where the numbers allow going on
+    action = decide(None)
+    if action != "end":
+        action = decide(_rendezvous_host(worker_group.store, pending.iteration))
+    if action == "end":
+        agent._remaining_restarts = 0
+    elif action == "leave":
+        leaves = processes.SignalException(f"node {node_name()} leaves the job", sigval=signal.SIGTERM)
+        leaves.leaves = (pending, waiting)
+        raise leaves

@@ -1,11 +1,15 @@
 """Elastic training and hot spares on torchrun's agent (issues #27, #45), on CPU: agents of 2 processes each meet in
-a c10d rendezvous on localhost and train TP1 × PP2 (DP2) on `--nnodes=1:2`. A third agent started once the world is
-full waits as a hot spare (torchrun's redundancy list). `kill -9` of an active agent's whole process group: the spare
-takes its place at the next rendezvous and the run resumes on the same world, so every step up to the next loss
-equals the uninterrupted run's exactly. Losing the former spare too (none is left): the survivor resumes at DP1 from
-the last checkpoint; a fourth agent joins: the job checkpoints at the next step boundary and goes on at DP2. Every
-step's loss and grad-norm equal the uninterrupted run's within the parity matrix's bounds, the run ends at
-train.train_iters, and each world change is said once."""
+a c10d rendezvous on localhost and train TP1 × PP2 (DP2) on `--nnodes=1:2`, each agent a "node" of its own
+(SLURMD_NODENAME). A third agent started once the world is full waits as a hot spare (torchrun's redundancy list).
+`kill -9` of an active agent's whole process group: the spare takes its place at the next rendezvous and the run
+resumes on the same world, so every step up to the next loss equals the uninterrupted run's exactly. Then the former
+spare's "GPUs" go bad (tests/workers/faulty_step_worker.py: NaN on every run of every step from FAULTY_NODE_FROM):
+the fault recurs when the step is re-run in place (train.rerun_mode=validate_results), the job saves the state
+before the step and exits 16 (train.recurring_fault=rerun_elsewhere), and with no spare left that node's agent leaves
+the job while the survivor resumes at DP1 and runs the step again, clean: that GPU was faulty. A fourth agent joins:
+the job checkpoints at the next step boundary and goes on at DP2. Every step's loss and grad-norm equal the
+uninterrupted run's within the parity matrix's bounds, the run ends at train.train_iters, and each world change is
+said once."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from megatron_ext.checkpoint.layout import latest_iteration
+from megatron_ext.errors import EXIT_RERUN_ELSEWHERE
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import (
     ROOT,
@@ -32,23 +37,26 @@ from tests.launch import (
 )
 
 STEPS = 48
+FAULTY_FROM = 18  # the spare's node goes bad here, a few checkpoints after it took b's place
 JOIN_S = 5  # for the fourth agent's rendezvous join, after its config checks, while the DP1 world waits
 PP2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2",
        "parallel.sequence_parallel=false"]
 # a low peak LR keeps 40 steps of different summation orders within the parity bounds
 RUN = [*SMALL_MODEL, f"train.train_iters={STEPS}", "optimizer.lr=1e-4", "optimizer.min_lr=1e-5"]
+RERUN_ELSEWHERE = ["train.rerun_mode=validate_results", "train.recurring_fault=rerun_elsewhere"]
 
 
-def _agent(port: int, run_id: str, overrides: list[str], out: Path) -> subprocess.Popen:
+def _agent(port: int, run_id: str, overrides: list[str], out: Path, node: str) -> subprocess.Popen:
     options = ("--nnodes=1:2", "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
                f"--rdzv-id={run_id}", "--monitor-interval=0.5",
                # dead peers found in 3 s (c10d keep-alives); a round waits 3 s for more members (b starts 1 s after a)
                "--rdzv-conf=last_call_timeout=3,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3")
     cmd = pretrain_command(2, overrides, launcher="recipes.launch", launch_options=options)
     cmd.remove("--standalone")
+    cmd[cmd.index("recipes.launch")] = "tests.workers.faulty_launch"  # recipes.launch, its ranks' faults injected
+    env = run_env({"SLURMD_NODENAME": f"node-{node}", "FAULTY_NODE": "node-s", "FAULTY_NODE_FROM": str(FAULTY_FROM)})
     with open(out, "w") as sink:
-        return subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait(condition, what: str, *watched: subprocess.Popen, timeout: float = 120) -> None:
@@ -63,38 +71,36 @@ def test_a_spare_replaces_a_lost_node_exactly_and_without_one_the_world_shrinks_
                                                                                                tmp_path):
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     start = [*RUN, f"checkpoint.pretrained_checkpoint={initial_weights}"]  # the same weights as the reference
-    overrides = [*start, *PP2, f"checkpoint.save={ckpt}", "checkpoint.save_interval=2", f"logging.tensorboard_dir={tb}",
-                 f"logging.log_dir={tmp_path / 'logs'}"]
+    overrides = [*start, *PP2, *RERUN_ELSEWHERE, f"checkpoint.save={ckpt}", "checkpoint.save_interval=2",
+                 f"logging.tensorboard_dir={tb}", f"logging.log_dir={tmp_path / 'logs'}"]
     run_pretrain(4, [*start, *PP2, f"logging.tensorboard_dir={tmp_path / 'reference'}"])  # uninterrupted, DP2
     port, run_id = random.randint(20000, 60000), f"elastic-{os.getpid()}"
     out = {name: tmp_path / f"{name}.out" for name in "abcs"}
-    agents = {"a": _agent(port, run_id, overrides, out["a"])}
+    agents = {"a": _agent(port, run_id, overrides, out["a"], "a")}
     time.sleep(1)  # a hosts the rendezvous (the first at the endpoint); losing it would end the job
-    agents["b"] = _agent(port, run_id, overrides, out["b"])
+    agents["b"] = _agent(port, run_id, overrides, out["b"], "b")
 
     def said(text: str) -> bool:
         return any(text in path.read_text() for path in out.values() if path.exists())
 
     try:
         _wait(lambda: said("world=4 = "), "the first world", *agents.values())
-        agents["s"] = _agent(port, run_id, overrides, out["s"])  # the world is full: s waits as a spare
+        agents["s"] = _agent(port, run_id, overrides, out["s"], "s")  # the world is full: s waits as a spare
         # the tracker is the commit point (written after the manifest): a kill between the two resumes the one before
         _wait(lambda: (latest_iteration(ckpt) or 0) >= 6, "the checkpoint of step 6", *agents.values())
         os.killpg(agents["b"].pid, signal.SIGKILL)
         _wait(lambda: said("restart: same world (4 ranks, DP 2)"), "the spare's taking b's place", agents["a"],
               agents["s"])
-        replaced_at = latest_iteration(ckpt)
-        _wait(lambda: (latest_iteration(ckpt) or 0) >= replaced_at + 4, "two checkpoints of the world with the spare",
-              agents["a"], agents["s"])
-        os.killpg(agents["s"].pid, signal.SIGKILL)  # no spare is left
+        # the former spare's node goes bad at FAULTY_FROM; no spare is left: it leaves, the job goes on at DP1
         _wait(lambda: said("restart: world 4 → 2"), "a's restart at DP1", agents["a"])
+        assert agents["s"].wait(timeout=60) == EXIT_RERUN_ELSEWHERE, out["s"].read_text()[-4000:]
         # a's ranks wait while c starts (its imports take seconds, more on a loaded machine) and joins the
         # rendezvous, so that c's join, not the end of training, comes first
         workers = psutil.Process(agents["a"].pid).children()
         for worker in workers:
             worker.suspend()
         try:
-            agents["c"] = _agent(port, run_id, overrides, out["c"])
+            agents["c"] = _agent(port, run_id, overrides, out["c"], "c")
             _wait(lambda: "elastic on" in out["c"].read_text(), "the fourth agent's start", agents["a"], agents["c"])
             time.sleep(JOIN_S)
         finally:
@@ -114,8 +120,16 @@ def test_a_spare_replaces_a_lost_node_exactly_and_without_one_the_world_shrinks_
     assert replaced and int(replaced[1]) >= 6, (restarts, log[-4000:])
     resumed = re.search(r"restart: world 4 → 2: DP 2 → 1, 2 → 4 micro batches per step, resumed at iteration (\d+)",
                         log)
-    assert resumed and int(resumed[1]) >= int(replaced[1]) + 4 and (ckpt / f"iter_{int(resumed[1]):07d}").is_dir(), \
+    # the state before the faulty step was saved as its own checkpoint, where the job resumed on the good node
+    assert int(replaced[1]) + 4 <= FAULTY_FROM - 1, (replaced[0], "the spare took over too late to run a few steps")
+    assert resumed and int(resumed[1]) == FAULTY_FROM - 1 and (ckpt / f"iter_{FAULTY_FROM - 1:07d}").is_dir(), \
         (restarts, log[-4000:])
+    # the ranks of node-s: the last stage's (its loss) or the first stage's (its gradients), as the rendezvous placed it
+    suspects = r"rank \d's (loss|gradients) on node node-s, device 0"
+    assert re.search(rf"node node-s left the job: iteration {FAULTY_FROM}'s fault recurred in place on its GPU "
+                     rf"\({suspects}; {suspects}\); the job goes on without it", out["s"].read_text()), \
+        out["s"].read_text()[-4000:]
+    assert f"iteration {FAULTY_FROM}: the fault that recurred on " in log and "that GPU is faulty" in log, log[-4000:]
     assert "restart: world 2 → 4: DP 1 → 2, 4 → 2 micro batches per step" in log and "lost 0 steps" in log
     # where each recovery went, from the agent's times (recipes.launch) and the new processes' start-up; on the
     # scale-up the agent may decide before the old world's last step, and rank 0 may be on an agent that joined,

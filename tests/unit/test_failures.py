@@ -392,3 +392,44 @@ def test_the_exit_code_of_a_step_to_rerun_elsewhere_is_megatron_cores():
     from megatron_ext.errors import EXIT_RERUN_ELSEWHERE
 
     assert EXIT_RERUN_ELSEWHERE == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+
+
+@pytest.mark.parametrize("node, suspects, host, nodes, min_nodes, waiting, action", [
+    ("b", ["b"], "a", 2, 2, 1, "leave"),  # a hot spare takes b's place: same world
+    ("a", ["b"], "a", 2, 2, 1, "restart"),
+    ("a", ["b"], "a", 2, 2, 0, "end"),  # no spare, no smaller world: requeue without b
+    ("b", ["b"], "a", 2, 1, 0, "leave"),  # --nnodes 1:2: the job goes on without b
+    ("b", ["b"], None, 2, 1, 0, "leave"),  # no agent of the round hosts the rendezvous
+    ("a", ["a"], "a", 2, 1, 1, "end"),  # the rendezvous host cannot leave without ending the job
+    ("b", ["b", "c", "b"], "a", 3, 2, 1, "leave"),  # two suspect nodes, one spare: 1 + 1 nodes still make 2
+    ("b", ["b", "c"], "a", 3, 2, 0, "end"),
+    ("a", ["a"], None, 1, 1, 3, "end"),  # a one-node job: nothing is left to restart with
+])
+def test_after_a_fault_recurs_its_node_leaves_only_where_the_job_can_go_on_without_it(node, suspects, host, nodes,
+                                                                                     min_nodes, waiting, action):
+    from megatron_ext.resilience.agent import after_a_fault_recurred
+
+    assert after_a_fault_recurred(node, suspects, host, nodes, min_nodes, waiting) == action
+
+
+def test_the_nodes_waiting_to_join_are_read_from_torchs_rendezvous_state_and_agreed_on():
+    """torch exposes only its wait list; the hot spares are in the redundancy list of the same (private) state."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from megatron_ext.resilience.agent import _waiting_nodes, agreed
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    handler = DynamicRendezvousHandler.from_backend("run", store, C10dRendezvousBackend(store, "run"), 1, 2)
+    assert _waiting_nodes(handler) == 0
+    state = handler._state_holder.state
+    state.redundancy_list.add(handler._this_node)
+    state.wait_list.add(handler._this_node)
+    handler._state_holder.mark_dirty()
+    assert _waiting_nodes(handler) == 2
+    assert _waiting_nodes(object()) == 0  # a static rendezvous
+    # the agents act on the count of the first of them to decide
+    assert agreed(store, "waiting", 1) == 1 and agreed(store, "waiting", 0) == 1

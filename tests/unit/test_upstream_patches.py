@@ -98,6 +98,13 @@ PATCHED = [
     # NVRx 0.6.0's agent drops the failures it saw when it runs out of restarts
     Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._invoke_run_with_any_failed_policy",
             "b2e2ac0dca2a2d6b", "resilience/agent.py"),
+    # torch's elastic agent: a signal's exception leaves the rendezvous open (an agent leaving after exit 16), and the
+    # rendezvous state holds the hot spares (redundancy list) beside the wait list it reports
+    Patched("torch.distributed.launcher.api.launch_agent", "01534e5e0ad77098", "resilience/agent.py"),
+    Patched("torch.distributed.elastic.agent.server.api.SimpleElasticAgent.run", "1f0bf1529692b17f",
+            "resilience/agent.py"),
+    Patched("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler.num_nodes_waiting",
+            "1029f8dd846980b6", "resilience/agent.py"),
     # MLA's shared rotary key: its gradient summed over TP (megatron-core leaves each rank its own heads' share)
     Patched("megatron.core.transformer.multi_latent_attention.MLASelfAttention._qkv_down_projection",
             "6e1c7d106c8c3ac1", "model/mla.py"),
