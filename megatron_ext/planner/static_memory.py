@@ -103,17 +103,19 @@ def _ddp_buckets(params: list[tuple[int, bool]], dp_cp: int, distopt: bool, buck
 
 
 def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp: int) -> list[int]:
-    """Parameter elements (padding excluded) in each DP×CP rank's slice of every bucket."""
-    owned = [0] * dp_cp
+    """Parameter elements (padding excluded) in each DP×CP rank's slice of every bucket: each slice's size less the
+    padding in it (the alignment gaps before parameters, and the bucket's end), which touches few slices."""
+    whole, padding = 0, [0] * dp_cp
     for start, end, members in buckets:
         size = (end - start) // dp_cp
         if size == 0:
             continue
-        for a, b in members:
-            for r in range((a - start) // size, (b - 1 - start) // size + 1):
-                lo, hi = start + r * size, start + (r + 1) * size
-                owned[r] += min(b, hi) - max(a, lo)
-    return owned
+        whole += size
+        bounds = [start, *(x for member in members for x in member), end]
+        for gap_start, gap_end in zip(bounds[::2], bounds[1::2]):
+            for r in range((gap_start - start) // size, (gap_end - 1 - start) // size + 1):
+                padding[r] += min(gap_end, start + (r + 1) * size) - max(gap_start, start + r * size)
+    return [whole - pad for pad in padding]
 
 
 def ddp_bucket_size(cfg: RecipeConfig, dp: int) -> Optional[int]:
