@@ -29,7 +29,8 @@
 #                     permission denied: not the node's fault, and excluding it would not help)
 #   MAX_REQUEUES      3 (default): at most this many hang/failure requeues per job (signal requeues are planned
 #                     and not counted); then the job ends failed
-#   EXCLUDE_FAILED_NODES 1 (default): a failure requeue leaves out the node(s) whose rank failed first
+#   EXCLUDE_FAILED_NODES 1 (default): a failure requeue leaves out the node(s) whose rank failed first, and those
+#                     that left the job after a fault recurred on their GPU
 #   ELASTIC_MIN_NODES multi-node: go on without a lost node, down to this many nodes (torchrun --nnodes MIN:N; DP
 #                     follows the world, docs/slurm.md "Elastic"); submit with `sbatch --no-kill` so that SLURM
 #                     keeps the allocation when a node fails. Unset (default): a lost node ends the job step and

@@ -121,9 +121,10 @@ def read_node_ends(log_dir: str | Path) -> list[NodeRecord]:
 
 def verdict(log_dir: str | Path) -> dict[str, str]:
     """ENDED (a TrainingEnd, or empty when training did not end), ITERATION, FAILED_NODES (comma-separated: the
-    nodes where a rank failed by itself), SUSPECT_NODES (comma-separated: ``rerun elsewhere``'s)."""
+    nodes where a rank failed by itself, and those that left the job after a fault recurred on their GPU, which a
+    requeue leaves out too), SUSPECT_NODES (comma-separated: ``rerun elsewhere``'s)."""
     training = read_training_end(log_dir)
-    failed = [r.node for r in read_node_ends(log_dir) if r.outcome == "failed"]
+    failed = [r.node for r in read_node_ends(log_dir) if r.outcome in ("failed", "left")]
     return {"ENDED": training.ended if training else "", "ITERATION": str(training.iteration) if training else "",
             "FAILED_NODES": ",".join(failed), "SUSPECT_NODES": ",".join(training.suspect_nodes or []) if training else ""}
 

@@ -26,8 +26,11 @@ def test_the_verdict_names_how_training_ended_and_the_nodes_whose_rank_failed_by
     write_node_end(tmp_path, NodeRecord("node1", "failed", 139, failed_rank=0))
     write_node_end(tmp_path, NodeRecord("node2", "followed", 1))
     write_node_end(tmp_path, NodeRecord("node3", "failed", 1, failed_rank=5))
-    assert verdict(tmp_path) == {"ENDED": "exit signal", "ITERATION": "7", "FAILED_NODES": "node1,node3", "SUSPECT_NODES": ""}
+    write_node_end(tmp_path, NodeRecord("node5", "left", 16))  # its GPU repeated a fault: left out of a requeue too
+    assert verdict(tmp_path) == {"ENDED": "exit signal", "ITERATION": "7", "FAILED_NODES": "node1,node3,node5",
+                                 "SUSPECT_NODES": ""}
     forget(node_record_path(tmp_path, "node3"))
+    forget(node_record_path(tmp_path, "node5"))
     (record_dir(tmp_path) / "node-node4.json").write_text('{"node": "node4", "outc')  # torn: not a verdict
     assert verdict(tmp_path)["FAILED_NODES"] == "node1"
     assert sorted(p.name for p in record_dir(tmp_path).iterdir()) == [
