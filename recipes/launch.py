@@ -7,8 +7,8 @@ naming the rank that failed first and its log instead of torchrun's traceback; t
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
 can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
 would repeat; after exit 16 (a fault that recurred in place) the node where it began leaves when a waiting node or
-``--nnodes MIN:MAX`` lets the job go on without it (megatron_ext/resilience/agent.py). SIGTERM or Ctrl-C to this launcher stops the run with a checkpoint at the next step boundary and one
-line; the exit code is then 128 + the signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's
+``--nnodes MIN:MAX`` lets the job go on without it (megatron_ext/resilience/agent.py). SIGTERM or Ctrl-C to this
+launcher stops the run with a checkpoint at the next step boundary and one line; the exit code is then 128 + the signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's
 ft_launcher instead of torchrun's agent (megatron_ext/resilience/agent.py): the ranks send it heartbeats, its
 ``--ft-*`` options apply.
 """
@@ -99,14 +99,6 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _left(node: str, leaves: tuple) -> str:
-    """The line of a node whose agent left the job after a fault that recurred on its GPU (resilience.agent)."""
-    pending, waiting = leaves
-    instead = "a waiting node takes its place" if waiting else "the job goes on without it"
-    return (f"node {node} left the job: iteration {pending.iteration}'s fault recurred in place on its GPU "
-            f"({pending.describe()}); {instead}, and the step runs again on other GPUs")
-
-
 def _is_consequence(failure, hung: bool = False) -> bool:
     """A rank that stopped because a peer failed, or that torchrun ended after another rank failed — with SIGKILL too
     when the hang watchdog ended the job (`hung`): the stuck rank cannot act on torchrun's SIGTERM, so it is killed,
@@ -194,8 +186,8 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
     try:
         chosen.run(args)
     except chosen.processes.SignalException as e:
-        if hasattr(e, "leaves"):
-            print(_left(node, e.leaves), file=sys.stderr, flush=True)
+        if hasattr(e, "left"):
+            print(e.left.describe(), file=sys.stderr, flush=True)
             write_node_end(log_dir(cfg), NodeRecord(node, "left", EXIT_RERUN_ELSEWHERE))
             return EXIT_RERUN_ELSEWHERE
         received = getattr(e, "received", e.sigval)

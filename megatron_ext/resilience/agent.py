@@ -27,11 +27,14 @@ import signal
 import time
 from datetime import timedelta
 from types import ModuleType
-from typing import Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 from megatron_ext.errors import EXIT_DIVERGED, EXIT_RERUN_ELSEWHERE, EXIT_STORAGE, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_AT, WORKERS_STOPPED_AT
 from megatron_ext.resilience.run_record import node_name
+
+if TYPE_CHECKING:
+    from megatron_ext.resilience.reruns import PendingRerun
 
 # A restart would fail the same way: fix the config/data/checkpoint, or the run's numerics, first.
 NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_STORAGE)
@@ -177,6 +180,21 @@ class RerunsElsewhere:
 
 
 RERUNS_ELSEWHERE = RerunsElsewhere()  # recipes.launch fills it in once the recipe is read
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLeft:
+    """This node's agent left the job after `pending`'s fault recurred on its GPU, with `waiting` nodes to take its
+    place."""
+
+    node: str
+    pending: PendingRerun
+    waiting: int
+
+    def describe(self) -> str:
+        instead = "a waiting node takes its place" if self.waiting else "the job goes on without it"
+        return (f"node {self.node} left the job: iteration {self.pending.iteration}'s fault recurred in place on its "
+                f"GPU ({self.pending.describe()}); {instead}, and the step runs again on other GPUs")
 AfterFault = Literal["leave", "restart", "end"]
 HOST_KEY_WAIT = timedelta(seconds=30)
 
@@ -257,5 +275,5 @@ def _after_a_fault_recurred(agent, worker_group, processes: ModuleType) -> None:
         agent._remaining_restarts = 0
     elif action == "leave":
         leaves = processes.SignalException(f"node {node_name()} leaves the job", sigval=signal.SIGTERM)
-        leaves.leaves = (pending, waiting)
+        leaves.left = NodeLeft(node_name(), pending, waiting)
         raise leaves
