@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_ext.config.schema import RecipeConfig, without_retired_keys
+from megatron_ext.config.schema import RecipeConfig, config_defaults, without_retired_keys
 from megatron_ext.config.shape import padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.convert import families
@@ -125,8 +125,7 @@ def read_checkpoint(root: Path) -> SavedCheckpoint:
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig),
-                                                   without_retired_keys(common.config)))
+        cfg = OmegaConf.to_object(OmegaConf.merge(config_defaults(), without_retired_keys(common.config)))
     except OmegaConfBaseException as e:
         raise ConversionError(f"{directory}: saved config: {e.full_key}: {e.msg}") from None
     if fsdp_dtensor.holds_format(directory):

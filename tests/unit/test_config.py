@@ -249,6 +249,12 @@ def test_unknown_key_and_bad_type_are_reported_with_the_key():
         tiny("train.train_iters=many")
     with pytest.raises(ConfigError, match="not of the form"):
         tiny("train.train_iters")
+    # the overrides are merged at once; the one refused is still the one named, after good ones
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["train.train_iters=5", "model.num_layers=two", "parallel.tensor_parallel=2"])
+    assert str(err.value).startswith("override 'model.num_layers=two': model.num_layers: "), err.value
+    cfg = load_config(TINY, ["train.train_iters=5", "train.train_iters=7", "model.num_layers=3"])
+    assert (cfg.train.train_iters, cfg.model.num_layers) == (7, 3)  # in order: the last of a key's values counts
 
 
 def test_a_retired_key_names_its_successor_and_a_saved_config_drops_it(tmp_path):
