@@ -70,6 +70,12 @@ def _elastic_overrides(config: str, overrides: list[str], world_size: int, per_n
     return added
 
 
+def joins_later(args) -> bool:
+    """Whether a node may join this job after its first rendezvous round: any multi-node c10d rendezvous, where a hot
+    spare waits in torch's redundancy list even at a fixed node count."""
+    return args.rdzv_backend == "c10d" and not args.standalone
+
+
 def _elastic_worlds(cfg: RecipeConfig, nodes: range, per_node: int) -> str:
     """The line saying what each node count trains with; ConfigError naming the node count that cannot train."""
     said = []
@@ -151,10 +157,11 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
     args = chosen.parse_args([*torchrun_argv, "-m", entry, *recipe_argv])
     nodes, per_node = _node_counts(args, chosen)
     world_size, elastic = nodes[-1] * per_node, len(nodes) > 1
-    if elastic:
+    if joins_later(args):
         # torch 2.13's c10d rendezvous shares its TCPStore with the workers and keeps the store address of its first
-        # round: a node that joins later waits for an address nobody writes (scale-up deadlocks). Unshared, every
-        # round publishes its own, and rank 0 of each new world hosts that world's store.
+        # round: a node that joins later (a scale-up, or a hot spare at --nnodes N:N) waits for an address nobody
+        # writes, and the round deadlocks. Unshared, every round publishes its own, and rank 0 of each new world hosts
+        # that world's store.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         if elastic:

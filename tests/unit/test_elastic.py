@@ -71,3 +71,24 @@ def test_an_elastic_launch_says_what_each_node_count_trains_with_or_which_cannot
     assert said == "elastic on 1-3 nodes × 2 processes: 1 → DP 1, 2 → DP 2, 3 → DP 2 (2 idle)"
     with pytest.raises(ConfigError, match=r"^with 1 node \(2 processes\) of --nnodes 1:2: world size"):
         _elastic_worlds(load_config(TINY, ["parallel.allow_idle_ranks=true"]), range(1, 3), 2)  # TP2 × PP2
+
+
+def test_a_multi_node_launch_unshares_the_rendezvous_store_so_a_spare_can_join_a_later_round(monkeypatch, tmp_path):
+    """torch 2.13 keeps a shared store's address from the first round: a hot spare at --nnodes N:N that takes a lost
+    node's place then waits for an address nobody writes (seen: the round timed out). Any multi-node c10d launch
+    unshares it; a one-node launch keeps torch's default."""
+    import dataclasses
+    import os
+
+    import recipes.launch as launch
+
+    seen = []
+    real_agent = launch.agent
+    monkeypatch.setattr(launch, "agent", lambda nvrx: dataclasses.replace(
+        real_agent(nvrx), run=lambda args: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))))
+    recipe = ["--config", str(TINY), f"logging.log_dir={tmp_path}", "checkpoint.save=null"]
+    for options, unshared in ((["--nnodes=2:2", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29999",
+                                "--rdzv-id=spare", "--nproc-per-node=2"], "1"), (["--standalone", "--nproc-per-node=4"], None)):
+        monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+        assert launch.main([*options, *recipe]) == 0
+        assert seen.pop() == unshared, options
