@@ -8,9 +8,9 @@ naming the rank that failed first and its log instead of torchrun's traceback; t
 can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
 would repeat; after exit 16 (a fault that recurred in place) the node where it began leaves when a waiting node or
 ``--nnodes MIN:MAX`` lets the job go on without it (megatron_ext/resilience/agent.py). SIGTERM or Ctrl-C to this
-launcher stops the run with a checkpoint at the next step boundary and one line; the exit code is then 128 + the signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's
-ft_launcher instead of torchrun's agent (megatron_ext/resilience/agent.py): the ranks send it heartbeats, its
-``--ft-*`` options apply.
+launcher stops the run with a checkpoint at the next step boundary and one line; the exit code is then 128 + the
+signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's ft_launcher instead of torchrun's agent
+(megatron_ext/resilience/agent.py): the ranks send it heartbeats, its ``--ft-*`` options apply.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
     node = node_name()
     forget(node_record_path(log_dir(cfg), node))
     RERUNS_ELSEWHERE.save, RERUNS_ELSEWHERE.min_nodes = cfg.checkpoint.save, nodes[0]
-    if args.rdzv_backend == "c10d" and not args.standalone:
+    if joins_later(args):  # a multi-node rendezvous, whose host cannot leave the job
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
         RERUNS_ELSEWHERE.rendezvous_port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1]
