@@ -49,8 +49,11 @@ RERUN_ELSEWHERE = ["train.rerun_mode=validate_results", "train.recurring_fault=r
 def _agent(port: int, run_id: str, overrides: list[str], out: Path, node: str) -> subprocess.Popen:
     options = ("--nnodes=1:2", "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
                f"--rdzv-id={run_id}", "--monitor-interval=0.5",
-               # dead peers found in 3 s (c10d keep-alives); a round waits 3 s for more members (b starts 1 s after a)
-               "--rdzv-conf=last_call_timeout=3,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3")
+               # dead peers found in 3 s (c10d keep-alives); a round waits 3 s for more members (b starts 1 s after a);
+               # a hosts the rendezvous store, said explicitly as the SLURM template does: every agent here matches
+               # localhost, and the first to get through its start-up checks would host it (losing it ends the job)
+               "--rdzv-conf=last_call_timeout=3,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3,"
+               f"is_host={int(node == 'a')}")
     cmd = pretrain_command(2, overrides, launcher="recipes.launch", launch_options=options)
     cmd.remove("--standalone")
     cmd[cmd.index("recipes.launch")] = "tests.workers.faulty_launch"  # recipes.launch, its ranks' faults injected
@@ -77,7 +80,7 @@ def test_a_spare_replaces_a_lost_node_exactly_and_without_one_the_world_shrinks_
     port, run_id = random.randint(20000, 60000), f"elastic-{os.getpid()}"
     out = {name: tmp_path / f"{name}.out" for name in "abcs"}
     agents = {"a": _agent(port, run_id, overrides, out["a"], "a")}
-    time.sleep(1)  # a hosts the rendezvous (the first at the endpoint); losing it would end the job
+    time.sleep(1)
     agents["b"] = _agent(port, run_id, overrides, out["b"], "b")
 
     def said(text: str) -> bool:
