@@ -7,7 +7,8 @@ naming the rank that failed first and its log instead of torchrun's traceback; t
 (2 config/data/checkpoint, 3 divergence, 4 hang: see megatron_ext/errors.py), so SLURM scripts
 can act on it. With ``--max-restarts`` the agent restarts failed workers, except after exit 2 or 3, which a restart
 would repeat; after exit 16 (a fault that recurred in place) the node where it began leaves when a waiting node or
-``--nnodes MIN:MAX`` lets the job go on without it (megatron_ext/resilience/agent.py). SIGTERM or Ctrl-C to this
+``--nnodes MIN:MAX`` lets the job go on without it (megatron_ext/resilience/agent.py); a hot spare the job ended
+without says so and exits 0. SIGTERM or Ctrl-C to this
 launcher stops the run with a checkpoint at the next step boundary and one line; the exit code is then 128 + the
 signal's number (143, 130). ``--nvrx`` runs NVIDIA Resiliency Extension's ft_launcher instead of torchrun's agent
 (megatron_ext/resilience/agent.py): the ranks send it heartbeats, its ``--ft-*`` options apply.
@@ -29,7 +30,7 @@ from megatron_ext.errors import (
     EXIT_USER_ERROR,
     ConfigError,
 )
-from megatron_ext.resilience.agent import RERUNS_ELSEWHERE, Agent, agent
+from megatron_ext.resilience.agent import RERUNS_ELSEWHERE, Agent, SpareNotNeeded, agent
 from megatron_ext.resilience.failures import rank_log
 from megatron_ext.resilience.run_record import NodeRecord, forget, node_name, node_record_path, write_node_end
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
@@ -192,6 +193,10 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
         RERUNS_ELSEWHERE.rendezvous_port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1]
     try:
         chosen.run(args)
+    except SpareNotNeeded as e:
+        print(f"node {node} was not needed: {e.why}; the other nodes' lines say how the job ended", flush=True)
+        write_node_end(log_dir(cfg), NodeRecord(node, "not needed", 0))
+        return 0
     except chosen.processes.SignalException as e:
         if hasattr(e, "left"):
             print(e.left.describe(), file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 Two agents: torchrun's, or NVIDIA Resiliency Extension's ``ft_launcher`` (``recipes.launch --nvrx``), a subclass of
 torch's elastic agent that adds rank heartbeats watched from outside the ranks (:mod:`.nvrx`) and node health
-checks. Both get the same five changes, made once per process by :func:`prepare`:
+checks. Both get the same seven changes, made once per process by :func:`prepare`:
 
 * a failure whose exit code a restart would repeat (NOT_RESTARTED: config/data/checkpoint errors, divergence) ends
   the job at once instead of using up ``--max-restarts``;
@@ -12,8 +12,15 @@ checks. Both get the same five changes, made once per process by :func:`prepare`
   possible, or that node hosts the rendezvous, every agent ends the job (the SLURM templates requeue it without the
   node) instead of restarting its workers where the fault recurs;
 * a run that fails names the ranks that failed (NVRx 0.6.0 loses them when it runs out of restarts);
+* a hot spare the job ended without raises :class:`SpareNotNeeded`, on which ``recipes.launch`` says so and exits
+  0: torch 2.13's launcher fails it either way the end reaches it (an AttributeError when the closed rendezvous
+  lets it go, as ``launch_agent`` reads the None its agent's graceful exit returns; the store's connection error when
+  the host's agent exits first), and SLURM would count a failed task;
 * the agent's environment, which the workers it starts inherit, records when it decided to restart them, had
   stopped the old ones and had the new world's rendezvous (:mod:`.elastic` says where a recovery went);
+* where the agent keeps its rendezvous store to itself, its environment names that store and the round to the
+  workers (:mod:`.job_store`): their failure reports and hang heartbeats must outlive rank 0, which hosts the ranks'
+  own store there (a rank 0 stopped or gone would take the hang watchdog's heartbeats with it);
 * SIGTERM or Ctrl-C to the launcher reaches the ranks as SIGTERM, on which they checkpoint at the next step boundary
   (SIGINT would interrupt them without a checkpoint); the exception remembers the signal received.
 """
@@ -85,10 +92,12 @@ def agent(nvrx: bool) -> Agent:
 
 
 def prepare(chosen: Agent) -> None:
-    """The five changes of the module docstring (once per class: a second call changes nothing)."""
+    """The seven changes of the module docstring (once per class: a second call changes nothing)."""
     _end_restarts_after_errors_a_restart_repeats(chosen)
     _report_the_failures_seen(chosen)
+    _end_a_spare_the_job_did_not_need(chosen.local_agent)
     _time_restarts(chosen.simple_agent)
+    _name_the_job_store(chosen.simple_agent)
     _stop_ranks_with_a_checkpoint_on_signals(chosen.processes)
 
 
@@ -131,6 +140,38 @@ def _report_the_failures_seen(chosen: Agent) -> None:
     chosen.local_agent._invoke_run = invoke_run_reporting_failures
 
 
+class SpareNotNeeded(Exception):
+    """This node's agent never trained in the job's last world, and the job has ended: `why` says how it waited."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+def _end_a_spare_the_job_did_not_need(local_agent: type) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
+
+    run = local_agent.run
+    if getattr(run, "ends_unneeded_spares", False):
+        return
+
+    def run_or_end_unneeded(agent, *args, **kwargs):
+        try:
+            result = run(agent, *args, **kwargs)
+        except (RendezvousClosedError, RendezvousConnectionError) as e:
+            if agent._worker_group.group_rank is not None:  # a node that trained, whose restart found the job gone
+                raise
+            # which of the two a waiting node sees is a race: the host's agent closes the rendezvous, then exits
+            raise SpareNotNeeded("it arrived after the job's rendezvous had closed" if isinstance(
+                e, RendezvousClosedError) else "it waited as a hot spare until the rendezvous host ended") from None
+        if result is None:  # the agent's graceful exit: the rendezvous closed while this node was in its redundancy list
+            raise SpareNotNeeded("it waited as a hot spare until the job ended")
+        return result
+
+    run_or_end_unneeded.ends_unneeded_spares = True
+    local_agent.run = run_or_end_unneeded
+
+
 def _time_restarts(simple_agent: type) -> None:
     if getattr(simple_agent._restart_workers, "timed", False):
         return
@@ -153,6 +194,30 @@ def _time_restarts(simple_agent: type) -> None:
     timed_restart.timed = True
     simple_agent._restart_workers, simple_agent._initialize_workers, simple_agent._rendezvous = (
         timed_restart, timed_initialize, timed_rendezvous)
+
+
+def _name_the_job_store(simple_agent: type) -> None:
+    from megatron_ext.resilience.job_store import JOB_STORE
+
+    rendezvous = simple_agent._rendezvous
+    if getattr(rendezvous, "names_the_job_store", False):
+        return
+
+    def rendezvous_naming_the_store(agent, worker_group):
+        result = rendezvous(agent, worker_group)
+        handler = worker_group.spec.rdzv_handler
+        store = getattr(handler, "_store", None)
+        # the round the rendezvous just completed names this world, as torch's own key prefix does (a static
+        # rendezvous, or NVRx's barrier one, has none: the ranks keep their MASTER_ADDR store)
+        round_ = getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None)
+        if handler.use_agent_store or round_ is None or not hasattr(store, "port"):
+            os.environ.pop(JOB_STORE, None)
+        else:
+            os.environ[JOB_STORE] = f"{store.host}:{store.port}/{handler.get_run_id()}.{round_}"
+        return result
+
+    rendezvous_naming_the_store.names_the_job_store = True
+    simple_agent._rendezvous = rendezvous_naming_the_store
 
 
 def _stop_ranks_with_a_checkpoint_on_signals(processes: ModuleType) -> None:

@@ -8,7 +8,8 @@ Two kinds of writer, each its own JSON file, written whole (temporary file, then
   ledger's seconds), and for ``rerun elsewhere`` the nodes a requeue must leave out;
 - each node's launcher (``recipes.launch``), when its ranks have ended: ``node-<name>.json`` — its exit code and, when
   one of its ranks failed by itself, that rank (a node whose ranks only stopped because a peer failed says
-  ``followed``; one whose agent left the job after a fault recurred on its GPU, ``left``).
+  ``followed``; one whose agent left the job after a fault recurred on its GPU, ``left``; a hot spare the job ended
+  without, ``not needed``).
 
 ``python -m megatron_ext.resilience.run_record LOG_DIR`` prints the job's verdict as shell assignments
 (``ENDED=... ITERATION=... FAILED_NODES=... SUSPECT_NODES=...``). Standard library only: the SLURM batch script runs it with the host's
@@ -32,7 +33,7 @@ TRAINING_RECORD = "training.json"
 VERSION = 1
 
 TrainingEnd = Literal["finished", "exit signal", "exit interval", "rerun elsewhere"]
-NodeOutcome = Literal["finished", "failed", "followed", "signalled", "left"]
+NodeOutcome = Literal["finished", "failed", "followed", "signalled", "left", "not needed"]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -21,7 +22,7 @@ import pytest
 from megatron_ext.checkpoint.layout import complete_iterations, latest_iteration
 from megatron_ext.errors import EXIT_FAILED
 from megatron_ext.resilience.run_record import read_node_ends, verdict
-from tests.launch import ROOT, SMALL_MODEL, pretrain_command, read_scalars, run_env, run_pretrain
+from tests.launch import ROOT, SMALL_MODEL, free_ports, pretrain_command, read_scalars, run_env, run_pretrain
 
 
 def _children(pid: int) -> list[int]:
@@ -113,13 +114,17 @@ def test_divergence_stops_at_its_step_once_naming_where_after_the_allowed_skips(
     assert "compute " in proc.stdout and "slowest rank" in proc.stdout
 
 
-def _stop_a_rank(cmd: list[str], out: Path, rank: int, after_step: int) -> tuple[subprocess.Popen, int, float]:
-    """Launch `cmd` (output to `out`), SIGSTOP rank `rank` once step `after_step` is logged and wait for the job to
-    end: the launcher, the stopped rank's pid and the seconds from the stop to the end."""
+def _stop_a_rank(cmd: list[str], out: Path, rank: int, after_step: int, env: dict[str, str] | None = None,
+                 before_stop: Callable[[], None] = lambda: None) -> tuple[subprocess.Popen, int, float]:
+    """Launch `cmd` (output to `out`), SIGSTOP rank `rank` once step `after_step` is logged and `before_stop` has
+    returned, and wait for the job to end: the launcher, the stopped rank's pid and the seconds from the stop to the
+    end."""
     with open(out, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(env), stdout=sink, stderr=subprocess.STDOUT)
+    stopped = None
     try:
         _wait_for(out, f"step {after_step:>6}/", proc)
+        before_stop()
         stopped = _rank_pid(proc.pid, rank)
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
@@ -127,23 +132,56 @@ def _stop_a_rank(cmd: list[str], out: Path, rank: int, after_step: int) -> tuple
         return proc, stopped, time.monotonic() - start
     finally:
         proc.kill()
+        if stopped is not None and _alive(stopped):  # a job that did not end leaves its stopped rank behind
+            os.kill(stopped, signal.SIGKILL)
 
 
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_path):
     """SIGSTOP one of 4 ranks (a stuck GPU, a dead NIC): the others' watchdogs write their stacks, name it once,
-    and the job is gone (exit 4, for SLURM to requeue) within the timeout plus a margin."""
-    logs, out = tmp_path / "logs", tmp_path / "out.txt"
+    and the job is gone (exit 4, for SLURM to requeue) within the timeout plus a margin. The job is a node of a
+    c10d rendezvous (--nnodes 1:1), as on a multi-node SLURM job, where rank 0 hosts the ranks' own store: the
+    stopped rank is rank 0, and the heartbeats still reach the others through the agent's store. A hot spare waits
+    beside the job: when the job ends it says it was not needed and exits 0 (torch's launcher failed it, and SLURM
+    counted a failed task)."""
+    logs, out, spare_out = tmp_path / "logs", tmp_path / "out.txt", tmp_path / "spare.txt"
+    port = free_ports(1)[0]
     cmd = pretrain_command(4, [*SMALL_MODEL, "train.train_iters=1000", "train.hang_timeout_s=5",
-                               f"logging.log_dir={logs}"], launcher="recipes.launch")
-    proc, stopped, gone = _stop_a_rank(cmd, out, rank=2, after_step=2)
+                               f"logging.log_dir={logs}"], launcher="recipes.launch",
+                           launch_options=("--nnodes=1:1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+                                           f"--rdzv-id=hang-{os.getpid()}"))
+    cmd.remove("--standalone")
+    spare: list[subprocess.Popen] = []
+
+    def start_a_spare() -> None:  # once it has joined the rendezvous: the job is full, it waits in torch's list
+        with open(spare_out, "w") as sink:
+            spare.append(subprocess.Popen(cmd, cwd=ROOT, env=run_env({"SLURMD_NODENAME": "node-spare"}), stdout=sink,
+                                          stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while not any(c.raddr and c.raddr.port == port for c in psutil.Process(spare[0].pid).net_connections()):
+            assert time.monotonic() < deadline and spare[0].poll() is None, spare_out.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)
+
+    try:
+        proc, stopped, gone = _stop_a_rank(cmd, out, rank=0, after_step=2, env={"SLURMD_NODENAME": "node-a"},
+                                           before_stop=start_a_spare)
+        assert spare[0].wait(timeout=30) == 0, spare_out.read_text()[-3000:]
+    finally:
+        for process in spare:
+            process.kill()
     text = out.read_text()
     assert proc.returncode == 4, text[-3000:]
     assert gone < 5 + 20 and not _alive(stopped), (gone, text[-3000:])
-    assert text.count("] hang:") == 1 and "heartbeat stopped on rank 2 (host " in text and f"pid {stopped})" in text
-    assert not re.search(r"heartbeat stopped on .*rank [013] ", text), text[-3000:]
-    for rank in (0, 1, 3):
+    assert text.count("] hang:") == 1 and "heartbeat stopped on rank 0 (host " in text and f"pid {stopped})" in text
+    assert not re.search(r"heartbeat stopped on .*rank [123] ", text), text[-3000:]
+    for rank in (1, 2, 3):
         stacks = (logs / f"rank-{rank}.log").read_text()
         assert "hang watchdog" in stacks and "(most recent call first)" in stacks and "training/trainer.py" in stacks
+    # which of the job's two ways of ending reaches the spare first is a race (recipes.launch's agent module)
+    assert re.search(r"^node node-spare was not needed: it waited as a hot spare until the (job|rendezvous host) "
+                     r"ended", spare_out.read_text(), re.MULTILINE), spare_out.read_text()[-3000:]
+    assert {node.node: node.outcome for node in read_node_ends(logs)} == {"node-a": "failed",
+                                                                          "node-spare": "not needed"}
 
 
 def test_under_nvrx_a_stopped_rank_is_ended_by_the_rank_monitor_outside_it(tmp_path):

@@ -433,3 +433,70 @@ def test_the_nodes_waiting_to_join_are_read_from_torchs_rendezvous_state_and_agr
     assert _waiting_nodes(object()) == 0  # a static rendezvous
     # the agents act on the count of the first of them to decide
     assert agreed(store, "waiting", 1) == 1 and agreed(store, "waiting", 0) == 1
+
+
+def test_where_the_agent_keeps_its_rendezvous_store_the_ranks_are_given_it_with_the_round(monkeypatch):
+    """Unshared (every multi-node c10d launch), the ranks' MASTER_ADDR store lives in rank 0: their failure reports
+    and hang heartbeats go to the agent's rendezvous store instead, under the round that made their world."""
+    import os
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from megatron_ext.resilience.agent import _name_the_job_store
+    from megatron_ext.resilience.job_store import JOB_STORE, job_store
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    handler = DynamicRendezvousHandler.from_backend("run", store, C10dRendezvousBackend(store, "run"), 1, 2)
+    handler._state_holder.state.round = 3
+
+    class Agent:
+        def _rendezvous(self, worker_group):
+            return "rendezvous"
+
+    _name_the_job_store(Agent)
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=handler))
+    monkeypatch.setenv(JOB_STORE, "restored after the test")
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert Agent()._rendezvous(group) == "rendezvous"
+    assert os.environ[JOB_STORE] == f"127.0.0.1:{store.port}/run.3"
+    job_store().set("hb/0", "1 7")
+    assert store.get("megatron_ext/run.3/hb/0") == b"1 7"
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # shared: MASTER_ADDR is the agent's store
+    Agent()._rendezvous(group)
+    assert JOB_STORE not in os.environ
+
+
+class _Spare:
+    """An agent whose run ends as torch's does: a result, its graceful exit's None, or a rendezvous error."""
+
+    def __init__(self, outcome, trained: bool = False):
+        from types import SimpleNamespace
+
+        self.outcome, self._worker_group = outcome, SimpleNamespace(group_rank=0 if trained else None)
+
+    def run(self, role: str = "default"):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+def test_a_spare_the_job_ended_without_is_told_apart_from_a_node_that_failed():
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
+
+    from megatron_ext.resilience.agent import SpareNotNeeded, _end_a_spare_the_job_did_not_need
+
+    _end_a_spare_the_job_did_not_need(_Spare)
+    assert _Spare("result").run() == "result"
+    for outcome, why in ((None, "it waited as a hot spare until the job ended"),
+                         (RendezvousClosedError(), "it arrived after the job's rendezvous had closed"),
+                         (RendezvousConnectionError(), "it waited as a hot spare until the rendezvous host ended")):
+        with pytest.raises(SpareNotNeeded) as ended:
+            _Spare(outcome).run()
+        assert ended.value.why == why
+    # a node that trained and whose restart then found the job gone is not a spare: the error is its own
+    with pytest.raises(RendezvousConnectionError):
+        _Spare(RendezvousConnectionError(), trained=True).run()

@@ -105,6 +105,12 @@ PATCHED = [
             "resilience/agent.py"),
     Patched("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler.num_nodes_waiting",
             "1029f8dd846980b6", "resilience/agent.py"),
+    # a hot spare in the redundancy list leaves a closed rendezvous by the graceful exit whose None result the
+    # launcher then fails on; the ranks' job store is named after the round, as torch prefixes the round's keys
+    Patched("torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousJoinOp.__call__", "8ce27da4a0625024",
+            "resilience/agent.py"),
+    Patched("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler._wrap_store",
+            "7cfb065e563578ac", "resilience/agent.py"),
     # MLA's shared rotary key: its gradient summed over TP (megatron-core leaves each rank its own heads' share)
     Patched("megatron.core.transformer.multi_latent_attention.MLASelfAttention._qkv_down_projection",
             "6e1c7d106c8c3ac1", "model/mla.py"),
