@@ -331,11 +331,14 @@ def test_multi_node_template_goes_on_without_a_lost_node_when_elastic(cluster, s
 
 
 def _training_rank(job: Job, rank: int) -> psutil.Process:
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        cmdline, env = " ".join(proc.info["cmdline"] or []), proc.info["environ"] or {}
-        if "recipes.pretrain" in cmdline and str(job.run_dir) in cmdline and env.get("RANK") == str(rank):
-            return proc
-    raise AssertionError(f"job {job.id}: no training rank {rank} running\n{job.debug()}")
+    """The rank's process: the oldest with its command line and RANK, not the checkpoint save helper it forked (which
+    inherits both, and whose pid is the lower one after the pids wrap, at 32768 on this VM)."""
+    found = [proc for proc in psutil.process_iter(["cmdline", "environ", "create_time"])
+             if "recipes.pretrain" in " ".join(proc.info["cmdline"] or []) and str(job.run_dir) in
+             " ".join(proc.info["cmdline"] or []) and (proc.info["environ"] or {}).get("RANK") == str(rank)]
+    if not found:
+        raise AssertionError(f"job {job.id}: no training rank {rank} running\n{job.debug()}")
+    return min(found, key=lambda proc: (proc.info["create_time"], proc.pid))
 
 
 def test_a_crash_then_a_preemption_requeue_and_the_run_finishes_exactly(cluster, single_node_job, tmp_path):
