@@ -36,12 +36,16 @@ FIXTURES = ROOT / "tests" / "legacy_checkpoints"
 CASES = sorted(path.name for path in FIXTURES.iterdir() if (path / "uninterrupted.json").is_file())
 # the fully reshardable format resumed under another layout: TP2 -> one process
 RESUMED_UNDER = {"dense_fully_reshardable": (1, SINGLE_PROCESS)}
-# Under the layout that saved it, bit for bit (measured: 0 on every step, the CPU build of torch 2.13 there and its
-# CUDA build here) — but for the gradient norm, which megatron-core now finishes on the device as it does with TE
-# (an fp32 pow, training/optimizer.py:keep_grad_norm_on_device) where the fixtures' run read it to the host first (a
-# float64 square root): within one fp32 ulp (measured: 1 ulp on one step of the ZeRO-3 case, 0 elsewhere). Resharded,
-# within the bounds of a resharded resume on one stack (measured 8.3e-8 / 1.6e-7).
+# Under the layout that saved it, within a few fp32 ulps of the run that wrote it: bit for bit on the CPU the fixtures
+# were made on (0 on every step, the CPU build of torch 2.13 there and its CUDA build here) but for the gradient norm,
+# which megatron-core now finishes on the device (an fp32 pow, training/optimizer.py:keep_grad_norm_on_device) where
+# the fixtures' run read it to the host first (a float64 square root: 1 ulp on one step of the ZeRO-3 case). On an
+# AVX-512 Xeon (2026-11-27) the loss moves by 0.7 ulp and the gradient norm by 1.2 ulps on one step: torch's CPU kernels
+# sum in an order that follows the vector width. A resume that gets the state wrong moves them by hundreds: an LR
+# decay horizon of 21 instead of 20 steps, 480-500 ulps on the loss and 2,500-4,000 on the gradient norm (measured).
+# Resharded, within the bounds of a resharded resume on one stack (measured 8.3e-8 / 1.6e-7).
 FP32_ULP = 2.0 ** -23
+SAME_LAYOUT_ULPS = 4
 
 
 def _copy(case: str, tmp_path: Path) -> tuple[dict, Path]:
@@ -66,10 +70,9 @@ def test_a_checkpoint_of_the_previous_stack_continues_its_run(case, tmp_path):
         if case in RESUMED_UNDER:
             worst = max_relative_difference(resumed, expected)
             assert worst <= tolerance, f"{tag}: {worst:.2e}"
-        elif tag == "train/grad_norm":
-            assert max_relative_difference(resumed, expected) <= FP32_ULP, tag
         else:
-            assert resumed == expected, tag
+            worst = max_relative_difference(resumed, expected)  # over the same steps
+            assert worst <= SAME_LAYOUT_ULPS * FP32_ULP, f"{tag}: {worst / FP32_ULP:.1f} ulps"
     # the legacy checkpoint and the one this run saved (no common.pt but Megatron-FSDP's) listed alike
     lines, newest = describe(ckpt, verify=True)
     assert newest == iteration_dir(ckpt, run["steps"]) and len(lines) == 2, lines
