@@ -19,7 +19,9 @@ places, repaired here when loading (saving stays as megatron-core writes it):
   :func:`adapt_optimizer_state` rewrites a loaded state to the convention of the optimizer it goes into.
 
 Also the repairs of megatron-core 0.19.2's torch-Adam load path (distrib_optimizer.py:839, :1025-1032,
-:1223), which apply to torch Adam only.
+:1223), which apply to torch Adam only; and the schedule's values in the saved param groups (``max_lr``, ``min_lr``,
+``start_wd``, ``end_wd``) follow the config, as the scheduler does: megatron-core 0.19 identifies a saved group by
+them too, so a resume with another ``optimizer.lr``, ``min_lr`` or ``weight_decay`` found no group (a bare KeyError).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
 from megatron_ext.checkpoint import safe_unpickle
 from megatron_ext.errors import IncompatibleCheckpointError
@@ -110,10 +113,51 @@ def _saved_step(saved: dict) -> Optional[float]:
     return steps.pop() if steps else None
 
 
-def adapt_optimizer_state(optimizer: MegatronOptimizer, state: Any) -> None:
-    """Rewrite a loaded optimizer state, in place, to the step convention of the Adam it is loaded into."""
+# What the optimizer scheduler sets from the config (training/optimizer.py: override_opt_param_scheduler)
+SCHEDULED = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def schedule_from_the_config(saved_groups: list[dict], current_groups: list[dict]) -> None:
+    """The saved param groups take the schedule's values of the current group with the same structure (the other
+    identifier keys: weight-decay and LR multipliers, expert and decoupled-LR flags), where that group is one kind."""
+
+    def structure(group: dict) -> tuple:
+        return tuple(group.get(key, group.get(f"pre_{key}")) for key in param_group_identifier_keys
+                     if key not in SCHEDULED)
+
+    current: dict[tuple, set[tuple]] = {}
+    for group in current_groups:
+        current.setdefault(structure(group), set()).add(tuple(group.get(key) for key in SCHEDULED))
+    for group in saved_groups:
+        values = current.get(structure(group), set())
+        if len(values) == 1:
+            for key, value in zip(SCHEDULED, next(iter(values))):
+                if value is None:
+                    group.pop(key, None)
+                else:
+                    group[key] = value
+
+
+def _saved_substates(optimizer: MegatronOptimizer, state: Any) -> Iterator[tuple[MegatronOptimizer, dict]]:
+    """Each megatron-core optimizer with the torch optimizer state dict loaded for it."""
     for opt, part in optimizer_substates(optimizer, state):
-        saved = part["optimizer"] if "optimizer" in part else part  # FP32Optimizer's is torch's own dict
+        yield opt, part["optimizer"] if "optimizer" in part else part  # FP32Optimizer's is torch's own dict
+
+
+def follow_the_configs_schedule(optimizer: MegatronOptimizer, state: Any) -> None:
+    """A loaded optimizer state's param groups, in place, with the schedule's values of the config (see
+    :func:`schedule_from_the_config`). Megatron-FSDP's state holds each parameter's group instead, from which
+    megatron-core rebuilds the groups: there the saved values would win over the config's without a word."""
+    for opt, saved in _saved_substates(optimizer, state):
+        groups = saved["param_groups"] if "param_groups" in saved else list(saved["param_to_group_meta"].values())
+        schedule_from_the_config(groups, opt.optimizer.param_groups)
+
+
+def adapt_optimizer_state(optimizer: MegatronOptimizer, state: Any) -> None:
+    """Rewrite a loaded optimizer state, in place, to the step convention of the Adam it is loaded into and to the
+    schedule of the config."""
+    follow_the_configs_schedule(optimizer, state)
+    for opt, saved in _saved_substates(optimizer, state):
         inner = opt.optimizer
         step = _saved_step(saved)
         per_param = saved.get("state")  # present for megatron-core's non-distributed optimizers only
@@ -147,8 +191,7 @@ def load_optimizer(optimizer: MegatronOptimizer, state: Any) -> None:
     and then restored as the param's own tensor, because torch Adam increments it in place once per param.
     """
     adapt_optimizer_state(optimizer, state)
-    steps = [_saved_step(part["optimizer"] if "optimizer" in part else part)
-             for _, part in optimizer_substates(optimizer, state)]
+    steps = [_saved_step(saved) for _, saved in _saved_substates(optimizer, state)]
     repaired = [opt for opt in megatron_optimizers(optimizer)
                 if is_torch_adam(opt.optimizer) and hasattr(opt, "_set_main_param_and_optimizer_states")]
     for opt in repaired:

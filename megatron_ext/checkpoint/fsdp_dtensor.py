@@ -122,6 +122,7 @@ def load(ckpt_dir: Path, model_chunks: list, optimizer: MegatronOptimizer) -> No
     with safe_unpickle.refusals_named(ckpt_dir):
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
     model_chunks[0].load_state_dict(own["model"])
+    compat.follow_the_configs_schedule(optimizer, own["optimizer"])  # the loaded groups hold the saved schedule
     optimizer.load_state_dict(own["optimizer"])
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from megatron_ext.checkpoint.common_state import read_common
 from megatron_ext.checkpoint.layout import COMMON_STATE, iteration_dir
+from megatron_ext.config.schema import load_config
 from megatron_ext.errors import CheckpointError
 from tests.integration.test_training import RESHARD_TOLERANCE
 from tests.launch import (
@@ -73,6 +74,8 @@ def test_a_checkpoint_of_the_previous_stack_continues_its_run(case, tmp_path):
         else:
             worst = max_relative_difference(resumed, expected)  # over the same steps
             assert worst <= SAME_LAYOUT_ULPS * FP32_ULP, f"{tag}: {worst / FP32_ULP:.1f} ulps"
+    if case in NEW_SCHEDULE_CASES:
+        _resumes_under_a_new_schedule(case, run, tmp_path, read_scalars(tb, "train/lr"))
     # the legacy checkpoint and the one this run saved (no common.pt but Megatron-FSDP's) listed alike
     lines, newest = describe(ckpt, verify=True)
     assert newest == iteration_dir(ckpt, run["steps"]) and len(lines) == 2, lines
@@ -86,6 +89,27 @@ def test_a_checkpoint_of_the_previous_stack_continues_its_run(case, tmp_path):
         with pytest.raises(CheckpointError) as refused:
             read_common(directory)
         assert "\n" not in str(refused.value) and f"{directory}: " in str(refused.value), refused.value
+
+
+# the distributed optimizer's param groups, and Megatron-FSDP's per-parameter groups
+NEW_SCHEDULE_CASES = ("dense_dp_reshardable_async", "fsdp_zero3")
+
+
+def _resumes_under_a_new_schedule(case: str, run: dict, tmp_path: Path, lr: dict[int, float]) -> None:
+    """optimizer.lr and min_lr doubled for the resume: it trains on at twice the LR of every step (megatron-core 0.19
+    paired the saved param groups by their old LR, and the load failed with a bare KeyError; under Megatron-FSDP the
+    saved LR won over the config's without a word)."""
+    ckpt = tmp_path / "new-schedule"
+    shutil.copytree(FIXTURES / case / "checkpoints", ckpt)
+    tb = tmp_path / "tb-new-schedule"
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", run["overrides"])
+    proc = run_pretrain(run["nproc"], [*run["overrides"], f"optimizer.lr={2 * cfg.optimizer.lr}",
+                                       f"optimizer.min_lr={2 * cfg.optimizer.min_lr}", f"checkpoint.load={ckpt}",
+                                       f"checkpoint.save={ckpt}", f"logging.tensorboard_dir={tb}"])
+    assert f"resumed from {ckpt} at iteration {run['saved_at']}" in proc.stdout, proc.stdout[-3000:]
+    doubled = read_scalars(tb, "train/lr")
+    assert sorted(doubled) == sorted(lr) and all(doubled[s] == pytest.approx(2 * lr[s], rel=1e-6) for s in lr), \
+        (doubled, lr)
 
 
 def test_export_and_generate_read_a_checkpoint_of_the_previous_stack(tmp_path):

@@ -138,3 +138,27 @@ def test_a_save_failing_where_other_ranks_wait_inside_megatron_core_names_its_ca
     assert "Timed out" in str(raised.value.__cause__)
     with pytest.raises(RuntimeError, match="Timed out"):  # nothing failed here: the timeout is the news
         save_load._on_every_rank(lambda: None, tmp_path / "iter_0000002", "writing the shards")
+
+
+def test_a_resume_follows_the_configs_schedule_in_each_saved_param_group_of_the_same_structure():
+    """megatron-core 0.19 pairs saved and current param groups by max_lr/min_lr/start_wd/end_wd too: a resume with a
+    new optimizer.lr found no group. The schedule's values now come from the current group of the same structure."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    from megatron_ext.checkpoint.compat import SCHEDULED, schedule_from_the_config
+
+    assert set(SCHEDULED) <= set(param_group_identifier_keys)  # megatron-core's pairing key holds them
+
+    def group(wd_mult: float, max_lr: float, expert: bool = False, **more) -> dict:
+        return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False,
+                "max_lr": max_lr, "min_lr": max_lr / 10, "start_wd": 0.1, "end_wd": 0.1, "params": [0], **more}
+
+    saved = [group(1.0, 3e-3), group(0.0, 3e-3), group(1.0, 3e-3, expert=True, step=7.0)]
+    current = [group(0.0, 1e-3), group(1.0, 1e-3), group(1.0, 2e-3, expert=True)]
+    schedule_from_the_config(saved, current)
+    assert [(g["max_lr"], g["min_lr"]) for g in saved] == [(1e-3, 1e-4), (1e-3, 1e-4), (2e-3, 2e-4)]
+    assert saved[2]["step"] == 7.0 and saved[0]["params"] == [0]  # the rest of the state is the checkpoint's
+    # a structure whose current groups disagree is left for megatron-core's own pairing to judge
+    saved = [group(1.0, 3e-3)]
+    schedule_from_the_config(saved, [group(1.0, 1e-3), group(1.0, 2e-3)])
+    assert saved[0]["max_lr"] == 3e-3

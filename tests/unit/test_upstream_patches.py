@@ -51,6 +51,10 @@ PATCHED = [
             "checkpoint/compat.py"),
     Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
             "40cab784659711a8", "checkpoint/compat.py"),
+    # a saved param group is paired with the current one by its schedule's values too (max_lr, min_lr, start_wd, end_wd;
+    # DistributedOptimizer.load_state_dict above, the other optimizers here): the saved values follow the config
+    Patched("megatron.core.optimizer.optimizer.MegatronOptimizer._filter_and_reorder_param_groups", "08e55f3aea6499b7",
+            "checkpoint/compat.py"),
     # the fully reshardable save cuts each parameter's state at its padded buffer offset from bucket-packed tensors
     Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_param_state_fully_reshardable",
             "6df6392a0ebb4c79", "checkpoint/optimizer_format.py"),
