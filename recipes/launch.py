@@ -187,10 +187,6 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
     node = node_name()
     forget(node_record_path(log_dir(cfg), node))
     RERUNS_ELSEWHERE.save, RERUNS_ELSEWHERE.min_nodes = cfg.checkpoint.save, nodes[0]
-    if joins_later(args):  # a multi-node rendezvous, whose host cannot leave the job
-        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-        RERUNS_ELSEWHERE.rendezvous_port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[1]
     try:
         chosen.run(args)
     except SpareNotNeeded as e:

@@ -196,6 +196,12 @@ def _time_restarts(simple_agent: type) -> None:
         timed_restart, timed_initialize, timed_rendezvous)
 
 
+def rendezvous_store(rdzv_handler):
+    """The TCP store at the rendezvous endpoint (hosted by one agent) of a c10d rendezvous; None for others."""
+    store = getattr(rdzv_handler, "_store", None)
+    return store if hasattr(store, "port") else None
+
+
 def _name_the_job_store(simple_agent: type) -> None:
     from megatron_ext.resilience.job_store import JOB_STORE
 
@@ -206,11 +212,11 @@ def _name_the_job_store(simple_agent: type) -> None:
     def rendezvous_naming_the_store(agent, worker_group):
         result = rendezvous(agent, worker_group)
         handler = worker_group.spec.rdzv_handler
-        store = getattr(handler, "_store", None)
+        store = rendezvous_store(handler)
         # the round the rendezvous just completed names this world, as torch's own key prefix does (a static
         # rendezvous, or NVRx's barrier one, has none: the ranks keep their MASTER_ADDR store)
         round_ = getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None)
-        if handler.use_agent_store or round_ is None or not hasattr(store, "port"):
+        if handler.use_agent_store or round_ is None or store is None:
             os.environ.pop(JOB_STORE, None)
         else:
             os.environ[JOB_STORE] = f"{store.host}:{store.port}/{handler.get_run_id()}.{round_}"
@@ -236,12 +242,11 @@ def _stop_ranks_with_a_checkpoint_on_signals(processes: ModuleType) -> None:
 
 @dataclasses.dataclass
 class RerunsElsewhere:
-    """What the agent needs of the run to act on exit 16: where the step to re-run is recorded (checkpoint.save),
-    the fewest nodes the job trains on (``--nnodes MIN:``) and the rendezvous port (its host cannot leave)."""
+    """What the agent needs of the run to act on exit 16: where the step to re-run is recorded (checkpoint.save)
+    and the fewest nodes the job trains on (``--nnodes MIN:``)."""
 
     save: Optional[str] = None
     min_nodes: int = 1
-    rendezvous_port: Optional[int] = None
 
 
 RERUNS_ELSEWHERE = RerunsElsewhere()  # recipes.launch fills it in once the recipe is read
@@ -294,16 +299,17 @@ def agreed(store, key: str, value: int) -> int:
     return int(store.compare_set(key, "", str(value)).decode())
 
 
-def _rendezvous_host(store, iteration: int) -> Optional[str]:
-    """The node whose agent hosts the rendezvous store (it cannot leave without ending the job): that agent says so
-    in the round's store; None when no agent of this round hosts it (a waiting one may)."""
+def _rendezvous_host(worker_group, iteration: int) -> Optional[str]:
+    """The node whose agent hosts the rendezvous store (it cannot leave without ending the job): that agent, the
+    one listening on the store's port, says so in the round's store; None when no agent of this round hosts it (a
+    waiting one may)."""
     import psutil
     from torch.distributed import DistStoreError
 
-    key = f"rerun_elsewhere/{iteration}/host"
-    port = RERUNS_ELSEWHERE.rendezvous_port
-    if port is not None and any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                                for c in psutil.Process().net_connections(kind="tcp")):
+    store, key = worker_group.store, f"rerun_elsewhere/{iteration}/host"
+    rendezvous = rendezvous_store(worker_group.spec.rdzv_handler)
+    if rendezvous is not None and any(c.status == psutil.CONN_LISTEN and c.laddr.port == rendezvous.port
+                                      for c in psutil.Process().net_connections(kind="tcp")):
         store.set(key, node_name())
     try:
         store.wait([key], HOST_KEY_WAIT)
@@ -335,7 +341,7 @@ def _after_a_fault_recurred(agent, worker_group, processes: ModuleType) -> None:
     # every agent decides alike: the host's name is asked for only where the numbers allow going on
     action = decide(None)
     if action != "end":
-        action = decide(_rendezvous_host(worker_group.store, pending.iteration))
+        action = decide(_rendezvous_host(worker_group, pending.iteration))
     if action == "end":
         agent._remaining_restarts = 0
     elif action == "leave":
