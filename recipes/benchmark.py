@@ -20,7 +20,7 @@ regime (fp32 runs: every variant is plain fp32):
 * ``megatron-fp8``: TE layers + FP8 (delayed scaling) compute, fp32 master weights; only where TE imports
   on an FP8-capable GPU, otherwise reported as skipped;
 * ``megatron-cudagraph``: local layers, eager, each captured as a megatron-core CUDA graph
-  (``train.cuda_graphs``); only on a GPU, otherwise reported as skipped;
+  (``train.cuda_graph_impl=local``); only on a GPU, otherwise reported as skipped;
 * ``megatron-liger``: ``megatron-compile`` with liger-kernel's Triton RMSNorm and SwiGLU (``train.liger_kernels``)
   and its fused linear cross-entropy, which never materialises the logits (``train.fused_linear_cross_entropy``);
   only on a GPU with liger-kernel installed, otherwise reported as skipped;
@@ -89,7 +89,7 @@ MEGATRON_VARIANTS = {
     "megatron-untimed": ["train.compile=false", "logging.step_breakdown=false"],
     "megatron-compile": ["model.attention_backend=local", "train.compile=true"],
     "megatron-fp8": ["model.attention_backend=te", "train.compile=false", "train.fp8=delayed"],
-    "megatron-cudagraph": ["model.attention_backend=local", "train.compile=false", "train.cuda_graphs=true"],
+    "megatron-cudagraph": ["model.attention_backend=local", "train.compile=false", "train.cuda_graph_impl=local"],
     "megatron-liger": ["model.attention_backend=local", "train.compile=true", "train.liger_kernels=true",
                        "train.fused_linear_cross_entropy=true"],
     # document masking (FlexAttention's block mask on a GPU) against megatron-compile's plain causal attention
@@ -113,8 +113,8 @@ def regime(variant: str, precision: str) -> tuple[str, str]:
     return "bf16", "pure bf16: bf16 weights and Adam state"
 
 
-def unavailable(variant: str, shape: dict, precision: str, te_available: bool, fp8_capable: bool,
-                on_gpu: bool) -> Optional[str]:
+def unavailable(variant: str, shape: dict, precision: str, te_available: bool,
+                compute_capability: Optional[tuple[int, int]], on_gpu: bool) -> Optional[str]:
     """Why `variant` cannot run here, or None: for a recipe variant, the recipe's own config rules for this
     machine (validation, then the kernel options it would resolve)."""
     if variant in HF_VARIANTS:
@@ -127,7 +127,7 @@ def unavailable(variant: str, shape: dict, precision: str, te_available: bool, f
 
     cfg = recipe_config({**shape, "micro_batch_size": 1}, precision, steps=1, variant=variant)
     try:
-        validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=fp8_capable)
+        validate_layout(cfg, world_size=1, te_available=te_available, compute_capability=compute_capability)
         resolve_kernel_options(cfg, on_gpu, uses_transformer_engine(cfg, on_gpu, te_available))
     except ConfigError as e:
         return str(e)
@@ -398,14 +398,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.result_file).write_text(json.dumps(asdict(result)))
         return 0
 
-    from megatron_ext.model.llama import transformer_engine_available
+    from megatron_ext.model.llama import gpu_compute_capability, transformer_engine_available
 
-    fp8_capable = on_gpu and torch.cuda.get_device_capability() >= (8, 9)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results, skipped = [], {}
     for variant in args.variants:
-        reason = unavailable(variant, shape, args.precision, transformer_engine_available(), fp8_capable, on_gpu)
+        reason = unavailable(variant, shape, args.precision, transformer_engine_available(), gpu_compute_capability(),
+                             on_gpu)
         if reason:
             skipped[variant] = reason
             print(f"skipping {variant}: {reason}", flush=True)

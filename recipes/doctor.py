@@ -46,7 +46,14 @@ class Check:
 class Machine:
     gpu: bool
     te: bool
-    fp8: bool
+    compute_capability: Optional[tuple[int, int]]  # the GPU's; None without one
+
+    @property
+    def fp8(self) -> bool:
+        """TransformerEngine's FP8 recipe the doctor trains with (delayed scaling) runs on this GPU."""
+        from megatron_ext.config.precision import LOW_PRECISION_GPUS
+
+        return LOW_PRECISION_GPUS["delayed"].holds(self.compute_capability)
 
 
 def pinned(requirements: str, package: str) -> str:
@@ -245,12 +252,10 @@ def run_training_checks(runs: Runs, machine: Machine) -> list[Check]:
 
 
 def detect() -> Machine:
-    import torch
+    from megatron_ext.model.llama import gpu_compute_capability, transformer_engine_available
 
-    from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
-
-    gpu = torch.cuda.is_available()
-    return Machine(gpu=gpu, te=transformer_engine_available(), fp8=gpu and gpu_has_fp8())
+    capability = gpu_compute_capability()
+    return Machine(gpu=capability is not None, te=transformer_engine_available(), compute_capability=capability)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,4 +1,6 @@
-"""Layout planner: ``python -m recipes.plan --config X.yaml --gpus N --gpus-per-node G --gpu h100-80gb``.
+"""Layout planner: ``python -m recipes.plan --config X.yaml --gpus N --gpus-per-node G --gpu h100-80gb``; with
+``--published FILE.csv`` the published runs re-planned (recipes/plan_published.py), with ``--scaling N1,N2,...`` the
+recipe's strong and weak scaling (recipes/plan_scaling.py).
 
 Estimates per-GPU memory and step time for every TP/PP/VPP/CP/DP layout the recipe accepts
 (see megatron_ext/planner/layouts.py and docs/planner.md), ranks those that fit and explains the best.
@@ -14,7 +16,7 @@ from typing import Optional
 from megatron_ext.config.schema import ZERO_LEVEL, RecipeConfig, load_config
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConfigError
-from megatron_ext.hardware import GPUS
+from megatron_ext.hardware import GPUS, GPUSpec
 from megatron_ext.metrics.units import format_duration
 from megatron_ext.planner import (
     FRAGMENTATION,
@@ -29,6 +31,7 @@ from megatron_ext.planner import (
     model_vocab_size,
     plan,
 )
+from megatron_ext.planner.compute_time import ATTENTION_EFFICIENCY, GEMM_EFFICIENCY, architecture
 from megatron_ext.planner.goodput import (
     DEFAULT_RESTART_S,
     DEFAULT_WRITE_GB_S,
@@ -37,6 +40,7 @@ from megatron_ext.planner.goodput import (
     checkpoint_write_s,
     recipe_checkpoint_interval,
 )
+from megatron_ext.planner.step_time import te_layers
 from megatron_ext.planner.timeouts import recipe_timeouts, timeout_warnings
 
 COLUMNS = ["#", "TP", "PP", "VPP", "CP", "DP", "SP", "ZeRO", "recomp", "mbs", "m", "params", "grads", "optim",
@@ -86,6 +90,17 @@ def _table(rows: list[list[str]], title: str) -> str:
     with console.capture() as capture:
         console.print(table)
     return capture.get().rstrip()
+
+
+def _kernels_line(cfg: RecipeConfig, mfu: Optional[float], gpu: GPUSpec) -> str:
+    """How the plan times the layers: TransformerEngine's kernel by kernel, or the local layers' one efficiency."""
+    if te_layers(cfg) and not mfu:
+        arch = architecture(gpu)
+        return (f"TransformerEngine's layers, kernel by kernel: GEMMs at {100 * GEMM_EFFICIENCY[arch]:.0f} % of the "
+                f"precision's peak, attention at {100 * ATTENTION_EFFICIENCY[arch]:.0f} % of BF16 peak (fitted to "
+                "the published runs, docs/planner.md)")
+    return f"layer kernels at {100 * (mfu or kernel_efficiency(cfg)):.1f} % of peak " + (
+        "(--mfu)" if mfu else f"(calibrated, {'compiled' if compiled_layers(cfg) else 'eager'} local layers)")
 
 
 def _markdown(estimates: list[Estimate]) -> str:
@@ -142,7 +157,7 @@ def load_job_config(args: argparse.Namespace) -> RecipeConfig:
 def config_layout_estimate(cfg: RecipeConfig, args: argparse.Namespace) -> Optional[Estimate]:
     """The estimate of the config's own layout on --gpus; None where that layout is not valid there."""
     try:
-        validate_layout(cfg, args.gpus, te_available=True, fp8_capable=True)
+        validate_layout(cfg, args.gpus, te_available=True, compute_capability=GPUS[args.gpu].compute_capability)
         return estimate(cfg, args.gpus, args.gpus_per_node, GPUS[args.gpu], model_vocab_size(cfg), args.mfu,
                         not args.bf16_grads)
     except ConfigError:
@@ -155,6 +170,15 @@ def job_checkpoint_interval(cfg: RecipeConfig, args: argparse.Namespace, step_s:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("--published") for a in argv):  # its own command: every row of a published-runs CSV
+        from recipes import plan_published
+
+        return plan_published.main(argv)
+    if any(a.startswith("--scaling") for a in argv):  # its own command: the recipe's model over GPU counts
+        from recipes import plan_scaling
+
+        return plan_scaling.main(argv)
     parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__.splitlines()[0])
     add_job_arguments(parser)
     parser.add_argument("--top", type=int, default=10, help="layouts to list")
@@ -198,8 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = cfg.model
     print(f"{cfg.recipe.name}: {m.num_layers} layers, h={m.hidden_size}, seq {m.seq_length}, global batch "
           f"{cfg.train.global_batch_size}, precision {cfg.train.precision} on {args.gpus}× {gpu.name} "
-          f"({args.gpus_per_node}/node); layer kernels at {100 * (args.mfu or kernel_efficiency(cfg)):.1f} % of peak "
-          + ("(--mfu)" if args.mfu else f"(calibrated, {'compiled' if compiled_layers(cfg) else 'eager'} layers)"))
+          f"({args.gpus_per_node}/node); " + _kernels_line(cfg, args.mfu, gpu))
     print(f"{len(ranked)} valid layouts, {len(fitting)} fit in {gpu.memory_gib:.0f} GiB "
           f"(with {100 * FRAGMENTATION:.0f} % allocator slack)\n")
     if not fitting:
@@ -212,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(_table([_row(i + 1, e, moe) for i, e in enumerate(fitting[:args.top])], "fastest layouts that fit"))
     print()
     for i, e in enumerate(fitting[:3]):
-        print(f"{i + 1}. {explain(e, args.gpus_per_node, gpu)}\n")
+        print(f"{i + 1}. {explain(e, gpu)}\n")
     if current is not None and current.layout != fitting[0].layout:
         rank = next((i + 1 for i, e in enumerate(ranked) if e.layout == current.layout), None)
         verdict = "fits" if current.fits else "does NOT fit"

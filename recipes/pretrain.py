@@ -194,16 +194,16 @@ def run_timeouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, say: bo
 
 
 def fitting_world(cfg: RecipeConfig, world_size: int) -> TrainedWorld:
-    """:func:`trained_world` with what this machine has (a GPU, TransformerEngine, FP8), after the kernels and
-    offloads it cannot run are refused."""
+    """:func:`trained_world` with what this machine has (a GPU and its compute capability, TransformerEngine), after
+    the kernels and offloads it cannot run are refused."""
     import torch
 
     from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run
-    from megatron_ext.model.llama import gpu_has_fp8, transformer_engine_available
+    from megatron_ext.model.llama import gpu_compute_capability, transformer_engine_available
 
     te_available = transformer_engine_available()
     refuse_what_this_machine_cannot_run(cfg, torch.cuda.is_available(), te_available)
-    return trained_world(cfg, world_size, te_available=te_available, fp8_capable=gpu_has_fp8())
+    return trained_world(cfg, world_size, te_available=te_available, compute_capability=gpu_compute_capability())
 
 
 def idle_ranks_line(world_size: int, world: TrainedWorld, cfg: RecipeConfig) -> str:

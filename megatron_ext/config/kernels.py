@@ -8,6 +8,11 @@ import importlib
 import os
 from typing import Mapping
 
+from megatron_ext.config.cuda_graph_rules import (
+    refuse_graphs_this_machine_cannot_run,
+    refuse_te_graphs_under_expandable_segments,
+    uses_cuda_graphs,
+)
 from megatron_ext.config.schema import AUTO, RecipeConfig
 from megatron_ext.config.validate import require_packed_sequence_layout
 from megatron_ext.errors import ConfigError, require
@@ -37,6 +42,7 @@ def refuse_what_this_machine_cannot_run(cfg: RecipeConfig, on_gpu: bool, te_avai
     resolve_kernel_options(cfg, on_gpu, use_te)
     if use_te:
         refuse_conflicting_te_attention_variables(cfg.model.te_attention_kernel, os.environ)
+        refuse_te_graphs_under_expandable_segments(cfg, os.environ)
     o, t = cfg.optimizer, cfg.train
     if o.optimizer_cpu_offload:
         require(not on_gpu or te_available, "optimizer.optimizer_cpu_offload", True, "megatron-core's offload on a "
@@ -87,11 +93,8 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
         _require_liger("train.liger_kernels", on_gpu, "liger_kernel.megatron")
     if t.fused_linear_cross_entropy:
         _require_liger("train.fused_linear_cross_entropy", on_gpu, "liger_kernel.transformers.functional")
-    if t.cuda_graphs:
-        require(on_gpu, "train.cuda_graphs", True, "CUDA graphs need a GPU; a CPU rehearsal runs the same layers "
-                "eagerly — set train.cuda_graphs=false there")
-        require(not use_te, "train.cuda_graphs", True, "captures megatron-core's local layers; TransformerEngine's "
-                "graphs (cuda_graph_impl=transformer_engine) are not wired here — set model.attention_backend=local")
+    refuse_graphs_this_machine_cannot_run(cfg, on_gpu, use_te)
+    _refuse_gpu_only_overlaps(cfg, on_gpu, use_te)
     m = cfg.model
     require(m.te_attention_kernel == AUTO or use_te, "model.te_attention_kernel", m.te_attention_kernel,
             "chooses TransformerEngine's attention kernel, and this run builds megatron-core's local layers: set it "
@@ -99,12 +102,48 @@ def resolve_kernel_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Rec
     require(m.moe_grouped_gemm is not True or use_te, "model.moe_grouped_gemm", True, "the grouped GEMM is "
             "TransformerEngine's (TEGroupedMLP), and this machine builds megatron-core's local layers: set it auto")
     grouped_gemm = use_te and m.num_moe_experts is not None if m.moe_grouped_gemm == AUTO else m.moe_grouped_gemm
+    require("moe_act" not in t.recompute_modules or grouped_gemm, "train.recompute_modules", list(t.recompute_modules),
+            "moe_act recomputes the experts' activation inside TransformerEngine's grouped GEMM (megatron-core's rule), "
+            "and this run builds megatron-core's local experts: drop moe_act, or run with TransformerEngine")
     compile_ = compiles_layers(cfg, on_gpu, use_te)
     fused_ce = (t.precision == "bf16" and not t.fused_linear_cross_entropy if t.fused_cross_entropy == AUTO
                 else t.fused_cross_entropy)
     model = dataclasses.replace(m, attention_backend="te" if use_te else "local", moe_grouped_gemm=grouped_gemm)
     return dataclasses.replace(cfg, model=model,
                                train=dataclasses.replace(t, compile=compile_, fused_cross_entropy=fused_ce))
+
+
+def _refuse_gpu_only_overlaps(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> None:
+    """What runs only on GPUs, on CUDA streams or in TransformerEngine's kernels: megatron-core's layer offload, TP
+    communication overlap, the overlapped MoE all-to-alls and the flex token dispatcher (DeepEP/HybridEP). A CPU
+    rehearsal refuses each in one line rather than rehearse something else."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    te = ("this run builds megatron-core's local layers (TransformerEngine is not importable here, or "
+          "model.attention_backend=local): the NGC container (docs/docker.md)")
+    if t.cpu_offloading_num_layers:
+        key, value = "train.cpu_offloading_num_layers", t.cpu_offloading_num_layers
+        require(on_gpu, key, value, "megatron-core's layer offload copies activations to pinned host memory on CUDA "
+                f"streams; a CPU rehearsal keeps them where they are — set {key}=0 there")
+        require(use_te, key, value, f"is TransformerEngine's CPU-offload context around its layers, and {te}, or "
+                f"{key}=0")
+    if p.tp_comm_overlap:
+        key = "parallel.tp_comm_overlap"
+        require(on_gpu, key, True, "TransformerEngine's userbuffers overlap the GEMMs with NVLink copies on GPUs; a "
+                f"CPU rehearsal's gloo collectives have nothing to overlap — set {key}=false there")
+        require(use_te, key, True, f"runs in TransformerEngine's layers, and {te}, or {key}=false")
+    if p.overlap_moe_expert_parallel_comm:
+        require(on_gpu, "parallel.overlap_moe_expert_parallel_comm", True, "megatron-core's overlapped schedule runs "
+                "the expert all-to-alls on a second CUDA stream; a CPU rehearsal has none — set it false there")
+    if m.num_moe_experts is not None and m.moe_token_dispatcher_type == "flex":
+        from megatron.core.transformer.moe import fused_a2a  # DeepEP's and HybridEP's kernels, if installed
+
+        backend = m.moe_flex_dispatcher_backend
+        require(on_gpu, "model.moe_token_dispatcher_type", "flex", f"{backend}'s fused dispatch kernels need GPUs "
+                "(NVLink, RDMA); a CPU rehearsal routes with model.moe_token_dispatcher_type=alltoall — set it there")
+        installed, package = ((fused_a2a.HAVE_DEEP_EP, "DeepEP (github.com/deepseek-ai/DeepEP)") if backend == "deepep"
+                              else (fused_a2a.HAVE_HYBRIDEP, "HybridEP (DeepEP's hybrid-ep branch)"))
+        require(installed, "model.moe_flex_dispatcher_backend", backend, f"{package} is not installed here (its "
+                "deep_ep package does not import) — install it, or set model.moe_token_dispatcher_type=alltoall")
 
 
 def _require_liger(key: str, on_gpu: bool, module: str) -> None:
@@ -124,4 +163,4 @@ def compiles_layers(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> bool:
     docs/measurements/h100-2026-11-26.md)."""
     if cfg.train.compile != AUTO:
         return cfg.train.compile
-    return on_gpu and not use_te and not cfg.train.cuda_graphs and cfg.model.num_moe_experts is None
+    return on_gpu and not use_te and not uses_cuda_graphs(cfg) and cfg.model.num_moe_experts is None

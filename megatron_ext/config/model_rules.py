@@ -4,8 +4,8 @@ before any process starts (called by :func:`megatron_ext.config.validate.validat
 
 from __future__ import annotations
 
-from megatron_ext.config.schema import ModelConfig, RecipeConfig, expert_tensor_parallel_size
-from megatron_ext.config.shape import ModelShape
+from megatron_ext.config.schema import ModelConfig, RecipeConfig, expert_tensor_parallel_size, recomputed_modules
+from megatron_ext.config.shape import ModelShape, moe_layer_pattern
 from megatron_ext.errors import require
 
 
@@ -31,10 +31,16 @@ def validate_moe(cfg: RecipeConfig, world_size: int) -> None:
     experts, ep, etp = m.num_moe_experts, p.expert_model_parallel_size, p.expert_tensor_parallel_size
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if experts is None:
-        require(ep == 1, "parallel.expert_model_parallel_size", ep, "splits the experts of an MoE model: set "
-                "model.num_moe_experts, or leave it 1")
-        require(etp is None, "parallel.expert_tensor_parallel_size", etp, "splits the experts of an MoE model: set "
-                "model.num_moe_experts, or leave it null")
+        for ok, key, value, does, leave in [
+                (ep == 1, "parallel.expert_model_parallel_size", ep, "splits", "leave it 1"),
+                (etp is None, "parallel.expert_tensor_parallel_size", etp, "splits", "leave it null"),
+                (not p.overlap_moe_expert_parallel_comm, "parallel.overlap_moe_expert_parallel_comm", True,
+                 "applies to", "leave it false"),
+                (not m.moe_router_force_load_balancing, "model.moe_router_force_load_balancing", True, "applies to",
+                 "leave it false"),
+                (m.moe_token_dispatcher_type != "flex", "model.moe_token_dispatcher_type", "flex", "applies to",
+                 "leave it alltoall")]:
+            require(ok, key, value, f"{does} the experts of an MoE model: set model.num_moe_experts, or {leave}")
         return
     etp = expert_tensor_parallel_size(cfg)
     shape = ModelShape.of(m)
@@ -78,11 +84,67 @@ def validate_moe(cfg: RecipeConfig, world_size: int) -> None:
             f"must be a positive multiple of parallel.tensor_model_parallel_size={tp}, or null")
     require(m.moe_grouped_gemm is not True or m.attention_backend != "local", "model.moe_grouped_gemm", True,
             "the grouped GEMM is TransformerEngine's (TEGroupedMLP): set model.attention_backend=auto or te")
+    _validate_flex_dispatcher(cfg)
+    _validate_expert_overlap(cfg)
     # combinations no MoE run here has verified yet
     for ok, key, value in [(not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
-                           (not cfg.train.cuda_graphs, "train.cuda_graphs", True),
+                           (cfg.train.cuda_graph_impl != "local", "train.cuda_graph_impl", "local"),
                            (not cfg.optimizer.optimizer_cpu_offload, "optimizer.optimizer_cpu_offload", True)]:
         require(ok, key, value, "is not verified with MoE models here: set it false (docs/moe.md)")
+
+
+def _validate_flex_dispatcher(cfg: RecipeConfig) -> None:
+    """model.moe_token_dispatcher_type=flex and its backend, as megatron-core checks them (the package and the GPU
+    it needs are config/kernels.py's machine rules)."""
+    m, p = cfg.model, cfg.parallel
+    backend = m.moe_flex_dispatcher_backend
+    if m.moe_token_dispatcher_type != "flex":
+        require(backend == "deepep", "model.moe_flex_dispatcher_backend", backend, "chooses the flex dispatcher's "
+                "kernels: set model.moe_token_dispatcher_type=flex, or leave it deepep")
+        return
+    if backend == "deepep":
+        ep_etp = p.expert_model_parallel_size * expert_tensor_parallel_size(cfg)
+        require(ep_etp > 1, "parallel.expert_model_parallel_size", p.expert_model_parallel_size, "DeepEP dispatches "
+                "tokens between the ranks of expert_model_parallel_size × expert_tensor_parallel_size, here 1 "
+                "(megatron-core's rule): raise one of them, or use model.moe_token_dispatcher_type=alltoall")
+        require(not m.moe_pad_expert_input_to_capacity, "model.moe_pad_expert_input_to_capacity", True, "DeepEP's "
+                "dispatch does not pad experts' inputs to their capacity (megatron-core's rule): set it false, or "
+                "model.moe_flex_dispatcher_backend=hybridep")
+
+
+def _validate_expert_overlap(cfg: RecipeConfig) -> None:
+    """parallel.overlap_moe_expert_parallel_comm: megatron-core's 1F1B schedule that overlaps one micro batch's
+    expert all-to-alls with another's compute, and its asserts (TransformerConfig, the schedule plan)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not p.overlap_moe_expert_parallel_comm:
+        return
+    key = "parallel.overlap_moe_expert_parallel_comm"
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    last_is_moe = moe_layer_pattern(m.moe_layer_freq, m.num_layers)[-1]
+    for ok, name, value, why in [
+        (p.expert_model_parallel_size > 1, "parallel.expert_model_parallel_size", p.expert_model_parallel_size,
+         f"{key} overlaps the all-to-alls of expert parallelism (megatron-core's rule): set it above 1"),
+        (m.moe_token_dispatcher_type in ("alltoall", "flex"), "model.moe_token_dispatcher_type",
+         m.moe_token_dispatcher_type, f"{key} overlaps all-to-all dispatch (megatron-core's rule): use alltoall or flex"),
+        (pp == 1 or vpp is not None, "parallel.virtual_pipeline_model_parallel_size", vpp, f"{key} under pipeline "
+         "parallelism pairs the forward and backward of different virtual stages (megatron-core's rule): set it"),
+        (t.recompute_granularity != "full", "train.recompute_granularity", "full", f"full recompute does not run "
+         f"with {key} (megatron-core's rule): use selective or null"),
+        ("moe" not in recomputed_modules(cfg), "train.recompute_modules", list(t.recompute_modules), f"moe recompute "
+         f"does not run with {key}, which splits the MoE layer (megatron-core's rule): drop moe"),
+        (t.precision in ("bf16", "fp16"), "train.precision", t.precision, f"{key} runs in bf16 or fp16 only "
+         "(megatron-core's rule)"),
+        (m.mtp_num_layers is None or (m.mtp_num_layers == 1 and last_is_moe), "model.mtp_num_layers",
+         m.mtp_num_layers, f"{key} runs at most one multi-token-prediction layer, and an MoE one (the last decoder "
+         "layer's kind; megatron-core's rules)"),
+        (not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True, f"computes the loss in its own "
+         f"output layer, which the schedule of {key} (megatron-core's build_schedule_plan) bypasses: set one false"),
+        (not (cfg.data.reset_attention_mask or cfg.data.reset_position_ids), "data.reset_position_ids",
+         cfg.data.reset_position_ids, f"document masking under {key} (megatron-core's schedule plan, which bypasses "
+         "this model's per-document RoPE) is not verified here: set data.reset_attention_mask and "
+         "data.reset_position_ids false"),
+    ]:
+        require(ok, name, value, why)
 
 
 def validate_mla(cfg: RecipeConfig) -> None:

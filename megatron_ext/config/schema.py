@@ -45,8 +45,18 @@ Precision = Literal["fp32", "bf16", "fp16"]
 ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # megatron-core's ZeRO-1/2/3 names
 ZERO_LEVEL: dict[str, int] = {"optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 OuterShardingStrategy = Literal["no_shard", "optim"]  # Megatron-FSDP's HSDP: across its replicas
-FP8Recipe = Literal["delayed", "tensorwise"]
+# TransformerEngine's FP8 scaling recipes as megatron-core names them: delayed (amax history), tensorwise (current
+# per-tensor scaling), blockwise (128-element blocks, DeepSeek-V3's; Hopper or newer), mxfp8 (32-element E8M0 blocks;
+# Blackwell). The GPUs each runs on: config/validate.py (LOW_PRECISION_GPUS)
+FP8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+FP4Recipe = Literal["nvfp4"]  # TransformerEngine's NVFP4 (E2M1 with 16-element E4M3 scales; Blackwell)
 RecomputeGranularity = Literal["selective", "full"]
+# megatron-core's selective-recompute modules (TransformerConfig.recompute_modules)
+RecomputeModule = Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]
+# megatron-core's CUDA-graph implementations: per layer (its own, or TransformerEngine's make_graphed_callables),
+# or the whole forward-backward of a step as one graph
+CudaGraphImpl = Literal["none", "local", "transformer_engine", "full_iteration"]
+CudaGraphModule = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess"]  # per-layer graphs' capture regions
 # The dense layer's inputs megatron-core's fine-grained activation offload can move to host memory (attn_proj needs
 # core_attn: its input is core attention's output, which core attention's backward still reads)
 OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
@@ -57,7 +67,8 @@ RopeType = Literal["rope", "yarn"]  # megatron-core's MLA rotary embeddings
 # the model keys that set YaRN (model.rope_type=yarn), named as megatron-core's MLATransformerConfig fields
 YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim")
-MoETokenDispatcher = Literal["alltoall", "allgather"]
+MoETokenDispatcher = Literal["alltoall", "allgather", "flex"]
+MoEFlexBackend = Literal["deepep", "hybridep"]  # the flex dispatcher's kernels: DeepEP, or HybridEP (NVLink domains)
 MoETokenDropPolicy = Literal["probs", "position"]
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 WSDDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]  # megatron-core's WSD anneal shapes
@@ -81,6 +92,7 @@ RecurringFault = Literal["policies", "rerun_elsewhere"]
 RETIRED_KEYS = {
     "logging.loss_spike_factor": "train.spike_threshold (now in median absolute deviations above the median)",
     "logging.loss_spike_window": "train.spike_window",
+    "train.cuda_graphs": "train.cuda_graph_impl=local",
 }
 
 
@@ -156,6 +168,9 @@ class ModelConfig:
     # moe_router_score_function=sigmoid)
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 0.001  # step of the expert-bias update
+    # benchmark mode: every token routed to an even spread of experts whatever the router says (megatron-core's
+    # moe_router_force_load_balancing, as Megatron-Bridge's published MoE throughputs run); never for a real run
+    moe_router_force_load_balancing: bool = False
     # group-limited routing (DeepSeek-V3): the experts in this many groups, a token's experts chosen from its
     # moe_router_group_topk best groups (a group scored by the sum of its best topk/group_topk experts); null = off
     moe_router_num_groups: Optional[int] = None
@@ -168,8 +183,10 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False  # with a capacity: pad every expert's input to it
     # width of the shared experts every token also goes through (their count × each one's width); null = none
     moe_shared_expert_intermediate_size: Optional[int] = None
-    # how tokens reach their experts' ranks: alltoall (the usual choice with EP), or allgather
+    # how tokens reach their experts' ranks: alltoall (the usual choice with EP), allgather, or flex (fused
+    # dispatch kernels, moe_flex_dispatcher_backend; TransformerEngine on a GPU)
     moe_token_dispatcher_type: MoETokenDispatcher = "alltoall"
+    moe_flex_dispatcher_backend: MoEFlexBackend = "deepep"  # flex: DeepEP's kernels, or HybridEP's
     # the experts' GEMMs as one grouped GEMM (TransformerEngine's TEGroupedMLP): auto = on in TE layers; true needs
     # them; off = one GEMM per expert (megatron-core's SequentialMLP)
     moe_grouped_gemm: AutoBool = AUTO
@@ -209,6 +226,12 @@ class ParallelConfig:
     # buckets); null = megatron-core's max(4e7, 1e6 × DP)
     ddp_bucket_size: Optional[int] = None
     overlap_param_gather: bool = False  # gather updated parameters during the next forward pass (distributed opt.)
+    # TP communication overlapped with the GEMMs that need it (TransformerEngine's userbuffers; sequence parallel,
+    # on a GPU)
+    tp_comm_overlap: bool = False
+    # MoE: one micro batch's expert all-to-alls overlapped with another's compute (megatron-core's 1F1B A2A overlap,
+    # on GPUs: EP > 1, the alltoall or flex dispatcher, bf16, interleaved pipeline stages when PP > 1)
+    overlap_moe_expert_parallel_comm: bool = False
     # a collective that waits longer than this fails the job; auto = from the plan at launch: at least 10, and 5
     # minutes above the hang timeout and the planned checkpoint write (a rank may wait for another's)
     distributed_timeout_minutes: AutoNumber = AUTO
@@ -234,8 +257,22 @@ class TrainConfig:
     min_loss_scale: float = 1.0  # fp16: the scale's floor; an overflow with the scale there stops the run
     loss_scale_window: int = 1000  # fp16: steps without an overflow before the scale doubles
     hysteresis: int = 2  # fp16: overflows before the scale halves
-    fp8: Optional[FP8Recipe] = None  # TransformerEngine FP8 recipe (hybrid E4M3/E5M2); null = off
+    # TransformerEngine FP8 recipe (hybrid: E4M3 forward, E5M2 gradients; TE's layers, bf16): delayed and tensorwise
+    # on compute capability 8.9+ (Ada, Hopper, Blackwell), blockwise on 9.0+, mxfp8 on Blackwell (10.x); null = off
+    fp8: Optional[FP8Recipe] = None
+    # TransformerEngine FP4 recipe of the linear layers (NVFP4; TE's layers, bf16, Blackwell 10.0+); not with
+    # train.fp8; null = off
+    fp4: Optional[FP4Recipe] = None
+    # keep the parameters in FP8 and all-gather them in FP8 under the distributed optimizer (megatron-core's
+    # fp8_param + fp8_param_gather); needs train.fp8
+    fp8_param_gather: bool = False
     recompute_granularity: Optional[RecomputeGranularity] = None  # activation recompute; null = off
+    # selective recompute: which modules' outputs are recomputed in the backward pass (megatron-core's
+    # recompute_modules); [] = megatron-core's default, core_attn
+    recompute_modules: list[RecomputeModule] = field(default_factory=list)
+    # the first this many decoder layers' activations kept in host memory between forward and backward
+    # (megatron-core's layer-level cpu_offloading; TransformerEngine on a GPU, PP 1, no recompute); 0 = off
+    cpu_offloading_num_layers: int = 0
     # Activation offload: the inputs of these modules, saved for the backward pass, wait in host memory instead of
     # on the GPU (megatron-core's fine_grained_activation_offloading, copies on side streams overlapped with
     # compute; docs/memory.md). Needs TransformerEngine on a GPU. [] = off
@@ -253,10 +290,15 @@ class TrainConfig:
     # The output layer and cross-entropy as one chunked liger-kernel kernel (megatron_ext/model/fused_output.py):
     # the [seq, batch, vocab] logits never exist, freeing memory for a larger micro batch. GPU, TP=1. Unmeasured.
     fused_linear_cross_entropy: bool = False
-    # megatron-core's CUDA graphs of every decoder layer (cuda_graph_impl=local): captured during the first step,
-    # replayed after it, so the layers' kernel launches cost no CPU time. Local layers on a GPU, eager (compile
-    # auto turns off), pipeline size 1, no full recompute. Unmeasured.
-    cuda_graphs: bool = False
+    # megatron-core's CUDA graphs, so kernel launches cost no CPU time (docs/performance.md): none; per decoder layer,
+    # replayed from the step after their capture — local (megatron-core's own, captured in the first step; its local
+    # layers) or transformer_engine (TE's make_graphed_callables after 3 eager steps; TE's layers); or
+    # full_iteration (a step's whole forward-backward schedule as one graph, captured at the fourth step). A GPU,
+    # eager layers (compile auto turns off), pipeline size 1. Unmeasured
+    cuda_graph_impl: CudaGraphImpl = "none"
+    # per-layer graphs (local, transformer_engine): capture only these regions of each layer (megatron-core's
+    # cuda_graph_modules; moe/moe_router/moe_preprocess in MoE layers); [] = the whole layer; must be [] otherwise
+    cuda_graph_modules: list[CudaGraphModule] = field(default_factory=list)
     exit_interval: Optional[int] = None  # stop (and checkpoint) once iteration % exit_interval == 0
     exit_signal_handler: bool = True  # checkpoint and exit cleanly on SIGTERM/SIGUSR1
     # No finished step (or evaluation batch) for this long (after the first step): stacks to the rank logs, stopped
@@ -507,6 +549,15 @@ def decides_before_update(cfg: RecipeConfig) -> bool:
     the device every step."""
     t = cfg.train
     return t.skip_nonfinite_steps > 0 or t.precision == "fp16" or t.spike_policy == "skip"
+
+
+def recomputed_modules(cfg: RecipeConfig) -> tuple[str, ...]:
+    """The modules selective recompute repeats in the backward pass: train.recompute_modules, or megatron-core's
+    default where it names none (core attention); () without selective recompute."""
+    t = cfg.train
+    if t.recompute_granularity != "selective":
+        return ()
+    return tuple(t.recompute_modules) or ("core_attn",)
 
 
 def steps_between_device_reads(cfg: RecipeConfig) -> int:

@@ -208,10 +208,34 @@ class ModelShape:
         return self._layer_flops_per_token(self.is_moe_layer(layer), causal, recompute)
 
     def _layer_flops_per_token(self, moe: bool, causal: bool, recompute: Optional[RecomputeGranularity]) -> float:
-        matmuls = 6.0 * (self.attention_parameters() + self.mlp_parameters(True, moe))
-        attention = self.attention_flops_per_token(causal)
+        kinds = self.layer_flops_by_kind(moe, causal)
+        matmuls, attention = kinds["dense_gemm"] + kinds["expert_gemm"], kinds["attention"]
         repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
         return matmuls + attention + repeated
+
+    def layer_flops_by_kind(self, moe: bool, causal: bool = True) -> dict[str, float]:
+        """One decoder layer's forward+backward FLOPs for one token by the kernels that run them: ``dense_gemm``
+        (attention's projections, the dense MLP or an MoE layer's router and shared experts), ``expert_gemm`` (the
+        top-k experts' grouped GEMMs) and ``attention`` (the score and value matmuls). They sum to the layer's count."""
+        experts = 6.0 * self.router_topk * 3 * self.hidden_size * self.expert_ffn_hidden_size if (
+            moe and self.is_moe) else 0.0
+        return {"dense_gemm": 6.0 * (self.attention_parameters() + self.mlp_parameters(True, moe)) - experts,
+                "expert_gemm": experts, "attention": self.attention_flops_per_token(causal)}
+
+    def recompute_flops_per_token(self, moe: bool, modules: Iterable[str]) -> float:
+        """What selective recompute of megatron-core's `modules` repeats in one layer's backward pass, per token:
+        each recomputed module's forward (a third of its forward+backward count); layernorm and moe_act are
+        elementwise (no FLOPs counted)."""
+        kinds = self.layer_flops_by_kind(moe)
+        h, n = self.hidden_size, self.num_attention_heads
+        up_projections = (n * self.query_key_head_dim * self.q_lora_rank + self.kv_lora_rank * n * (
+            self.qk_head_dim + self.v_head_dim)) if self.multi_latent_attention else 0
+        shared = 3 * h * self.shared_expert_ffn_hidden_size if moe and self.is_moe else 0
+        forward = {"core_attn": kinds["attention"] / 3, "mla_up_proj": 2.0 * up_projections,
+                   "mlp": 0.0 if moe and self.is_moe else 2.0 * self.mlp_parameters(True, False),
+                   "moe": kinds["expert_gemm"] / 3 + 2.0 * (h * self.num_experts + shared) if moe and self.is_moe
+                   else 0.0, "shared_experts": 2.0 * shared}
+        return sum(forward.get(module, 0.0) for module in modules)
 
     def output_layer_flops_per_token(self, vocab_size: int) -> float:
         """The output layer's forward+backward FLOPs for one token (a matmul, tied to the embedding or not)."""

@@ -14,7 +14,9 @@ import importlib.util
 import typing
 from typing import Any, Optional
 
+from megatron_ext.config.cuda_graph_rules import validate_cuda_graphs
 from megatron_ext.config.model_rules import validate_mla, validate_moe, validate_moe_layer_freq, validate_mtp
+from megatron_ext.config.precision import Capability, validate_precision
 from megatron_ext.config.schema import (
     RecipeConfig,
     allowed_values,
@@ -23,7 +25,7 @@ from megatron_ext.config.schema import (
     lr_decay_iterations,
     shown_value,
 )
-from megatron_ext.config.shape import ModelShape
+from megatron_ext.config.shape import ModelShape, moe_layer_pattern
 from megatron_ext.errors import ConfigError, require
 
 
@@ -45,9 +47,10 @@ def _check_enum_values(cfg: RecipeConfig) -> None:
                 require(False, f"{section.name}.{name}", value, f"one of {', '.join(map(shown_value, allowed))}")
 
 
-def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False, fp8_capable: bool = False) -> None:
+def validate(cfg: RecipeConfig, world_size: int, te_available: bool = False,
+             compute_capability: Optional[Capability] = None) -> None:
     """Every config rule: the model shape and 4D layout for `world_size` processes, checkpointing, monitoring."""
-    validate_layout(cfg, world_size, te_available, fp8_capable)
+    validate_layout(cfg, world_size, te_available, compute_capability)
     _validate_checkpoint(cfg)
     _validate_monitoring(cfg, world_size)
 
@@ -61,11 +64,11 @@ class TrainedWorld:
 
 
 def trained_world(cfg: RecipeConfig, world_size: int, te_available: bool = False,
-                  fp8_capable: bool = False) -> TrainedWorld:
+                  compute_capability: Optional[Capability] = None) -> TrainedWorld:
     """`world_size` when :func:`validate` accepts it; else, with parallel.allow_idle_ranks, the largest smaller world
     it accepts (DP lowered, TP × PP × CP kept); else the started world's ConfigError."""
     try:
-        validate(cfg, world_size, te_available, fp8_capable)
+        validate(cfg, world_size, te_available, compute_capability)
         return TrainedWorld(world_size)
     except ConfigError as error:
         if not cfg.parallel.allow_idle_ranks:
@@ -74,7 +77,7 @@ def trained_world(cfg: RecipeConfig, world_size: int, te_available: bool = False
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
         for size in range((world_size - 1) // model_parallel * model_parallel, 0, -model_parallel):
             try:
-                validate(cfg, size, te_available, fp8_capable)
+                validate(cfg, size, te_available, compute_capability)
             except ConfigError:
                 continue
             return TrainedWorld(size, str(error))
@@ -115,16 +118,18 @@ def _validate_monitoring(cfg: RecipeConfig, world_size: int) -> None:
 
 
 def validate_layout(cfg: RecipeConfig, world_size: int, te_available: bool = False,
-                    fp8_capable: bool = False) -> None:
+                    compute_capability: Optional[Capability] = None) -> None:
     """Cross-field checks of the model shape and the 4D layout for `world_size` processes.
 
-    `te_available`: TransformerEngine imports; `fp8_capable`: this GPU has FP8 tensor cores (sm89+).
+    `te_available`: TransformerEngine imports; `compute_capability`: the GPU's CUDA compute capability (major, minor),
+    None without one (a CPU rehearsal) — the GPUs each low-precision recipe runs on are config/precision.py's.
     """
     _check_enum_values(cfg)
-    validate_layout_rules(cfg, world_size, te_available, fp8_capable)
+    validate_layout_rules(cfg, world_size, te_available, compute_capability)
 
 
-def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool, fp8_capable: bool) -> None:
+def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool,
+                          compute_capability: Optional[Capability]) -> None:
     """:func:`validate_layout` without checking the Literal keys' values again: for a search's candidates, which
     change only keys it sets from values of their own type in a config already checked (the re-check was a fifth of
     a 192-GPU DeepSeek-V3 search)."""
@@ -232,12 +237,16 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
             f"the interleaved schedule needs the number of microbatches ({microbatches}) to be a "
             f"multiple of pipeline_model_parallel_size={pp}",
         )
-    _validate_precision(cfg, te_available, fp8_capable)
+    validate_precision(cfg, te_available, compute_capability)
     _validate_kernels(cfg, te_available)
+    validate_cuda_graphs(cfg)
     _validate_megatron_fsdp(cfg, dp * cp)
     validate_moe(cfg, world_size)
     _validate_optimizer_offload(cfg)
     _validate_activation_offload(cfg)
+    _validate_recompute(cfg, te_available)
+    _validate_layer_offload(cfg)
+    _validate_tp_comm_overlap(cfg)
     require(o.lr_decay_iters is None or o.lr_decay_iters > o.lr_warmup_iters, "optimizer.lr_decay_iters",
             o.lr_decay_iters, f"must exceed optimizer.lr_warmup_iters={o.lr_warmup_iters}")
     decay_iters = lr_decay_iterations(cfg)
@@ -254,25 +263,6 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
             "parallel.overlap_grad_reduce=true or the key null")
 
 
-def _validate_precision(cfg: RecipeConfig, te_available: bool, fp8_capable: bool) -> None:
-    """train.precision / fp8 against the layer spec this machine builds."""
-    m, t = cfg.model, cfg.train
-    if t.fp8 is not None:
-        require(te_available, "train.fp8", t.fp8, "FP8 runs through TransformerEngine, which is not importable "
-                "here (use the NGC container, see docs/docker.md) — or set train.fp8=null")
-        # Local layers ignore TE's fp8_autocast: the run would train in BF16 without a word.
-        require(m.attention_backend != "local", "train.fp8", t.fp8,
-                "FP8 runs only in TransformerEngine's layers, and model.attention_backend=local (also what "
-                "train.compile needs) builds megatron-core's local layers — set model.attention_backend=auto "
-                "and train.compile=false, or train.fp8=null")
-        require(fp8_capable, "train.fp8", t.fp8, "needs a GPU with FP8 tensor cores (compute capability 8.9+: "
-                "Ada, Hopper, Blackwell) — or set train.fp8=null")
-        require(t.precision == "bf16", "train.precision", t.precision, "FP8 training needs train.precision=bf16")
-    if t.precision == "fp16":
-        require(t.initial_loss_scale >= t.min_loss_scale, "train.initial_loss_scale", t.initial_loss_scale,
-                f"must be >= train.min_loss_scale ({t.min_loss_scale:g})")
-
-
 def require_packed_sequence_layout(cfg: RecipeConfig, why_te: str) -> None:
     """Document masking in TransformerEngine's layers (its packed-sequence, THD, attention): the layouts it runs in.
     `why_te` says why TE's layers are built (model.attention_backend=te, or auto where TE imports)."""
@@ -287,8 +277,8 @@ def require_packed_sequence_layout(cfg: RecipeConfig, why_te: str) -> None:
 
 
 def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
-    """Fused kernels, compile and CUDA graphs against precision, layout and the layer spec (the machine-dependent
-    rules are in resolve_kernel_options)."""
+    """Fused kernels and compile against precision, layout and the layer spec (CUDA graphs: config/cuda_graph_rules.py;
+    the machine-dependent rules are in resolve_kernel_options)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     # megatron-core 0.19.2's native fused cross-entropy casts the logit gradient to bf16
     # unconditionally: in an fp32 run it would silently round every gradient through bf16.
@@ -303,27 +293,9 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
     if cfg.data.reset_attention_mask:
         if m.attention_backend == "te":
             require_packed_sequence_layout(cfg, "model.attention_backend=te builds TransformerEngine's layers")
-        require(not t.cuda_graphs, "train.cuda_graphs", True, "captures one attention pattern, and "
-                "data.reset_attention_mask changes it with every micro batch: set one of them false")
     require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,
             "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
             "kernels — set model.attention_backend=local to compile, or train.compile=false")
-    if t.cuda_graphs:
-        # Each a combination megatron-core refuses (full recompute) or that no GPU run here has verified yet.
-        for ok, key, value, why in [
-            (t.compile is not True, "train.compile", True, "train.cuda_graphs captures eager layers; compiled layers "
-             "under CUDA graphs are unverified — set train.compile=false (or auto) or train.cuda_graphs=false"),
-            (t.recompute_granularity != "full", "train.recompute_granularity", "full", "megatron-core captures "
-             "no layer graphs under full recompute — use selective or null with train.cuda_graphs"),
-            (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size",
-             p.pipeline_model_parallel_size, "train.cuda_graphs keeps one graph per micro batch in flight under "
-             "pipelining, which eval's different micro-batch count breaks; use it with pipeline size 1"),
-            (t.rerun_mode == "disabled" or m.hidden_dropout == m.attention_dropout == 0.0, "train.rerun_mode",
-             t.rerun_mode, "a re-run restores the random streams it saved, and the graph-safe ones of train.cuda_graphs "
-             "are saved by reference, so a re-run would draw other dropout masks: set the dropouts to 0 or "
-             "train.rerun_mode=disabled"),
-        ]:
-            require(ok, key, value, why)
 
 
 def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
@@ -341,6 +313,7 @@ def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
          "offload needs train.precision=bf16: megatron-core hands the host optimizer bf16 weight shards (fp32 ones are "
          "views torch refuses to optimize; fp16 loss scaling under offload is not verified)"),
         (t.fp8 is None, "train.fp8", t.fp8, "offload with FP8 is not verified here"),
+        (t.fp4 is None, "train.fp4", t.fp4, "offload with FP4 is not verified here"),
     ]:
         require(ok, key, value, why)
 
@@ -367,10 +340,85 @@ def _validate_activation_offload(cfg: RecipeConfig) -> None:
         (t.recompute_granularity != "full", "train.recompute_granularity", "full",
          "full recompute keeps only each layer's input: there is nothing left to offload — set "
          "train.offload_modules=[] or use selective/no recompute"),
-        (not t.cuda_graphs, "train.cuda_graphs", True, "activation offload inside captured layer graphs is not "
-         "verified here: use one of train.cuda_graphs and train.offload_modules"),
     ]:
         require(ok, key, value, why)
+
+
+def _validate_recompute(cfg: RecipeConfig, te_available: bool) -> None:
+    """train.recompute_modules: megatron-core's selective-recompute modules, each where the model has what it
+    recomputes (megatron-core's own rules, and the modules that would recompute nothing here)."""
+    m, t = cfg.model, cfg.train
+    modules = list(t.recompute_modules)
+    if not modules:
+        return
+    key = "train.recompute_modules"
+    moe = m.num_moe_experts is not None
+    pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers) if moe else ()
+    for ok, name, value, why in [
+        (t.recompute_granularity == "selective", key, modules, "chooses what selective recompute repeats: set "
+         "train.recompute_granularity=selective (full recompute repeats whole layers), or leave it []"),
+        (len(set(modules)) == len(modules), key, modules, "names a module twice"),
+        ("mla_up_proj" not in modules or m.multi_latent_attention, key, modules, "mla_up_proj recomputes multi-latent "
+         "attention's up-projections, and this model has none (model.multi_latent_attention=false): drop it"),
+        (moe or not {"moe", "moe_act", "shared_experts"} & set(modules), key, modules, "moe, moe_act and "
+         "shared_experts recompute parts of MoE layers, and this model is dense (model.num_moe_experts=null): drop them"),
+        ("shared_experts" not in modules or not moe or m.moe_shared_expert_intermediate_size is not None, key, modules,
+         "shared_experts recomputes the shared experts, and this model has none "
+         "(model.moe_shared_expert_intermediate_size=null): drop it"),
+        ("moe_act" not in modules or not moe or (m.moe_grouped_gemm is not False and m.attention_backend != "local"),
+         key, modules, "moe_act recomputes the experts' activation inside TransformerEngine's grouped GEMM "
+         "(megatron-core's rule): leave model.moe_grouped_gemm auto or true with TransformerEngine's layers, or drop "
+         "it"),
+        ("mlp" not in modules or not pattern or 0 in pattern, key, modules, "mlp recomputes the dense MLPs, and every "
+         "layer of this model is an MoE layer: use moe or moe_act"),
+        (t.fp8 != "delayed" or not {"moe_act", "layernorm"} & set(modules), key, modules, "moe_act and layernorm "
+         "recompute do not run with train.fp8=delayed (megatron-core's rule): use train.fp8=tensorwise or blockwise, or "
+         "drop them"),
+        # megatron-core 0.19.2's CheckpointWithoutOutput sets its fp8 flag for any argument but None, then reads TE's
+        # FP8 state (tensor_parallel/random.py): without TE it fails with NameError 'FP8GlobalStateManager'
+        (te_available or not {"layernorm", "mla_up_proj"} & set(modules), key, modules, "layernorm and mla_up_proj "
+         "are recomputed by megatron-core's CheckpointWithoutOutput, which reads TransformerEngine's FP8 state "
+         "(megatron-core 0.19.2) and fails where TE is not importable, as here: drop them, or run in the NGC container"),
+    ]:
+        require(ok, name, value, why)
+
+
+def _validate_layer_offload(cfg: RecipeConfig) -> None:
+    """train.cpu_offloading_num_layers: megatron-core's layer-level activation offload (TransformerEngine's CPU-offload
+    context; the machine rules are resolve_kernel_options')."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    layers = t.cpu_offloading_num_layers
+    if not layers:
+        return
+    key = "train.cpu_offloading_num_layers"
+    for ok, name, value, why in [
+        (layers < m.num_layers, key, layers, f"must be below model.num_layers={m.num_layers} (megatron-core offloads "
+         "every layer's activations but the last's, which the backward pass starts from)"),
+        (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size,
+         f"megatron-core's layer offload ({key}) runs without pipeline parallelism: use pipeline size 1, or {key}=0"),
+        (t.recompute_granularity is None, "train.recompute_granularity", t.recompute_granularity,
+         f"megatron-core's layer offload ({key}) does not run with activation recompute: set it null, or {key}=0"),
+        (not t.offload_modules, "train.offload_modules", list(t.offload_modules), f"megatron-core runs one activation "
+         f"offload at a time (its rule): set train.offload_modules=[] or {key}=0"),
+        (m.attention_backend != "local", key, layers, "offloads TransformerEngine's layers' activations (TE's "
+         "CPU-offload context): set model.attention_backend=auto or te"),
+    ]:
+        require(ok, name, value, why)
+
+
+def _validate_tp_comm_overlap(cfg: RecipeConfig) -> None:
+    """parallel.tp_comm_overlap: TransformerEngine's userbuffers overlapping sequence parallelism's all-gathers and
+    reduce-scatters with the GEMMs around them (the machine rules are resolve_kernel_options')."""
+    m, p = cfg.model, cfg.parallel
+    if not p.tp_comm_overlap:
+        return
+    key = "parallel.tp_comm_overlap"
+    require(p.tensor_model_parallel_size > 1, key, True, "overlaps tensor-parallel communication, and "
+            "parallel.tensor_model_parallel_size=1 has none: set it false")
+    require(p.sequence_parallel, "parallel.sequence_parallel", False, f"{key} overlaps sequence parallelism's "
+            "all-gathers and reduce-scatters with the GEMMs (megatron-core's rule): set it true")
+    require(m.attention_backend != "local", key, True, "is TransformerEngine's (userbuffers inside its layers): set "
+            "model.attention_backend=auto or te")
 
 
 def _validate_megatron_fsdp(cfg: RecipeConfig, dp_cp: int) -> None:

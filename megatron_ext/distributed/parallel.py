@@ -52,8 +52,18 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
-    """Process group (NCCL on GPU, gloo in CPU rehearsal), megatron-core's TP/CP/DP/PP groups, seeds."""
+def rng_tracker_options(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> dict[str, bool]:
+    """megatron-core's RNG tracker for `cfg`'s CUDA graphs, as Megatron-LM chooses it: graph-safe streams under any
+    graphs (megatron-core's layer graphs refuse any other tracker), and TransformerEngine's tracker where TE's layers
+    are built (`use_te`) or its graphs capture them."""
+    graphs = on_gpu and cfg.train.cuda_graph_impl != "none"
+    return {"te_rng_tracker": graphs and (use_te or cfg.train.cuda_graph_impl == "transformer_engine"),
+            "use_cudagraphable_rng": graphs}
+
+
+def init_distributed(cfg: RecipeConfig, on_gpu: bool, use_te: bool = False) -> None:
+    """Process group (NCCL on GPU, gloo in CPU rehearsal), megatron-core's TP/CP/DP/PP groups, seeds (`use_te`: the
+    run builds TransformerEngine's layers, whose RNG tracker CUDA graphs then use)."""
     p = cfg.parallel
     minutes = collective_timeout_minutes(cfg)
     timeout = datetime.timedelta(minutes=minutes)
@@ -83,9 +93,7 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool) -> None:
     # Same seed on every rank: megatron's tracker derives the TP-rank-specific streams from it,
     # and CPU-initialised weights come out identical across TP layouts.
     torch.manual_seed(cfg.train.seed)
-    # CUDA graphs replay RNG through graph-safe generators (megatron-core's layer graphs refuse any other tracker).
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed,
-                                                    use_cudagraphable_rng=on_gpu and cfg.train.cuda_graphs)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed, **rng_tracker_options(cfg, on_gpu, use_te))
 
 
 def destroy_distributed() -> None:
@@ -130,6 +138,7 @@ def ddp_config(cfg: RecipeConfig) -> DistributedDataParallelConfig:
         bucket_size=p.ddp_bucket_size,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.use_distributed_optimizer,
+        fp8_param_gather=cfg.train.fp8_param_gather,  # the parameters kept in FP8 (TransformerConfig.fp8_param)
         # off: megatron_ext/resilience/divergence.py checks the same buffers and names the iteration and rank
         check_for_nan_in_grad=False,
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count

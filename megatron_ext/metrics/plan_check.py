@@ -25,6 +25,7 @@ planned peak (less the 2 GiB torch's allocator never sees) against ``torch.cuda.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -80,6 +81,8 @@ def planned_parts(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: s
                   slowest_compute_s: float) -> dict[str, Optional[float]]:
     """The planner's seconds per step for each measured part on `gpu`; in CPU rehearsal (`on_gpu` False) only the
     pipeline, scaled from the slowest stage's measured compute by the planner's pipeline-to-compute ratio."""
+    if not on_gpu:  # a CPU rehearsal builds megatron-core's local layers: their pipeline-to-compute ratio
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="local"))
     time = estimate(cfg, world_size, gpus_per_node, GPUS[gpu], model_vocab_size(cfg)).time
     planned = {part: sum(time[c] for c in components) for part, components in PLANNED_PARTS.items()}
     if on_gpu:

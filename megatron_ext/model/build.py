@@ -44,9 +44,15 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
     if cfg.train.compile:
         compile_layers(chunks)
         notes.append("compiling decoder layers with torch.compile: the first step includes the compilation")
-    if cfg.train.cuda_graphs:
-        notes.append("CUDA graphs: megatron-core captures every decoder layer at the end of the first step "
-                     "(a few warm-up passes each) and replays the graphs from the second step on")
+    graphs = {"local": "megatron-core captures every decoder layer at the end of the first step (a few warm-up "
+                       "passes each) and replays the graphs from the second step on",
+              "transformer_engine": f"TransformerEngine captures every decoder layer after "
+                                    f"{config.cuda_graph_warmup_steps} eager steps and replays the graphs after that",
+              "full_iteration": f"megatron-core captures each step's whole forward-backward schedule at step "
+                                f"{config.cuda_graph_warmup_steps + 1} (and evaluation's at its "
+                                f"{config.cuda_graph_warmup_steps + 1}th batch) and replays it from then on"}
+    if cfg.train.cuda_graph_impl in graphs:
+        notes.append(f"CUDA graphs ({cfg.train.cuda_graph_impl}): {graphs[cfg.train.cuda_graph_impl]}")
     if on_gpu:
         chunks = [c.cuda() for c in chunks]
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids or cfg.data.eod_mask_loss:

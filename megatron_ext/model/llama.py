@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.config.schema import RecipeConfig, recomputed_modules
 from megatron_ext.config.shape import ModelShape, moe_layer_pattern, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
@@ -63,9 +63,10 @@ def te_gradient_accumulation_fusion(use_te: bool) -> bool:
     return use_te and layers._grad_accum_fusion_available
 
 
-def gpu_has_fp8() -> bool:
-    """FP8 tensor cores: compute capability 8.9 (Ada) and newer (Hopper, Blackwell)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+def gpu_compute_capability() -> Optional[tuple[int, int]]:
+    """This machine's GPU's CUDA compute capability (major, minor), None without a GPU: what config validation checks
+    the low-precision recipes against (config/precision.py)."""
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -150,8 +151,8 @@ PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> TransformerConfig:
     """megatron-core TransformerConfig for a Llama-style decoder under `cfg`'s parallel layout."""
-    m, p = cfg.model, cfg.parallel
-    dtype = PARAMETER_DTYPES[cfg.train.precision]
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    dtype = PARAMETER_DTYPES[t.precision]
     vpp = p.virtual_pipeline_model_parallel_size
     mla = mla_transformer_config(cfg)
     return (MLATransformerConfig if mla else TransformerConfig)(
@@ -177,6 +178,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
+        tp_comm_overlap=p.tp_comm_overlap,  # TE's userbuffers: megatron_ext/distributed/tp_comm_overlap.py
         num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage,
         # The interleaved schedule at PP=2 swaps the two stages' tensors when p2p ops are
@@ -188,25 +190,33 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        fp8="hybrid" if cfg.train.fp8 else None,
-        fp8_recipe=cfg.train.fp8 or "delayed",
+        # every FP8 recipe in TE's hybrid format: E4M3 forward, E5M2 gradients
+        fp8="hybrid" if t.fp8 else None,
+        fp8_recipe=t.fp8 or "delayed",
+        fp8_param=t.fp8_param_gather,  # the DDP config gathers them in FP8 (distributed/parallel.py)
+        fp4="e2m1" if t.fp4 else None,
+        fp4_recipe=t.fp4 or "nvfp4",
         calculate_per_token_loss=True,
-        bias_activation_fusion=cfg.train.fused_swiglu or cfg.train.liger_kernels,
-        cross_entropy_loss_fusion=cfg.train.fused_cross_entropy,
+        bias_activation_fusion=t.fused_swiglu or t.liger_kernels,
+        cross_entropy_loss_fusion=t.fused_cross_entropy,
         cross_entropy_fusion_impl="te" if use_te else "native",
         attention_backend=AttnBackend[m.te_attention_kernel] if use_te else AttnBackend.auto,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=te_gradient_accumulation_fusion(use_te),
-        cuda_graph_impl="local" if cfg.train.cuda_graphs else "none",
-        cuda_graph_modules=[],  # the whole layer (megatron-core's deprecated default "full" warns on every build)
-        recompute_granularity=cfg.train.recompute_granularity,
-        recompute_method="uniform" if cfg.train.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if cfg.train.recompute_granularity == "full" else None,
-        fine_grained_activation_offloading=bool(cfg.train.offload_modules),
-        offload_modules=list(cfg.train.offload_modules),
-        min_offloaded_tensor_size=cfg.train.min_offloaded_tensor_size,
+        cuda_graph_impl=t.cuda_graph_impl,
+        # [] = the whole layer (megatron-core's deprecated default "full" warns on every build)
+        cuda_graph_modules=list(t.cuda_graph_modules),
+        recompute_granularity=t.recompute_granularity,
+        recompute_method="uniform" if t.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if t.recompute_granularity == "full" else None,
+        recompute_modules=list(recomputed_modules(cfg)) or None,  # None: megatron-core's default
+        cpu_offloading=t.cpu_offloading_num_layers > 0,
+        cpu_offloading_num_layers=t.cpu_offloading_num_layers,
+        fine_grained_activation_offloading=bool(t.offload_modules),
+        offload_modules=list(t.offload_modules),
+        min_offloaded_tensor_size=t.min_offloaded_tensor_size,
         **moe_transformer_config(cfg),
         **mtp_transformer_config(cfg),
         **(mla or {"qk_layernorm": m.qk_layernorm}),
@@ -229,8 +239,11 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
                      f"{config.qk_head_dim}+{config.qk_pos_emb_head_dim} rotary / value {config.v_head_dim}) through "
                      f"{attention}")
     precision = ("bf16" if config.bf16 else "fp16 with dynamic loss scaling" if config.fp16 else "fp32") + (
-        f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE)" if config.fp8 else ", no FP8")
+        f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE"
+        + (", parameters kept and gathered in FP8" if config.fp8_param else "") + ")" if config.fp8
+        else " + FP4 (NVFP4 block scaling, through TE)" if config.fp4 else ", no FP8")
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+    regions = f" of {', '.join(m.name for m in config.cuda_graph_modules)}" if config.cuda_graph_modules else ""
     liger = [] if use_te else _liger_kernels(chunks)
     fused_output = chunks[0] if isinstance(chunks[0], FusedOutputGPTModel) else None  # every chunk has the class
     kernels = [name for name, on in [
@@ -239,11 +252,18 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
         (f"fused cross-entropy ({config.cross_entropy_fusion_impl})", config.cross_entropy_loss_fusion),
         (f"fused linear cross-entropy ({fused_output and fused_output.kernel_name()})", fused_output is not None),
         ("torch.compile per layer", bool(layers) and all(layer._compiled_call_impl is not None for layer in layers)),
-        ("CUDA graphs per layer (megatron-core, captured in the first step)",
+        (f"CUDA graphs per layer{regions} (megatron-core, captured in the first step)",
          bool(layers) and all(getattr(layer, "cudagraph_manager", None) is not None for layer in layers)),
+        (f"CUDA graphs per layer{regions} (TransformerEngine's, captured after {config.cuda_graph_warmup_steps} "
+         "eager steps)", config.cuda_graph_impl == "transformer_engine"),
+        (f"one CUDA graph of each step's forward-backward (captured at step {config.cuda_graph_warmup_steps + 1})",
+         config.cuda_graph_impl == "full_iteration"),
         (f"liger-kernel {', '.join(liger)}", bool(liger)),
         ("TE gradient-accumulation fusion", config.gradient_accumulation_fusion),
-        (f"{config.recompute_granularity} recompute", config.recompute_granularity is not None),
+        (f"{config.recompute_granularity} recompute" + (f" of {', '.join(config.recompute_modules)}" if
+         config.recompute_granularity == "selective" else ""), config.recompute_granularity is not None),
+        (f"layer offload of the first {config.cpu_offloading_num_layers} layers' activations", config.cpu_offloading),
+        ("TP communication overlap (TE userbuffers)", config.tp_comm_overlap),
         (f"activation offload of {', '.join(config.offload_modules)}", config.fine_grained_activation_offloading),
     ] if on]
     return (f"layer spec: {spec}; attention: {attention}; precision: {precision}; "

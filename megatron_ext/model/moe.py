@@ -44,6 +44,10 @@ def moe_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
         moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
         moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,  # read with the flex dispatcher only
+        moe_router_force_load_balancing=m.moe_router_force_load_balancing,
+        # the 1F1B schedule's overlapped all-to-alls (training/micro_batch.py builds its schedule plan)
+        overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm,
         moe_grouped_gemm=m.moe_grouped_gemm is True,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size(cfg),
@@ -65,11 +69,17 @@ def describe_moe(chunks: list[torch.nn.Module], config: Any) -> str:
               if config.moe_router_num_groups else "")
     scaling = config.moe_router_topk_scaling_factor
     pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    dispatcher = config.moe_token_dispatcher_type + (
+        f" ({config.moe_flex_dispatcher_backend})" if config.moe_token_dispatcher_type == "flex" else "") + (
+        " dispatcher, its all-to-alls overlapped with another micro batch's compute"
+        if config.overlap_moe_expert_parallel_comm else " dispatcher")
+    if config.moe_router_force_load_balancing:
+        balance += "; FORCED load balancing (benchmark mode: random router scores, not a real run)"
     where = "per layer" if all(pattern) else f"in {sum(pattern)} of the {len(pattern)} layers (the others dense)"
     return (f"MoE: {config.num_moe_experts} experts {where}, top-{config.moe_router_topk}{groups} "
             f"({config.moe_router_score_function}{f', weights × {scaling:g}' if scaling else ''}); "
             f"{mlp.num_local_experts} on this rank as "
-            f"{type(mlp.experts).__name__}; {config.moe_token_dispatcher_type} dispatcher; {balance}; "
+            f"{type(mlp.experts).__name__}; {dispatcher}; {balance}; "
             + ("dropless" if capacity is None else f"capacity factor {capacity:g} ({config.moe_token_drop_policy})")
             + (f"; shared experts of width {shared}" if shared else ""))
 

@@ -25,8 +25,10 @@ allocates it under this recipe (``wrap_with_ddp`` sets ``grad_reduce_in_fp32=Tru
 A layout fits when (allocated + reserve) · (1 + ``FRAGMENTATION``) ≤ GPU memory (and, with optimizer offload, the
 node's offloaded state ≤ ``HOST_MEMORY_FOR_OFFLOAD`` of its host memory).
 
-Step time: model FLOPs (+ recompute) at the calibrated ``KERNEL_EFFICIENCY`` of dense BF16 peak (eager or
-compiled layers) on the slowest stage, a fixed cost per micro batch (grad accumulation, per-layer launches),
+Step time: TransformerEngine's layers kernel by kernel (:mod:`.compute_time`: GEMMs at the precision's peak, the
+experts' grouped GEMMs, attention, elementwise and quantization traffic, host launches; fitted to the published runs
+of docs/published-runs.csv, :mod:`.published`), or for megatron-core's local layers model FLOPs (+ recompute) at the
+calibrated ``KERNEL_EFFICIENCY`` of dense BF16 peak (eager or compiled layers), on the slowest stage, a fixed cost per micro batch (grad accumulation, per-layer launches),
 TP collectives (4 per layer per micro batch, 6 with full recompute) on NVLink, CP's
 K/V ring hidden behind attention where it can be, pipeline p2p, the bubble (p−1)/(v·m) of
 micro-batch times, the DP gradient reduce-scatter/all-gather (exposed beyond one micro batch's
@@ -48,8 +50,9 @@ their gradients' and weights' PCIe copies, whichever is longer (megatron-core ov
 uncalibrated on a GPU node.
 
 The modules: :mod:`.layout` (a candidate and the model's per-rank dimensions under it), :mod:`.static_memory`
-(parameters, gradient buffers, optimizer state), :mod:`.activations`, :mod:`.step_time`, :mod:`.estimate` (memory,
-fit, time and MFU of one layout), :mod:`.search`, :mod:`.explain` and :mod:`.goodput` (the checkpoint interval). Nothing here imports torch or megatron-core:
+(parameters, gradient buffers, optimizer state), :mod:`.activations`, :mod:`.compute_time`, :mod:`.step_time`,
+:mod:`.estimate` (memory, fit, time and MFU of one layout), :mod:`.search`, :mod:`.explain`, :mod:`.goodput` (the
+checkpoint interval), :mod:`.published` (the published runs re-planned) and :mod:`.scaling`. Nothing here imports torch or megatron-core:
 ``python -m recipes.plan`` runs where they are not installed.
 """
 

@@ -121,9 +121,8 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     stages = [stage_memory(cfg, vocab_size, world_size, r, grad_bytes) for r in range(layout.pp)]
     peak_stage = max(range(layout.pp), key=lambda r: stages[r]["total"])
     memory = stages[peak_stage]
-    host_per_node = memory["host"] * min(gpus_per_node, world_size)
     fits = (memory["total"] * (1 + FRAGMENTATION) <= gpu.memory_gib * GIB
-            and host_per_node <= HOST_MEMORY_FOR_OFFLOAD * gpu.node_host_memory_gib * GIB)
+            and memory["host"] <= HOST_MEMORY_FOR_OFFLOAD * gpu.host_memory_gib * GIB)
     time = step_time(cfg, vocab_size, world_size, gpus_per_node, gpu, mfu or kernel_efficiency(cfg), grad_bytes)
     tokens = cfg.train.global_batch_size * shape.seq
     model_flops = model_flops_per_token(cfg, vocab_size) * tokens

@@ -8,7 +8,7 @@ from megatron_ext.planner.estimate import FRAGMENTATION, Estimate
 from megatron_ext.planner.layout import GIB
 
 
-def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
+def explain(e: Estimate, gpu: GPUSpec) -> str:
     """A few plain sentences on why this layout costs what it costs."""
     L, t, mem = e.layout, e.time, e.memory
     parts = [f"{L.label()}: {t['step']:.2f} s/step, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
@@ -50,8 +50,8 @@ def explain(e: Estimate, gpus_per_node: int, gpu: GPUSpec) -> str:
                      "each other and all-reduce their gradient shards once per step.")
     if L.offload:
         parts.append(f"Optimizer CPU offload keeps {L.offload:.0%} of this rank's optimizer state in host memory "
-                     f"({mem['host'] / GIB:.1f} GiB per GPU, {gpus_per_node * mem['host'] / GIB:.0f} of the "
-                     f"{gpus_per_node}-GPU node's {gpu.node_host_memory_gib:.0f} GiB); the host's Adam step and the "
+                     f"({mem['host'] / GIB:.1f} GiB of the host's {gpu.host_memory_gib:.0f} GiB per GPU); the host's "
+                     f"Adam step and the "
                      f"PCIe copies add {t['offload']:.2f} s (uncalibrated).")
     if L.offload and e.without_offload is not None:
         parts.append(f"Without offload this layout needs {e.without_offload['total'] / GIB:.1f} GiB/GPU (optimizer "

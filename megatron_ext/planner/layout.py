@@ -57,9 +57,9 @@ class Layout:
                        "optimizer.optimizer_cpu_offload": self.offload > 0})
         if self.offload:
             memory["optimizer.optimizer_offload_fraction"] = self.offload
+        # (EP1 too: applied over an MoE recipe's EP, the layout must set it)
         experts = {"parallel.expert_model_parallel_size": self.ep, "parallel.expert_tensor_parallel_size": self.etp}
-        return {"parallel.use_megatron_fsdp": self.sharding is not None, **memory,
-            **(experts if self.ep > 1 or self.etp is not None else {}),
+        return {"parallel.use_megatron_fsdp": self.sharding is not None, **memory, **experts,
             "parallel.tensor_model_parallel_size": self.tp,
             "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,

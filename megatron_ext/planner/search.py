@@ -66,8 +66,15 @@ def pipeline_splits(layers: int, pp: int) -> list[tuple[Optional[int], Optional[
     return list(dict.fromkeys(splits))
 
 
+def accepts_layout(cfg: RecipeConfig, world_size: int, gpu: GPUSpec) -> None:
+    """`cfg`'s layout and switches as the recipe checks them before launch on `world_size` GPUs of type `gpu`
+    (TransformerEngine assumed present); ConfigError with the refusal's line otherwise."""
+    validate_layout_rules(cfg, world_size, te_available=True, compute_capability=gpu.compute_capability)
+
+
 def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
-                      micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Layout]:
+                      micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8), gpu: GPUSpec = GPUS["h100-80gb"]
+                      ) -> Iterator[Layout]:
     """Every layout `validate_layout_rules` accepts, with TP inside one node and the pipeline split evenly or near-evenly
     (:func:`pipeline_splits`; virtual stages only with an even split); with the
     distributed optimizer, also ZeRO-2 and ZeRO-3 through Megatron-FSDP (PP=1); for an MoE model, every EP and
@@ -92,13 +99,13 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
                         layout = Layout(tp, pp, vpp, cp, dp, sp, distopt, recompute, mbs, sharding, replicas,
                                         ep=ep, etp=etp, first_stage_layers=first, last_stage_layers=last)
                         try:
-                            validate_layout_rules(layout.apply(cfg), world_size, te_available=True, fp8_capable=True)
+                            accepts_layout(layout.apply(cfg), world_size, gpu)
                         except ConfigError:
                             continue
                         yield layout
 
 
-def _with_offload(cfg: RecipeConfig, world_size: int, layouts: list[Layout]) -> Iterator[Layout]:
+def _with_offload(cfg: RecipeConfig, world_size: int, layouts: list[Layout], gpu: GPUSpec) -> Iterator[Layout]:
     """The distributed-optimizer layouts among `layouts` again with OFFLOAD_FRACTIONS of the optimizer state in host
     memory, where `validate_layout_rules` accepts it (bf16, no Megatron-FSDP)."""
     for layout in layouts:
@@ -106,7 +113,7 @@ def _with_offload(cfg: RecipeConfig, world_size: int, layouts: list[Layout]) -> 
             for fraction in OFFLOAD_FRACTIONS:
                 offloaded = dataclasses.replace(layout, offload=fraction)
                 try:
-                    validate_layout_rules(offloaded.apply(cfg), world_size, te_available=True, fp8_capable=True)
+                    accepts_layout(offloaded.apply(cfg), world_size, gpu)
                 except ConfigError:
                     continue
                 yield offloaded
@@ -123,9 +130,9 @@ def plan(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str | GPUS
         return [estimate(layout.apply(cfg), world_size, gpus_per_node, spec, vocab, mfu, grad_reduce_in_fp32)
                 for layout in layouts]
 
-    estimates = estimates_of(candidate_layouts(cfg, world_size, gpus_per_node))
+    estimates = estimates_of(candidate_layouts(cfg, world_size, gpus_per_node, gpu=spec))
     if not any(e.fits for e in estimates):  # the guide's last resort
-        estimates += estimates_of(_with_offload(cfg, world_size, [e.layout for e in estimates]))
+        estimates += estimates_of(_with_offload(cfg, world_size, [e.layout for e in estimates], spec))
     by_layout = {e.layout: e for e in estimates}
     for e in estimates:
         if e.layout.sharding:

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 from megatron_ext.config.kernels import compiles_layers
 from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.hardware import GPUSpec
+from megatron_ext.planner.compute_time import te_compute_seconds
 from megatron_ext.planner.layout import Layout, RankShape
 from megatron_ext.planner.static_memory import (
     ddp_bucket_size,
@@ -36,6 +37,11 @@ OPTIMIZER_BYTES_PER_ELEMENT = 48
 HOST_ADAM_ELEMENTS_PER_S = 2.0e9
 OFFLOAD_COPY_BYTES = 4  # per offloaded element and direction: its fp32 gradient to the host, its fp32 weight back
 CP_STEP_LAUNCH_S = 10e-6  # per ring step of context-parallel attention: extra kernel launches and sync
+# Of the link's bus bandwidth an MoE token dispatch reaches, (on NVLink, on the network): DeepEP's published kernels
+# ~95 % of both (its README: 153 of 160 GB/s NVLink, 43-58 of 50 GB/s RDMA on H800), HybridEP as DeepEP; NCCL's
+# all-to-all (and the all-gather dispatcher) fit — on the network the NIC is the bottleneck either way
+DISPATCH_EFFICIENCY = {"deepep": (0.95, 0.95), "hybridep": (0.95, 0.95), "alltoall": (0.3, 0.84),
+                       "allgather": (0.3, 0.84)}
 
 
 def stage_flops_per_token(shape: RankShape, layers: Iterable[int], output_layer: bool,
@@ -56,11 +62,33 @@ def ring_seconds(bytes_: float, n: int, bus_gb_s: float, latency: float, factor:
     return factor * (n - 1) / n * bytes_ / (bus_gb_s * 1e9) + latency
 
 
+def all_to_all_seconds(cfg: RecipeConfig, routed_bytes: float, ep: int, etp: int, gpus_per_node: int,
+                       gpu: GPUSpec) -> float:
+    """One dispatch (or combine) of `routed_bytes` per rank over EP (expert ranks: ETP fastest, then EP): the share
+    bound for peers in this rank's NVLink domain on NVLink, the rest on the network, both at once, at the
+    dispatcher's efficiency."""
+    if ep <= 1:
+        return 0.0
+    nvlink_peers = max(1, min(ep, max(gpus_per_node, gpu.nvlink_domain) // etp))  # this rank included
+    near = routed_bytes * (nvlink_peers - 1) / ep / (gpu.nvlink_gb_s * 1e9)
+    far = routed_bytes * (ep - nvlink_peers) / ep / (gpu.internode_gb_s * 1e9)
+    m = cfg.model
+    kernels = m.moe_flex_dispatcher_backend if m.moe_token_dispatcher_type == "flex" else m.moe_token_dispatcher_type
+    on_nvlink, on_network = DISPATCH_EFFICIENCY[kernels]
+    return max(near / on_nvlink, far / on_network) + (LATENCY_INTER_S if far else LATENCY_INTRA_S)
+
+
 def compiled_layers(cfg: RecipeConfig) -> bool:
-    """Whether the recipe runs `cfg` with compiled layers on a GPU, as its start-up resolves train.compile. The
-    layer spec is TransformerEngine's only for model.attention_backend=te: the efficiencies were calibrated without
-    TE, so `auto` is planned as local layers. Graphed eager layers are planned at the eager efficiency."""
-    return compiles_layers(cfg, on_gpu=True, use_te=cfg.model.attention_backend == "te")
+    """Whether the recipe runs `cfg` with compiled layers on a GPU, as its start-up resolves train.compile (never in
+    TransformerEngine's layers, :func:`te_layers`). Graphed eager layers are planned at the eager efficiency."""
+    return compiles_layers(cfg, on_gpu=True, use_te=te_layers(cfg))
+
+
+def te_layers(cfg: RecipeConfig) -> bool:
+    """Whether the plan runs TransformerEngine's layers, timed kernel by kernel (:mod:`.compute_time`):
+    model.attention_backend=te, and `auto`, which the GPU cluster's NGC container resolves to TE; `local` runs
+    megatron-core's own layers at the H100-calibrated efficiency of :data:`KERNEL_EFFICIENCY`."""
+    return cfg.model.attention_backend != "local"
 
 
 def kernel_efficiency(cfg: RecipeConfig) -> float:
@@ -78,20 +106,27 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
     tokens = layout.mbs * shape.seq // cp  # per CP rank per micro batch
 
     def link(span: int) -> tuple[float, float]:
-        """(bus GB/s, latency) of a group spanning `span` consecutive ranks (TP fastest, then CP, DP, PP)."""
-        return (gpu.nvlink_gb_s, LATENCY_INTRA_S) if span <= gpus_per_node else (gpu.internode_gb_s,
-                                                                                 LATENCY_INTER_S)
+        """(bus GB/s, latency) of a group spanning `span` consecutive ranks (TP fastest, then CP, DP, PP): NVLink
+        within a node or the NVLink domain it belongs to (an NVL72 rack's 72 GPUs), the network beyond."""
+        nvlink = max(gpus_per_node, gpu.nvlink_domain)
+        return (gpu.nvlink_gb_s, LATENCY_INTRA_S) if span <= nvlink else (gpu.internode_gb_s, LATENCY_INTER_S)
 
     peak = gpu.peak_bf16_tflops * 1e12 * mfu
     # one micro batch through the slowest stage (its layers, the last's with the output layer), fwd + bwd
     stages = tuple(pipeline_stage_layers(cfg))
-    flops, slowest = max((stage_flops_per_token(shape, indices, r == pp - 1, layout.recompute), indices)
-                         for r in range(pp) for indices in [stage_layer_indices(stages, layout.vpp, r)])
-    if pp == 1 or slowest == stage_layer_indices(stages, layout.vpp, pp - 1):  # the last stage, with the MTP layers
+    flops, last, slowest = max((stage_flops_per_token(shape, indices, r == pp - 1, layout.recompute), r == pp - 1,
+                                indices) for r in range(pp) for indices in [stage_layer_indices(stages, layout.vpp, r)])
+    if last:  # the last stage, with the MTP layers
         slowest = [*slowest, *mtp_layers(shape)]
     layers, moe_layers = len(slowest), sum(shape.model.is_moe_layer(layer) for layer in slowest)
     flops *= layout.mbs * shape.seq
-    compute = flops / (tp * cp) / peak
+    if te_layers(cfg):
+        kernels = te_compute_seconds(cfg, shape, slowest, last, gpu, tokens)
+        compute, launches = sum(kernels.values()) - kernels["launch"], kernels["launch"]
+        gemm = kernels["gemm"]
+    else:
+        compute, launches, kernels = flops / (tp * cp) / peak, layers * LAYER_OVERHEAD_S, {}
+        gemm = compute
 
     bw, lat = link(tp)
     collectives = 6 if layout.recompute == "full" else 4  # AR (or AG+RS with SP) ×2 forward, ×2 backward
@@ -111,9 +146,8 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
     moe_comm = 0.0
     if shape.experts:  # per MoE layer: dispatch and combine all-to-alls, forward and backward, over EP
         sequence_tokens = tokens // (tp if layout.sp else 1)
-        bw, lat = link(shape.etp * shape.ep)  # expert ranks: ETP fastest, then EP
         routed = sequence_tokens * shape.topk * shape.hidden * d_bytes
-        moe_comm = moe_layers * 4 * ((shape.ep - 1) / shape.ep * routed / (bw * 1e9) + lat) if shape.ep > 1 else 0.0
+        moe_comm = moe_layers * 4 * all_to_all_seconds(cfg, routed, shape.ep, shape.etp, gpus_per_node, gpu)
         if shape.etp > 1:  # the routed tokens gathered over expert TP and their outputs reduce-scattered back
             bw, lat = link(shape.etp)
             moe_comm += moe_layers * 4 * ring_seconds(routed * shape.etp, shape.etp, bw, lat)
@@ -131,14 +165,27 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
     expert_params, expert_grads, expert_owned = expert_static(shape, world_size, stages, layout.vpp, 0, layout.distopt,
                                                                bucket_size)
     # What a micro batch costs besides its FLOPs: why small micro batches are slow (measured mbs 1 → 4: 1.45×)
-    overhead = (params + expert_params) * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12) + layers * LAYER_OVERHEAD_S
+    # (TE fuses the accumulation into its weight-gradient GEMMs)
+    accumulate = 0.0 if kernels else (params + expert_params) * GRAD_ACCUMULATE_BYTES / (gpu.hbm_tb_s * 1e12)
+    overhead = accumulate + launches
+    if cfg.parallel.tp_comm_overlap:  # TE's userbuffers hide the TP collectives behind the GEMMs that need them
+        tp_comm = max(0.0, tp_comm - gemm)
+    if cfg.parallel.overlap_moe_expert_parallel_comm:  # one micro batch's all-to-alls behind another's compute
+        moe_comm = max(0.0, moe_comm - compute)
 
     per_microbatch = compute + overhead + tp_comm + cp_comm + moe_comm + p2p
     bubble = per_microbatch * (pp - 1) / v
 
+    expert_reduce = expert_gather = 0.0
+    if shape.experts:  # the experts' gradients are reduced over expert-DP, their state sharded over it
+        bw, lat = link(world_size // pp)
+        factor = 1.0 if layout.distopt else 2.0  # reduce-scatter (and the parameters' all-gather), or all-reduce
+        expert_reduce = ring_seconds(expert_grads * grad_bytes, expert_dp, bw, lat, factor)
+        expert_gather = ring_seconds(expert_grads * d_bytes, expert_dp, bw, lat) if layout.distopt else 0.0
     bw, lat = link(tp * cp * dp)
     if layout.sharding:  # Megatron-FSDP: per micro batch, overlapped layer by layer with compute (uncalibrated)
-        whole, group = model_elements(shape), dp * cp // layout.replicas  # HSDP: within a group
+        # this stage's share of the parameters (PP > 1: the stages shard and gather their own layers)
+        whole, group = model_elements(shape) // pp, dp * cp // layout.replicas  # HSDP: within a group
         bw, lat = link(tp * group)
         traffic = ring_seconds(whole * grad_bytes, group, bw, lat)  # the gradients' reduce-scatter
         if layout.sharding == "optim_grads_params":
@@ -148,25 +195,18 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
         if layout.replicas > 1:  # once per step: the group's gradient shard all-reduced across the replicas
             bw, lat = link(tp * cp * dp)
             reduce += ring_seconds(-(-whole // group) * grad_bytes, layout.replicas, bw, lat, 2.0)
+        reduce, gather = reduce + expert_reduce, gather + expert_gather
     else:
         if layout.distopt:
-            reduce = ring_seconds(grads * grad_bytes, dp * cp, bw, lat)
-            gather = ring_seconds(params * d_bytes, dp * cp, bw, lat)
+            reduce = ring_seconds(grads * grad_bytes, dp * cp, bw, lat) + expert_reduce
+            gather = ring_seconds(params * d_bytes, dp * cp, bw, lat) + expert_gather
         else:
-            reduce, gather = ring_seconds(grads * grad_bytes, dp * cp, bw, lat, 2.0), 0.0
-        if cfg.parallel.overlap_grad_reduce:
+            reduce, gather = ring_seconds(grads * grad_bytes, dp * cp, bw, lat, 2.0) + expert_reduce, 0.0
+        if cfg.parallel.overlap_grad_reduce:  # megatron-core's buckets, the experts' among them
             reduce = max(0.0, reduce - 2 / 3 * compute)  # hidden behind the last micro batch's backward
         if cfg.parallel.overlap_param_gather and layout.distopt:
             gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
-    owned_max = max(owned)
-    if shape.experts:  # the experts' gradients are reduced over expert-DP, their state sharded over it
-        bw, lat = link(world_size // pp)
-        if layout.distopt:
-            reduce += ring_seconds(expert_grads * grad_bytes, expert_dp, bw, lat)
-            gather += ring_seconds(expert_grads * d_bytes, expert_dp, bw, lat)
-        else:
-            reduce += ring_seconds(expert_grads * grad_bytes, expert_dp, bw, lat, 2.0)
-        owned_max += max(expert_owned)
+    owned_max = max(owned) + (max(expert_owned) if shape.experts else 0)
     optimizer = (1 - layout.offload) * owned_max * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
     hosted = layout.offload * owned_max  # the host's Adam step overlapped with the copies to and from it
     offload = max(hosted / HOST_ADAM_ELEMENTS_PER_S, hosted * OFFLOAD_COPY_BYTES / (gpu.pcie_gb_s * 1e9))

@@ -26,9 +26,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
-                  packed_documents: bool = False):
+                 packed_documents: bool = False, return_schedule_plan: bool = False):
     """One micro batch through `model`; `packed_documents`: document masking in TransformerEngine's layers, which
-    take the micro batch as one packed row of documents (:func:`pack_documents`)."""
+    take the micro batch as one packed row of documents (:func:`pack_documents`). With `return_schedule_plan`
+    (megatron-core's overlapped 1F1B schedule, parallel.overlap_moe_expert_parallel_comm) the model builds its
+    schedule plan for the micro batch instead of running it; the schedule runs the plan."""
     batch = {k: v.to(device(), non_blocking=True) for k, v in next(data_iterator).items()}
     documents = batch.pop("documents", None)  # data.reset_attention_mask: the whole sequence's, on every CP rank
     packed = None
@@ -39,6 +41,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     # (RoPE slices its global positions the same way inside GPTModel).
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
                                       cp_group=parallel_state.get_context_parallel_group())
-    output = model(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"], packed_seq_params=packed)
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
+                 loss_mask=batch["loss_mask"], packed_seq_params=packed)
     return output, partial(loss_func, batch["loss_mask"])

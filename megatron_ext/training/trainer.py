@@ -24,6 +24,7 @@ from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.layout import progress_path
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.checkpoint.resume import Resumed, load_weights_before_sharding
+from megatron_ext.config.kernels import uses_transformer_engine
 from megatron_ext.config.schema import (
     RecipeConfig,
     collective_timeout_minutes,
@@ -43,6 +44,7 @@ from megatron_ext.distributed.parallel import (
     stop_data_parallel_communication,
     wrap_with_ddp,
 )
+from megatron_ext.distributed.tp_comm_overlap import initialize_userbuffers
 from megatron_ext.errors import DivergenceError
 from megatron_ext.metrics.goodput_ledger import GoodputLedger, Ledger
 from megatron_ext.metrics.moe_metrics import RouterMetrics
@@ -53,6 +55,7 @@ from megatron_ext.metrics.step_metrics import StepMetrics
 from megatron_ext.model import activation_offload
 from megatron_ext.model.build import build_model
 from megatron_ext.model.document_mask import uses_packed_sequences
+from megatron_ext.model.llama import transformer_engine_available
 from megatron_ext.model.moe import expert_biases
 from megatron_ext.planner.timeouts import hang_ceiling_s
 from megatron_ext.resilience.divergence import (
@@ -70,6 +73,7 @@ from megatron_ext.resilience.reruns import StepReruns
 from megatron_ext.resilience.spikes import LossSpikes, Spike
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training import micro_batch
+from megatron_ext.training.cuda_graphs import StepGraphs
 from megatron_ext.training.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -132,7 +136,8 @@ class Trainer:
         # forked before the process groups start their threads; it must not outlive its rank
         if CheckpointManager.start_save_helper(cfg, die_with_parent):
             self.startup.mark("checkpoint save helper process")
-        init_distributed(cfg, self.on_gpu)
+        init_distributed(cfg, self.on_gpu, uses_transformer_engine(cfg, self.on_gpu, transformer_engine_available()))
+        initialize_userbuffers(cfg)  # parallel.tp_comm_overlap: before TE's layers are built
         self.startup.mark("process groups")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -159,6 +164,7 @@ class Trainer:
             self.checkpointer.abort()  # gives back the run lock it may have taken
             raise
         self.iteration = resumed.iteration
+        self.graphs = StepGraphs(cfg, self.config, self.model, self.optimizer, start_iteration=self.iteration)
         self.startup.mark("checkpoint load" if resumed.checkpoint else "run lock (no checkpoint to load)")
         self.progress = ProgressRecord(progress_path(cfg.checkpoint.save), self.rank, self.world_size, self.dp_size,
                                        self.num_microbatches)
@@ -242,7 +248,7 @@ class Trainer:
         packed = uses_packed_sequences(self.cfg.data, use_te=self.cfg.model.attention_backend == "te")
         if packed:  # one row of micro_batch_size × seq_length tokens between pipeline stages too
             seq_length, micro_batch_size = seq_length * micro_batch_size, 1
-        return get_forward_backward_func()(
+        return self.graphs.results(self.graphs.schedule(get_forward_backward_func())(
             forward_step_func=partial(micro_batch.forward_step, packed_documents=True) if packed
             else micro_batch.forward_step,
             data_iterator=data_iterator,
@@ -251,7 +257,7 @@ class Trainer:
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
-        )
+        ))
 
     def train_step(self, data_iterator) -> bool:
         """One global batch: forward/backward through the pipeline schedule, then one optimizer step, its numbers
@@ -449,6 +455,9 @@ class Trainer:
         self.goodput.spent("startup")
         while self.iteration < t.train_iters:
             self.where = f"iteration {self.iteration + 1}"
+            if self.graphs.before_step(self.iteration):
+                self._info(f"CUDA graphs: TransformerEngine captured the decoder layers before iteration "
+                           f"{self.iteration + 1}")
             start = time.perf_counter()
             with self.profiler.step(self.iteration + 1):
                 # the wait for each batch counts as the step's data time
@@ -475,7 +484,8 @@ class Trainer:
                     bar.set_postfix(loss=f"{result.train_losses[max(result.train_losses)]:.3f}")
             if not result.startup:
                 self.startup.mark("first step" + (" (compiling the decoder layers)" if cfg.train.compile else
-                                                  " (capturing CUDA graphs)" if cfg.train.cuda_graphs else ""))
+                                                  " (capturing CUDA graphs)" if cfg.train.cuda_graph_impl == "local"
+                                                  else ""))
                 result.startup = self.startup.summary()  # the first step was settled: its time is the device's
                 self._info(f"start-up: {result.startup}")
                 if cfg.train.offload_modules:
@@ -502,6 +512,7 @@ class Trainer:
                 break
         self.watchdog.close()
         self.profiler.close()
+        self.graphs.close()
         bar.close()
         reruns = self.reruns.summary()
         if reruns:

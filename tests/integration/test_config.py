@@ -29,10 +29,10 @@ def test_bad_layout_is_one_line_from_the_launcher_and_once_under_plain_torchrun(
     assert "megatron/core" not in proc.stderr and "[rank0]: Traceback" not in proc.stderr
     # a kernel this machine cannot run is refused by the launcher too, before any rank builds its model
     graphs = subprocess.run([sys.executable, "-m", "recipes.launch", "--standalone", "--nproc-per-node", "4",
-                             "--config", str(TINY), "train.cuda_graphs=true"], cwd=ROOT, capture_output=True,
+                             "--config", str(TINY), "train.cuda_graph_impl=local"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert graphs.returncode == 2 and graphs.stderr.startswith(
-        "config error: train.cuda_graphs=True is invalid: CUDA graphs need a GPU"), graphs.stderr
+        "config error: train.cuda_graph_impl='local' is invalid: CUDA graphs need a GPU"), graphs.stderr
     assert len(graphs.stderr.strip().splitlines()) == 1 and "[rank" not in graphs.stdout, graphs.stdout
 
 

@@ -177,3 +177,20 @@ def test_checkpoint_continues_under_another_expert_layout(runs, name, nproc, lay
     assert f"resumed from {runs['ckpt']} at iteration {STOP}" in log, log[-3000:]
     _assert_matches(tmp_path / "tb", runs["full"], {**MOE_TOLERANCE, **RESHARD_TOLERANCE},
                     range(STOP + 1, STEPS + 1), f"reshard {name}")
+
+
+def test_forced_load_balancing_routes_evenly_in_cpu_rehearsal(tmp_path):
+    """model.moe_router_force_load_balancing (benchmark mode: megatron-core's router scores replaced by random ones)
+    runs in one CPU process, the start-up line says so, and the busiest expert's share comes out near the even
+    top-2-of-8 share (0.25), where the trained router's does not."""
+    common = [*SINGLE, "train.train_iters=4", "train.eval_iters=0", "logging.log_interval=2", "checkpoint.save=null",
+              "checkpoint.load=null"]
+    busiest = {}
+    for forced in (False, True):
+        tb = tmp_path / f"tb_{forced}"
+        proc = run_pretrain(1, [*common, f"model.moe_router_force_load_balancing={str(forced).lower()}",
+                                f"logging.tensorboard_dir={tb}", f"logging.log_dir={tmp_path / f'logs_{forced}'}"],
+                            config=TINY_MOE)
+        assert ("FORCED load balancing (benchmark mode" in proc.stdout) == forced, proc.stdout[-3000:]
+        busiest[forced] = max(read_scalars(tb, "moe/max_load").values())
+    assert busiest[True] < 0.3 < busiest[False], busiest

@@ -42,7 +42,7 @@ def one_micro_batch(preset: str, mbs: int) -> dict:
 def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available, preset):
     """GPU runs are rare: a variant the config rules reject must fail here, not on the GPU."""
     shape = one_micro_batch(preset, 4)
-    reason = benchmark.unavailable(variant, shape, "bf16", te_available, fp8_capable=True, on_gpu=True)
+    reason = benchmark.unavailable(variant, shape, "bf16", te_available, compute_capability=(9, 0), on_gpu=True)
     if reason:  # skipped by the benchmark with the recipe's own reason
         expected = {"megatron-fp8": "TransformerEngine is not importable", "megatron-liger": "needs liger-kernel",
                     **({"megatron-cudagraph": "not verified with MoE models"} if preset != "1b" else {}),
@@ -52,7 +52,7 @@ def test_every_recipe_variant_is_a_valid_gpu_config(variant, te_available, prese
             assert not te_available
         return
     cfg = benchmark.recipe_config(shape, "bf16", steps=13, variant=variant)
-    validate_layout(cfg, world_size=1, te_available=te_available, fp8_capable=True)
+    validate_layout(cfg, world_size=1, te_available=te_available, compute_capability=(9, 0))
 
 
 @pytest.mark.parametrize("preset, peer", [("tiny", "LlamaForCausalLM"), ("moe-tiny", "MixtralForCausalLM"),

@@ -104,11 +104,12 @@ def test_overrides_are_typed():
          "full recompute keeps only each layer's input: there is nothing left to offload"),
         (["train.offload_modules=[mlp_proj]"], 4, "train.offload_modules[0]: Invalid value 'mlp_proj'"),
         (["train.min_offloaded_tensor_size=-1"], 4, "train.min_offloaded_tensor_size=-1 is invalid"),
-        (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise']"),
+        (["train.fp8=mxfp4"], 4, "train.fp8: Invalid value 'mxfp4', expected one of ['delayed', 'tensorwise', "
+         "'blockwise', 'mxfp8']"),
         (["train.fused_cross_entropy=true"], 4, "train.fused_cross_entropy=True is invalid: needs train.precision=bf16"),
         (["model.attention_dropout=0.1", "data.reset_attention_mask=true", "model.attention_backend=local"], 4,
          "runs FlexAttention on a GPU, which has no attention dropout"),
-        (["train.cuda_graphs=true", "train.rerun_mode=validate_results", "model.hidden_dropout=0.1",
+        (["train.cuda_graph_impl=local", "train.rerun_mode=validate_results", "model.hidden_dropout=0.1",
           "parallel.pipeline_model_parallel_size=1"], 4, "train.rerun_mode='validate_results' is invalid: a re-run "
          "restores the random streams it saved"),
     ],
@@ -159,8 +160,9 @@ def test_fp8_needs_an_fp8_gpu_and_bf16_even_with_te():
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         validate_layout(tiny("train.fp8=tensorwise", "train.precision=bf16"), 4, te_available=True)
     with pytest.raises(ConfigError, match="FP8 training needs train.precision=bf16"):
-        validate_layout(tiny("train.fp8=delayed"), 4, te_available=True, fp8_capable=True)
-    validate_layout(tiny("train.fp8=delayed", "train.precision=bf16"), 4, te_available=True, fp8_capable=True)
+        validate_layout(tiny("train.fp8=delayed"), 4, te_available=True, compute_capability=(9, 0))
+    validate_layout(tiny("train.fp8=delayed", "train.precision=bf16"), 4, te_available=True,
+                    compute_capability=(8, 9))
 
 
 @pytest.mark.parametrize("local", [["model.attention_backend=local"],
@@ -170,7 +172,7 @@ def test_fp8_with_local_layers_is_refused_naming_the_keys(local):
     with pytest.raises(ConfigError, match=r"train.fp8='delayed' is invalid: FP8 runs only in TransformerEngine's "
                                           r"layers, and model.attention_backend=local"):
         validate_layout(tiny("train.fp8=delayed", "train.precision=bf16", *local), 4, te_available=True,
-                        fp8_capable=True)
+                        compute_capability=(9, 0))
 
 
 def test_compile_is_for_the_local_layer_spec():
@@ -380,25 +382,26 @@ def test_fused_linear_cross_entropy_is_refused_where_it_cannot_run():
 
 def test_cuda_graphs_are_refused_where_they_cannot_run_and_turn_compile_auto_off():
     """megatron-core's layer graphs: a GPU, its local layers, eager, pipeline size 1, no full recompute."""
-    one_gpu = ["train.cuda_graphs=true", "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
-               "parallel.pipeline_model_parallel_size=1"]
+    one_gpu = ["train.cuda_graph_impl=local", "parallel.tensor_model_parallel_size=1",
+               "parallel.sequence_parallel=false", "parallel.pipeline_model_parallel_size=1"]
     for extra, world, message in [
-        ("train.compile=true", 1, r"train.compile=True is invalid: train.cuda_graphs captures eager layers"),
+        ("train.compile=true", 1, r"train.compile=True is invalid: train.cuda_graph_impl=local captures eager layers"),
         ("train.recompute_granularity=full", 1, r"train.recompute_granularity='full' is invalid: megatron-core "
                                                 r"captures no layer graphs under full recompute"),
         ("parallel.pipeline_model_parallel_size=2", 2, r"parallel.pipeline_model_parallel_size=2 is invalid: "
-                                                       r"train.cuda_graphs keeps one graph per micro batch"),
+                                                       r"train.cuda_graph_impl=local keeps graphs per micro batch"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate_layout(load_config(TINY, [*one_gpu, extra]), world)
     cfg = load_config(TINY, one_gpu)
     validate_layout(cfg, 1)
-    with pytest.raises(ConfigError, match=r"train.cuda_graphs=True is invalid: CUDA graphs need a GPU"):
+    with pytest.raises(ConfigError, match=r"train.cuda_graph_impl='local' is invalid: CUDA graphs need a GPU"):
         resolve_kernel_options(cfg, on_gpu=False, use_te=False)
-    with pytest.raises(ConfigError, match=r"train.cuda_graphs=True is invalid: captures megatron-core's local layers"):
+    with pytest.raises(ConfigError, match=r"train.cuda_graph_impl='local' is invalid: captures megatron-core's "
+                                          r"local layers"):
         resolve_kernel_options(cfg, on_gpu=True, use_te=True)
     resolved = resolve_kernel_options(cfg, on_gpu=True, use_te=False).train
-    assert resolved.cuda_graphs is True and resolved.compile is False  # auto: graphs of eager layers
+    assert resolved.cuda_graph_impl == "local" and resolved.compile is False  # auto: graphs of eager layers
     assert resolve_kernel_options(load_config(TINY, one_gpu[1:]), on_gpu=True, use_te=False).train.compile is True
 
 
@@ -486,20 +489,25 @@ def _enum_values() -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("key, value", _enum_values(), ids=lambda x: str(x))
-def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, value):
-    """A value `validate` accepts (with and without TE's layers) is one megatron-core accepts too: its
-    TransformerConfig, OptimizerConfig, DDP config and LR schedule are built from it without training (their own
-    __post_init__ checks and asserts run), so a rejected value is caught before launch, not inside Trainer."""
+def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, value, monkeypatch):
+    """A value `validate` accepts (with and without TE's layers, on a Blackwell GPU with DeepEP and HybridEP
+    installed) is one megatron-core accepts too: its TransformerConfig, OptimizerConfig, DDP config and LR schedule
+    are built from it without training (their own __post_init__ checks and asserts run), so a rejected value is
+    caught before launch, not inside Trainer."""
+    from megatron.core.transformer.moe import fused_a2a
+
     from megatron_ext.distributed.parallel import ddp_config
     from megatron_ext.model.llama import transformer_config
     from megatron_ext.training.optimizer import build_scheduler, optimizer_config
 
+    monkeypatch.setattr(fused_a2a, "HAVE_DEEP_EP", True)
+    monkeypatch.setattr(fused_a2a, "HAVE_HYBRIDEP", True)
     base = ROOT / "configs" / "tiny_moe.yaml" if ".moe_" in key else TINY
     built = 0
     for use_te in (False, True):
         try:
             cfg = load_config(base, [f"{key}={value}", *_COMPANIONS.get(key, [])])
-            validate(cfg, 4, te_available=use_te, fp8_capable=True)
+            validate(cfg, 4, te_available=use_te, compute_capability=(10, 0))
             cfg = resolve_kernel_options(cfg, on_gpu=True, use_te=use_te)
         except ConfigError:
             continue  # refused before launch, with one line
@@ -515,6 +523,9 @@ def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, valu
 _COMPANIONS = {
     "optimizer.lr_decay_style": ["optimizer.lr_wsd_decay_iters=100"],
     "train.fp8": ["train.precision=bf16"],
+    "train.fp4": ["train.precision=bf16"],
+    "train.cuda_graph_impl": ["parallel.pipeline_model_parallel_size=1", "logging.step_breakdown=false"],
+    "model.moe_flex_dispatcher_backend": ["model.moe_token_dispatcher_type=flex"],
     "train.recurring_fault": ["train.rerun_mode=validate_results"],
     "model.rope_type": ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.q_lora_rank=32",
                         "model.kv_lora_rank=24", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8"],
@@ -554,5 +565,5 @@ def test_what_this_machine_cannot_run_is_refused_before_any_process_group():
     with pytest.raises(ConfigError, match=r"train.offload_modules=\['core_attn'\] is invalid: megatron-core's "
                                           r"activation offload needs TransformerEngine on a GPU"):
         refuse(activations, on_gpu=True, te_available=False)
-    with pytest.raises(ConfigError, match=r"train.cuda_graphs=True is invalid: CUDA graphs need a GPU"):
-        refuse(load_config(TINY, ["train.cuda_graphs=true"]), on_gpu=False, te_available=False)
+    with pytest.raises(ConfigError, match=r"train.cuda_graph_impl='local' is invalid: CUDA graphs need a GPU"):
+        refuse(load_config(TINY, ["train.cuda_graph_impl=local"]), on_gpu=False, te_available=False)

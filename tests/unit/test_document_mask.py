@@ -69,12 +69,12 @@ def test_transformer_engines_segments_are_each_sequences_documents():
     (["model.attention_backend=te", "data.reset_position_ids=true", "parallel.tensor_model_parallel_size=1",
       "parallel.sequence_parallel=false", "parallel.context_parallel_size=2"], "padded to a multiple of 2·CP"),
     (["model.attention_backend=te"], "restarts RoPE at every document: set data.reset_position_ids=true"),
-    (["train.cuda_graphs=true"], "changes it with every micro batch"),
+    (["train.cuda_graph_impl=local"], "changes it with every micro batch"),
 ])
 def test_combinations_not_wired_are_refused_before_launch(overrides, fragment):
     cfg = load_config(ROOT / "configs" / "tiny.yaml", ["data.reset_attention_mask=true", *overrides])
     with pytest.raises(ConfigError, match=fragment):
-        validate_layout(cfg, 4, te_available=True, fp8_capable=True)
+        validate_layout(cfg, 4, te_available=True, compute_capability=(9, 0))
 
 
 def test_auto_layers_take_transformer_engines_packed_sequences_where_it_imports():

@@ -36,7 +36,7 @@ def test_estimates_quoted_in_prose_are_the_planners():
     assert quoted in " ".join((ROOT / "docs" / "quickstart-gpu.md").read_text().split()), quoted
 
     cfg = load_config(ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml")
-    explanation = explain(estimate(cfg, 40, 8, h100, model_vocab_size(cfg)), 8, h100)
+    explanation = explain(estimate(cfg, 40, 8, h100, model_vocab_size(cfg)), h100)
     memory_doc = (ROOT / "docs" / "memory.md").read_text()
     excerpt = memory_doc.split("`configs/llama3_1_405b_40gpu_bf16.yaml`):\n\n```\n")[1].split(" Without offload")[0]
     for fragment in " ".join(excerpt.split()).split(" ... "):

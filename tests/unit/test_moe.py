@@ -157,3 +157,139 @@ def test_resuming_into_another_moe_shape_is_refused_by_every_key_that_changes_a_
         assert shape_changes(saved, current) == [expected], key
     for key, value in [("moe_router_topk", 1), ("seq_length", 64)]:
         assert shape_changes(saved, {**saved, "model": {**saved["model"], key: value}}) == [], key
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the flex dispatcher, forced load balancing and the overlapped expert all-to-alls
+
+def _moe_config(overrides: list[str], use_te: bool = True):
+    from megatron_ext.model.llama import transformer_config
+
+    return transformer_config(load_config(TINY_MOE, overrides), on_gpu=False, use_te=use_te)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_the_flex_dispatcher_and_its_backend_reach_megatron_core(backend, monkeypatch):
+    from megatron.core.transformer.moe import fused_a2a
+
+    from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run
+
+    flex = ["model.moe_token_dispatcher_type=flex", f"model.moe_flex_dispatcher_backend={backend}"]
+    validate_layout(load_config(TINY_MOE, flex), 4)
+    monkeypatch.setattr(fused_a2a, "HAVE_DEEP_EP" if backend == "deepep" else "HAVE_HYBRIDEP", True)
+    refuse_what_this_machine_cannot_run(load_config(TINY_MOE, flex), on_gpu=True, te_available=True)
+    config = _moe_config(flex)
+    assert (config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend) == ("flex", backend)
+
+
+@pytest.mark.parametrize("backend, missing", [("deepep", "HAVE_DEEP_EP"), ("hybridep", "HAVE_HYBRIDEP")])
+def test_the_flex_dispatcher_needs_a_gpu_and_its_package(backend, missing, monkeypatch):
+    from megatron.core.transformer.moe import fused_a2a
+
+    from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run
+
+    cfg = load_config(TINY_MOE, ["model.moe_token_dispatcher_type=flex", f"model.moe_flex_dispatcher_backend={backend}"])
+    with pytest.raises(ConfigError, match=rf"^model.moe_token_dispatcher_type='flex' is invalid: {backend}'s fused "
+                                          r"dispatch kernels need GPUs .* a CPU rehearsal routes with "
+                                          r"model.moe_token_dispatcher_type=alltoall — set it there$"):
+        refuse_what_this_machine_cannot_run(cfg, on_gpu=False, te_available=False)
+    monkeypatch.setattr(fused_a2a, missing, False)
+    with pytest.raises(ConfigError, match=rf"model.moe_flex_dispatcher_backend='{backend}' is invalid: .* is not "
+                                          r"installed here"):
+        refuse_what_this_machine_cannot_run(cfg, on_gpu=True, te_available=True)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.moe_token_dispatcher_type=flex", "parallel.expert_model_parallel_size=1"], "DeepEP dispatches tokens "
+     "between the ranks of expert_model_parallel_size × expert_tensor_parallel_size, here 1"),
+    (["model.moe_token_dispatcher_type=flex", "model.moe_expert_capacity_factor=1.0",
+      "model.moe_pad_expert_input_to_capacity=true"], "DeepEP's dispatch does not pad experts' inputs"),
+    (["model.moe_flex_dispatcher_backend=hybridep"], "chooses the flex dispatcher's kernels: set "
+     "model.moe_token_dispatcher_type=flex"),
+    (["model.num_moe_experts=null", "parallel.expert_model_parallel_size=1", "model.moe_token_dispatcher_type=flex"],
+     "model.moe_token_dispatcher_type='flex' is invalid: applies to the experts of an MoE model"),
+    (["model.num_moe_experts=null", "parallel.expert_model_parallel_size=1",
+      "model.moe_router_force_load_balancing=true"], "model.moe_router_force_load_balancing=True is invalid: applies "
+     "to the experts of an MoE model"),
+])
+def test_flex_and_forced_balancing_rules_are_one_line_before_launch(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        validate_layout(load_config(TINY_MOE, overrides), 4)
+
+
+def test_forced_load_balancing_reaches_megatron_core_and_the_start_up_line():
+    """Benchmark mode: megatron-core's router scores every token randomly (it runs in CPU rehearsal too:
+    tests/integration/test_moe.py)."""
+    forced = ["model.moe_router_force_load_balancing=true"]
+    validate_layout(load_config(TINY_MOE, forced), 4)
+    assert _moe_config(forced, use_te=False).moe_router_force_load_balancing is True
+    assert _moe_config([], use_te=False).moe_router_force_load_balancing is False
+
+
+A2A = ["parallel.overlap_moe_expert_parallel_comm=true", "train.precision=bf16",
+       "parallel.virtual_pipeline_model_parallel_size=2"]  # EP2 × PP2: interleaved stages
+
+
+def test_the_overlapped_expert_all_to_alls_reach_megatron_core_and_need_a_gpu():
+    from megatron_ext.config.kernels import refuse_what_this_machine_cannot_run
+
+    cfg = load_config(TINY_MOE, [*A2A, "train.global_batch_size=32"])
+    validate_layout(cfg, 4)
+    assert _moe_config([*A2A, "train.global_batch_size=32"]).overlap_moe_expert_parallel_comm is True
+    refuse_what_this_machine_cannot_run(cfg, on_gpu=True, te_available=True)
+    with pytest.raises(ConfigError, match=r"^parallel.overlap_moe_expert_parallel_comm=True is invalid: megatron-core's "
+                                          r"overlapped schedule runs the expert all-to-alls on a second CUDA stream; a "
+                                          r"CPU rehearsal has none — set it false there$"):
+        refuse_what_this_machine_cannot_run(cfg, on_gpu=False, te_available=False)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.virtual_pipeline_model_parallel_size=null"], "parallel.virtual_pipeline_model_parallel_size=None is "
+     "invalid: parallel.overlap_moe_expert_parallel_comm under pipeline parallelism pairs"),
+    (["parallel.expert_model_parallel_size=1"], "parallel.expert_model_parallel_size=1 is invalid: "
+     "parallel.overlap_moe_expert_parallel_comm overlaps the all-to-alls of expert parallelism"),
+    (["model.moe_token_dispatcher_type=allgather"], "model.moe_token_dispatcher_type='allgather' is invalid: "
+     "parallel.overlap_moe_expert_parallel_comm overlaps all-to-all dispatch"),
+    (["train.recompute_granularity=full"], "full recompute does not run with"),
+    (["train.recompute_granularity=selective", "train.recompute_modules=[moe]"], "moe recompute does not run with"),
+    (["train.precision=fp32"], "runs in bf16 or fp16 only"),
+    (["model.mtp_num_layers=2"], "model.mtp_num_layers=2 is invalid"),
+    (["train.fused_linear_cross_entropy=true"], "computes the loss in its own output layer"),
+    (["data.reset_position_ids=true"], "document masking under parallel.overlap_moe_expert_parallel_comm"),
+    (["model.num_moe_experts=null", "parallel.expert_model_parallel_size=1"],
+     "parallel.overlap_moe_expert_parallel_comm=True is invalid: applies to the experts of an MoE model"),
+])
+def test_what_megatron_core_refuses_with_overlapped_all_to_alls_is_one_line(overrides, fragment):
+    cfg = load_config(TINY_MOE, [*A2A, "train.global_batch_size=32", *overrides])
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        validate_layout(cfg, 4)
+
+
+def test_the_overlapped_schedule_gets_the_micro_batchs_schedule_plan_from_the_forward_step(monkeypatch):
+    """megatron-core's combined 1F1B schedule calls the forward step with return_schedule_plan=True: the model then
+    builds the micro batch's plan (GPTModel.build_schedule_plan) from the same inputs its forward takes."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.training import micro_batch
+
+    monkeypatch.setattr(micro_batch, "device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(micro_batch, "get_batch_on_this_cp_rank", lambda batch, **_: batch)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: None)
+    calls = []
+
+    class Model:
+        def __call__(self, *args, **kwargs):
+            calls.append(("forward", args, kwargs))
+            return "output"
+
+        def build_schedule_plan(self, *args, **kwargs):
+            calls.append(("plan", args, kwargs))
+            return "plan"
+
+    batch = {"tokens": torch.ones(1, 4, dtype=torch.long), "position_ids": torch.arange(4)[None],
+             "labels": torch.ones(1, 4, dtype=torch.long), "loss_mask": torch.ones(1, 4)}
+    assert micro_batch.forward_step(iter([batch]), Model())[0] == "output"
+    assert micro_batch.forward_step(iter([batch]), Model(), return_schedule_plan=True)[0] == "plan"
+    (_, forward_args, forward_kwargs), (_, plan_args, plan_kwargs) = calls
+    assert [a.tolist() for a in forward_args] == [a.tolist() for a in plan_args] and forward_kwargs.keys() == \
+        plan_kwargs.keys() == {"attention_mask", "labels", "loss_mask", "packed_seq_params"}

@@ -36,7 +36,7 @@ def test_parameter_count_matches_published(path):
 def test_layout_is_valid_for_its_gpu_count(path):
     cfg = load_config(path)
     fp8 = cfg.train.fp8 is not None  # validated as on the H100s with TransformerEngine it is written for
-    validate_layout(cfg, world_size=cfg.recipe.gpus, te_available=fp8, fp8_capable=fp8)
+    validate_layout(cfg, world_size=cfg.recipe.gpus, te_available=fp8, compute_capability=(9, 0) if fp8 else None)
     assert data_parallel_size(cfg, cfg.recipe.gpus) >= 1
 
 
