@@ -38,7 +38,7 @@ def test_the_gpu_quickstart_runs_as_written_at_cpu_size(tmp_path):
     assert (tmp_path / "data/corpus/corpus_text_document.idx").is_file()
     assert "time to train train.train_iters=50,000" in out and "GB per save" in out
     run = tmp_path / "runs" / "llama3-8b"
-    assert "world=4 = TP2 × CP1 × DP2 × PP1" in out, out[-6000:]
+    assert "world=4 = TP1 × CP4 × DP1 × PP1" in out, out[-6000:]
     assert re.search(r"step +2/12 \| .* left", out), out[-6000:]
     assert "resumed from runs/llama3-8b/checkpoints at iteration 12" in out
     assert latest_iteration(run / "checkpoints") == 16
