@@ -58,14 +58,30 @@ def is_torch_adam(inner: torch.optim.Optimizer) -> bool:
     return isinstance(inner, torch.optim.Adam)
 
 
+# where megatron-core's emerging optimizers (Muon: one momentum per matrix) are defined
+EMERGING_OPTIMIZER_MODULES = ("megatron.core.optimizer.emerging_optimizers", "emerging_optimizers")
+
+
+def is_adam(inner: torch.optim.Optimizer) -> bool:
+    """Adam in any implementation — torch's, TE's or apex's FusedAdam — as opposed to megatron-core's emerging
+    optimizers (Muon)."""
+    return not type(inner).__module__.startswith(EMERGING_OPTIMIZER_MODULES)
+
+
 def megatron_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
-    """The optimizers a (possibly chained) megatron-core optimizer consists of."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    """The optimizers a (possibly chained) megatron-core optimizer consists of; chains inside a chain (Muon's
+    layer-wise distributed optimizer chains Muon's and Adam's) flattened."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [optimizer]
+    return [leaf for opt in chained for leaf in megatron_optimizers(opt)]
 
 
 def _adam_states(optimizer: MegatronOptimizer) -> Iterator[tuple[torch.optim.Optimizer, dict, torch.Tensor]]:
     for opt in megatron_optimizers(optimizer):
         inner = opt.optimizer
+        if not is_adam(inner):  # Muon's state: megatron-core's own init_state_fn builds it for a load
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
                 yield inner, inner.state[param], param
@@ -94,12 +110,15 @@ def fill_empty_adam_state(optimizer: MegatronOptimizer) -> None:
 
 
 def optimizer_substates(optimizer: MegatronOptimizer, state: Any) -> list[tuple[MegatronOptimizer, dict]]:
-    """Pair each megatron-core optimizer with its part of a loaded optimizer state (ChainedOptimizer's layout)."""
-    opts = megatron_optimizers(optimizer)
-    if len(opts) == 1:
-        return [(opts[0], state)]
+    """Pair each megatron-core optimizer with its part of a loaded optimizer state (ChainedOptimizer's layout,
+    chains inside a chain followed)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [(optimizer, state)]
+    if len(chained) == 1:
+        return optimizer_substates(chained[0], state)
     parts = [state[k] for k in sorted(state)] if isinstance(state, dict) else list(state)
-    return list(zip(opts, parts))
+    return [pair for opt, part in zip(chained, parts) for pair in optimizer_substates(opt, part)]
 
 
 def _saved_step(saved: dict) -> Optional[float]:
@@ -161,6 +180,8 @@ def adapt_optimizer_state(optimizer: MegatronOptimizer, state: Any) -> None:
         inner = opt.optimizer
         step = _saved_step(saved)
         per_param = saved.get("state")  # present for megatron-core's non-distributed optimizers only
+        if not is_adam(inner):  # Muon's state loads as megatron-core saved it
+            continue
         if is_torch_adam(inner):
             # The distributed optimizer turns the group step into per-param tensors on load; the others
             # restore per-param steps from 'common_step'.

@@ -172,4 +172,7 @@ def optimizer_format_for(cfg: RecipeConfig, iteration: int) -> str:
         return "fully_reshardable"  # unused by the plain optimizer; recorded so no DP-only check applies
     if fmt != "auto":
         return fmt
-    return "fully_reshardable_mem_efficient" if iteration >= cfg.train.train_iters else "dp_reshardable"
+    if iteration < cfg.train.train_iters:
+        return "dp_reshardable"
+    # megatron-core builds Muon's distributed optimizer without the gloo groups the memory-efficient gather uses
+    return "fully_reshardable" if cfg.optimizer.name == "muon" else "fully_reshardable_mem_efficient"

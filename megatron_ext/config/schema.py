@@ -70,6 +70,10 @@ YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_
 MoETokenDispatcher = Literal["alltoall", "allgather", "flex"]
 MoEFlexBackend = Literal["deepep", "hybridep"]  # the flex dispatcher's kernels: DeepEP, or HybridEP (NVLink domains)
 MoETokenDropPolicy = Literal["probs", "position"]
+OptimizerName = Literal["adam", "muon"]  # megatron-core's names; muon: Muon on the hidden matrices, Adam on the rest
+MuonScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]  # emerging-optimizers' update scale rules
+MatmulPrecision = Literal["highest", "high", "medium"]  # torch.set_float32_matmul_precision's levels
+MuonTPMode = Literal["blockwise", "duplicated", "distributed"]  # how Newton-Schulz meets a TP-split matrix
 LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 WSDDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]  # megatron-core's WSD anneal shapes
 TokenizerType = Literal["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"]  # Megatron-LM's type names
@@ -113,6 +117,12 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None  # SwiGLU width; null = Llama's 8/3·h rounded up to a multiple of 256
     kv_channels: Optional[int] = None  # head dimension; null = hidden_size / num_attention_heads
     qk_layernorm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    # QK-clip (MuonClip, Kimi K2): after each optimizer step, the query and key weights of every head whose largest
+    # attention logit in the step exceeded qk_clip_threshold are scaled down to bring it to the threshold (the query
+    # side by eta^alpha, the key side by eta^(1-alpha)); megatron-core's TransformerConfig names
+    qk_clip: bool = False
+    qk_clip_threshold: float = 100.0  # the largest pre-softmax logit a head may keep
+    qk_clip_alpha: float = 0.5  # the share of the scaling on the query side
     seq_length: int = 256  # tokens per sample
     vocab_size: Optional[int] = None  # unpadded vocabulary; null = the tokenizer's vocabulary size
     make_vocab_size_divisible_by: int = 128  # padded vocab is a multiple of this × TP
@@ -331,7 +341,12 @@ class TrainConfig:
 
 @dataclass
 class OptimizerSection:
-    lr: float = 3e-4  # peak learning rate (Adam)
+    # adam (AdamW), or muon: megatron-core's Muon (emerging-optimizers' Newton-Schulz orthogonalized momentum) on
+    # every 2-D hidden weight, AdamW on embeddings, the output layer, norms and biases (megatron-core's split); with
+    # parallel.use_distributed_optimizer megatron-core's layer-wise distributed optimizer shards Muon's state by
+    # whole matrices over DP (docs/optimizer.md)
+    name: OptimizerName = "adam"
+    lr: float = 3e-4  # peak learning rate (of both optimizers with muon)
     min_lr: float = 3e-5  # learning rate at the end of the decay
     weight_decay: float = 0.1  # decoupled weight decay (AdamW)
     clip_grad: float = 1.0  # gradient-norm clipping threshold
@@ -353,6 +368,17 @@ class OptimizerSection:
     # optimizer and bf16.
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0  # of the optimizer state on the host, with optimizer_cpu_offload
+    # Muon's options (megatron-core's OptimizerConfig names), with optimizer.name=muon
+    muon_momentum: float = 0.95  # the momentum's EMA coefficient
+    muon_nesterov: bool = False  # Nesterov momentum
+    muon_num_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
+    muon_scale_mode: MuonScaleMode = "spectral"  # spectral: sqrt(max(rows, cols)), as Moonlight and Kimi K2
+    muon_extra_scale_factor: float = 1.0  # times the mode's scale: 0.2 matches AdamW's update RMS (Moonlight)
+    muon_split_qkv: bool = True  # orthogonalize each head's Q, K and V blocks of the fused QKV weight apart
+    muon_tp_mode: MuonTPMode = "blockwise"  # blockwise: each TP shard on its own; distributed: the whole matrix
+    # Newton-Schulz's fp32 matmuls: medium lets them run in bf16 (fast; the layouts then differ beyond fp32's order
+    # of sums), highest keeps them fp32
+    muon_fp32_matmul_prec: MatmulPrecision = "medium"
 
 
 @dataclass

@@ -181,6 +181,14 @@ class ModelShape:
         embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
         return layers * per_layer + mlps + embeddings + h + self.mtp_num_layers * self.mtp_projection_parameters()
 
+    def matrix_parameters(self, vocab_size: int) -> int:
+        """The parameters in 2-D weights other than the embedding and the output layer: what megatron-core's Muon
+        orthogonalizes (its layer-wise optimizer's rule; the norms, the embedding and the output layer take Adam)."""
+        layers = self.num_layers + self.mtp_num_layers
+        norms = layers * self._norm_parameters_per_layer() + self.hidden_size + self.mtp_num_layers * 3 * self.hidden_size
+        embeddings = vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_parameters(vocab_size) - norms - embeddings
+
     def mtp_projection_parameters(self) -> int:
         """What an MTP layer has besides its decoder layer: the norms of the embedding and of the previous hidden
         states, the projection of the two back to the hidden size, its final norm (the embedding and the output layer

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from megatron_ext.config.cuda_graph_rules import validate_cuda_graphs
 from megatron_ext.config.model_rules import validate_mla, validate_moe, validate_moe_layer_freq, validate_mtp
+from megatron_ext.config.optimizer_rules import validate_optimizer
 from megatron_ext.config.precision import Capability, validate_precision
 from megatron_ext.config.schema import (
     RecipeConfig,
@@ -242,7 +243,7 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
     validate_cuda_graphs(cfg)
     _validate_megatron_fsdp(cfg, dp * cp)
     validate_moe(cfg, world_size)
-    _validate_optimizer_offload(cfg)
+    validate_optimizer(cfg)
     _validate_activation_offload(cfg)
     _validate_recompute(cfg, te_available)
     _validate_layer_offload(cfg)
@@ -296,26 +297,6 @@ def _validate_kernels(cfg: RecipeConfig, te_available: bool) -> None:
     require(t.compile is not True or m.attention_backend == "local" or not te_available, "train.compile", True,
             "compiles megatron-core's local layers; TransformerEngine layers bring their own fused "
             "kernels — set model.attention_backend=local to compile, or train.compile=false")
-
-
-def _validate_optimizer_offload(cfg: RecipeConfig) -> None:
-    """What optimizer.optimizer_cpu_offload runs with: megatron-core's HybridDeviceOptimizer inside the distributed
-    optimizer, as verified here (docs/memory.md)."""
-    o, p, t = cfg.optimizer, cfg.parallel, cfg.train
-    if not o.optimizer_cpu_offload:
-        return
-    for ok, key, value, why in [
-        (p.use_distributed_optimizer, "parallel.use_distributed_optimizer", False,
-         "megatron-core offloads the distributed optimizer's state shards: set it true"),
-        (not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True,
-         "offload under Megatron-FSDP is not verified here: use ZeRO-1 (parallel.use_megatron_fsdp=false)"),
-        (t.precision == "bf16", "train.precision", t.precision,
-         "offload needs train.precision=bf16: megatron-core hands the host optimizer bf16 weight shards (fp32 ones are "
-         "views torch refuses to optimize; fp16 loss scaling under offload is not verified)"),
-        (t.fp8 is None, "train.fp8", t.fp8, "offload with FP8 is not verified here"),
-        (t.fp4 is None, "train.fp4", t.fp4, "offload with FP4 is not verified here"),
-    ]:
-        require(ok, key, value, why)
 
 
 def _validate_activation_offload(cfg: RecipeConfig) -> None:

@@ -16,6 +16,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, tag_params_for_buffer_routing
+from megatron.core.optimizer.param_layout import FullParamLayout
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.config.schema import (
@@ -156,11 +158,30 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
     data_parallel = ddp_config(cfg)
     if cfg.parallel.use_megatron_fsdp:
         return _wrap_with_megatron_fsdp(chunks, config, data_parallel)
+    layer_wise = cfg.optimizer.name == "muon" and cfg.parallel.use_distributed_optimizer
+    if layer_wise:  # Muon's matrices in their own buffers, the Adam-stepped rest in the distributed optimizer's
+        tag_params_for_buffer_routing(chunks)
     return [
-        DistributedDataParallel(config=config, ddp_config=data_parallel, module=chunk,
-                                disable_bucketing=(i > 0))
+        DistributedDataParallel(config=config, ddp_config=data_parallel, module=chunk, disable_bucketing=(i > 0),
+                                full_param_layout=_layer_wise_layout(chunk, data_parallel, i > 0) if layer_wise
+                                else None)
         for i, chunk in enumerate(chunks)
     ]
+
+
+def _layer_wise_layout(chunk: GPTModel, data_parallel: DistributedDataParallelConfig,
+                       unbucketed: bool) -> FullParamLayout:
+    """megatron-core's layer-wise distributed optimizer's layout of `chunk`'s gradient buffers, which DDP must be
+    given (it derives only the distributed optimizer's itself): every Muon matrix whole in one DP rank's shard,
+    the rest sharded as the distributed optimizer shards it; buckets sized as DDP sizes them."""
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    bucket = data_parallel.bucket_size or max(40_000_000, 1_000_000 * dp)
+    if unbucketed or not data_parallel.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank() > 0:
+        bucket = None
+    params = [param for param in chunk.parameters() if param.requires_grad]
+    return LayerWiseDistributedOptimizer.compute_full_param_layout(
+        params, bucket, dp, data_parallel,
+        expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
 
 
 def _wrap_with_megatron_fsdp(chunks: list[GPTModel], config: TransformerConfig,

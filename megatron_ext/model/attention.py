@@ -1,5 +1,6 @@
 """Core attention for megatron-core's local layer spec: causal SDPA (within documents when the model is given document
-ids, :mod:`document_mask`), and the shared module interface."""
+ids, :mod:`document_mask`), and the shared module interface, which records each head's largest attention logit for
+QK-clip as TransformerEngine's attention does (megatron-core reads it as ``current_max_attn_logits``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class CausalCoreAttention(MegatronModule):
         # A Python bool, not a shape comparison: torch.compile with dynamic shapes would turn the
         # comparison into a SymBool, which SDPA rejects.
         self.grouped_query = config.num_query_groups not in (None, config.num_attention_heads)
+        # [heads on this rank]: the largest pre-softmax logit each head produced in the training step so far;
+        # megatron-core's clip_qk reads it after the optimizer step and resets it to None
+        self.current_max_attn_logits: Optional[torch.Tensor] = None
+        self.records_max_logits = config.qk_clip or config.log_max_attention_logit
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                documents: Optional[torch.Tensor]) -> torch.Tensor:
@@ -56,9 +61,33 @@ class CausalCoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError(f"{type(self).__name__}: packed sequences / attention bias are not supported")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if self.records_max_logits and self.training:
+            batch_max = max_logit_per_head(q, k, self.softmax_scale, attention_mask)
+            self.current_max_attn_logits = batch_max if self.current_max_attn_logits is None else torch.maximum(
+                self.current_max_attn_logits, batch_max)
         out = self.attend(q, k, v, attention_mask)
         s, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+LOGIT_ROWS = 1024  # query rows per block: the logits of one block are [b, heads, 1024, s] in fp32
+
+
+@torch.no_grad()
+def max_logit_per_head(q: torch.Tensor, k: torch.Tensor, scale: float,
+                       documents: Optional[torch.Tensor]) -> torch.Tensor:
+    """[heads]: each query head's largest scaled q·k over the keys it may see (causal, its own document), from
+    [b, heads, s, dim] queries and [b, groups, s, dim] keys. Fused attention never materializes the logits, so they
+    are computed here once more, block by block (one more QKᵀ per layer while QK-clip is on)."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1).float()
+    positions = torch.arange(q.size(2), device=q.device)
+    best = torch.full((q.size(1),), float("-inf"), device=q.device)
+    for start in range(0, q.size(2), LOGIT_ROWS):
+        rows = positions[start:start + LOGIT_ROWS]
+        logits = torch.matmul(q[:, :, rows].float(), k.transpose(-1, -2)) * scale
+        logits = logits.masked_fill(~visible(documents, rows, positions), float("-inf"))
+        best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+    return best
 
 
 class SDPAttention(CausalCoreAttention):

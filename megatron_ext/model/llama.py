@@ -217,6 +217,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         fine_grained_activation_offloading=bool(t.offload_modules),
         offload_modules=list(t.offload_modules),
         min_offloaded_tensor_size=t.min_offloaded_tensor_size,
+        qk_clip=m.qk_clip, qk_clip_threshold=m.qk_clip_threshold, qk_clip_alpha=m.qk_clip_alpha,
         **moe_transformer_config(cfg),
         **mtp_transformer_config(cfg),
         **(mla or {"qk_layernorm": m.qk_layernorm}),

@@ -16,6 +16,7 @@ from megatron_ext.planner.static_memory import (
     ddp_bucket_size,
     expert_static,
     largest_layer_elements,
+    optimizer_bytes_per_element,
     sharded_static,
     stage_chunks,
     stage_layer_indices,
@@ -93,7 +94,7 @@ def stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: i
     on_device = 1 - layout.offload
     mem = {
         "params": params * d_bytes, "grads": grads * grad_bytes,
-        "optimizer": max(owned) * (8 + (4 if d_bytes == 2 else 0)) * on_device,
+        "optimizer": max(owned) * optimizer_bytes_per_element(shape) * on_device,
         "activations": stage_activation_bytes(cfg, vocab_size, world_size, pp_rank),
         "buffers": buffers, "reserved": NON_TORCH_RESERVE_GIB * GIB,
     }

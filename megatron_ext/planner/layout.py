@@ -152,13 +152,15 @@ class RankShape:
     shared_ffn: int = 0  # the shared experts' width (0: none)
     ep: int = 1
     etp: int = 1  # expert TP
+    muon_share: float = 0.0  # of the parameters, those optimizer.name=muon steps with Muon (the rest: Adam)
 
     @classmethod
     def of(cls, cfg: RecipeConfig, vocab_size: int) -> "RankShape":
         p = cfg.parallel
         # a search asks for the shape of each candidate layout many times over
         key = (p.tensor_model_parallel_size, p.context_parallel_size, p.sequence_parallel,
-               p.expert_model_parallel_size, p.expert_tensor_parallel_size, cfg.train.precision, vocab_size)
+               p.expert_model_parallel_size, p.expert_tensor_parallel_size, cfg.train.precision, vocab_size,
+               cfg.optimizer.name)
         return cached_by_section(_SHAPES, cfg.model, key, lambda: cls._of(cfg, vocab_size))
 
     @classmethod
@@ -175,6 +177,8 @@ class RankShape:
             experts=model.num_experts, expert_ffn=model.expert_ffn_hidden_size, topk=model.router_topk,
             shared_ffn=model.shared_expert_ffn_hidden_size, ep=p.expert_model_parallel_size,
             etp=expert_tensor_parallel_size(cfg),
+            muon_share=model.matrix_parameters(vocab_size) / model.num_parameters(vocab_size)
+            if cfg.optimizer.name == "muon" else 0.0,
         )
 
     def layer_params(self, moe: bool = True) -> list[int]:

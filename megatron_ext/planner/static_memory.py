@@ -237,9 +237,11 @@ def rank_static_bytes(cfg: RecipeConfig, world_size: int, pp_rank: int, dp_cp_ra
             "optimizer": owned * optimizer_bytes_per_element(shape)}
 
 
-def optimizer_bytes_per_element(shape: RankShape) -> int:
-    """Adam's two fp32 moments, plus an fp32 main copy for bf16 params (fp32 ones are optimized in place)."""
-    return 8 + (4 if shape.bytes_per_value == 2 else 0)
+def optimizer_bytes_per_element(shape: RankShape) -> float:
+    """Adam's two fp32 moments, plus an fp32 main copy for bf16 params (fp32 ones are optimized in place); Muon keeps
+    one fp32 momentum where Adam keeps two, for its share of the parameters (:attr:`RankShape.muon_share`: the
+    model's average, the embedding-holding stages have fewer)."""
+    return 8 - 4 * shape.muon_share + (4 if shape.bytes_per_value == 2 else 0)
 
 
 def checkpoint_bytes(cfg: RecipeConfig, vocab_size: int) -> int:

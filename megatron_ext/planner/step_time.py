@@ -10,6 +10,7 @@ from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipe
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.compute_time import te_compute_seconds
 from megatron_ext.planner.layout import Layout, RankShape
+from megatron_ext.planner.muon import muon_seconds
 from megatron_ext.planner.static_memory import (
     ddp_bucket_size,
     expert_static,
@@ -207,7 +208,8 @@ def step_time(cfg: RecipeConfig, vocab_size: int, world_size: int, gpus_per_node
         if cfg.parallel.overlap_param_gather and layout.distopt:
             gather = max(0.0, gather - 1 / 3 * compute)  # hidden behind the next step's first forward
     owned_max = max(owned) + (max(expert_owned) if shape.experts else 0)
-    optimizer = (1 - layout.offload) * owned_max * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    optimizer = (1 - layout.offload) * owned_max * OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12) + muon_seconds(
+        cfg, shape, slowest, dp * cp, gpu)
     hosted = layout.offload * owned_max  # the host's Adam step overlapped with the copies to and from it
     offload = max(hosted / HOST_ADAM_ELEMENTS_PER_S, hosted * OFFLOAD_COPY_BYTES / (gpu.pcie_gb_s * 1e9))
     time = {"compute": compute * m, "overhead": overhead * m, "tp_comm": tp_comm * m, "cp_comm": cp_comm * m,

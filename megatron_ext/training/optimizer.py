@@ -10,7 +10,7 @@ import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.checkpoint.compat import is_torch_adam, megatron_optimizers
+from megatron_ext.checkpoint.compat import is_adam, is_torch_adam, megatron_optimizers
 from megatron_ext.config.schema import RecipeConfig, lr_decay_iterations
 from megatron_ext.distributed import cpu_backend
 from megatron_ext.model.llama import PARAMETER_DTYPES
@@ -20,17 +20,24 @@ OFFLOADED_BYTES_PER_ELEMENT = 12  # fp32 master weight + two fp32 Adam moments
 
 def optimizer_config(cfg: RecipeConfig) -> OptimizerConfig:
     o, t = cfg.optimizer, cfg.train
+    muon = o.name == "muon"
     return OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16", params_dtype=PARAMETER_DTYPES[t.precision],
         initial_loss_scale=t.initial_loss_scale, min_loss_scale=t.min_loss_scale,
         loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        # Muon's distributed optimizer is megatron-core's layer-wise one (whole matrices per DP rank: Newton-Schulz
+        # needs a matrix whole); megatron-core's DDP then all-reduces the gradients (parallel.ddp_config)
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and not muon,
+        use_layer_wise_distributed_optimizer=cfg.parallel.use_distributed_optimizer and muon,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
         # megatron-core's offload reuses the precision-aware optimizer's path (as Megatron-LM requires it)
         optimizer_cpu_offload=o.optimizer_cpu_offload, use_precision_aware_optimizer=o.optimizer_cpu_offload,
         optimizer_offload_fraction=o.optimizer_offload_fraction,
+        muon_momentum=o.muon_momentum, muon_nesterov=o.muon_nesterov, muon_num_ns_steps=o.muon_num_ns_steps,
+        muon_scale_mode=o.muon_scale_mode, muon_extra_scale_factor=o.muon_extra_scale_factor,
+        muon_split_qkv=o.muon_split_qkv, muon_tp_mode=o.muon_tp_mode, muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
     )
 
 
@@ -129,8 +136,23 @@ def select_torch_adam_kernel(optimizer: MegatronOptimizer, fused: bool) -> None:
                     state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
+def _muon_split(optimizer: MegatronOptimizer) -> str:
+    """Which parameters Muon steps and which take megatron-core's Adam fallback, counted on this rank."""
+    counts = {"muon": [0, 0], "adam": [0, 0]}
+    for opt in megatron_optimizers(optimizer):
+        kind = "adam" if is_adam(opt.optimizer) else "muon"
+        for group in opt.optimizer.param_groups:
+            counts[kind][0] += len(group["params"])
+            counts[kind][1] += sum(p.numel() for p in group["params"])
+    (muon, muon_numel), (adam, adam_numel) = counts["muon"], counts["adam"]
+    return (f"Muon on {muon} matrices ({muon_numel:,} parameters) and megatron-core's Adam fallback on {adam} "
+            f"embedding, output-layer, norm and bias tensors ({adam_numel:,}) held by this rank")
+
+
 def update_kernel(optimizer: MegatronOptimizer) -> str:
-    """Which Adam implementation updates the weights, for the start-up log."""
+    """Which optimizer updates the weights (for Muon: which parameters it steps), for the start-up log."""
+    if not all(is_adam(opt.optimizer) for opt in megatron_optimizers(optimizer)):
+        return _muon_split(optimizer)
     inner = megatron_optimizers(optimizer)[0].optimizer
     if not is_torch_adam(inner):
         return f"{type(inner).__module__.split('.')[0]} {type(inner).__name__}"  # TE's or apex's FusedAdam

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import LayerWiseDistributedOptimizer, MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tqdm import tqdm
 
@@ -72,7 +72,7 @@ from megatron_ext.resilience.process_guard import die_with_parent, raise_if_laun
 from megatron_ext.resilience.reruns import StepReruns
 from megatron_ext.resilience.spikes import LossSpikes, Spike
 from megatron_ext.resilience.watchdog import HangWatchdog
-from megatron_ext.training import micro_batch
+from megatron_ext.training import micro_batch, qk_clip
 from megatron_ext.training.cuda_graphs import StepGraphs
 from megatron_ext.training.optimizer import (
     build_optimizer,
@@ -118,8 +118,13 @@ def _describe_grad_sync(model: list, optimizer: MegatronOptimizer) -> str:
     """How gradients and parameters move over DP×CP, read from megatron-core's DDP and optimizer objects."""
     ddp = model[0].ddp_config
     distributed = [type(opt).__name__ == "DistributedOptimizer" for opt in megatron_optimizers(optimizer)]
-    state = (f"distributed optimizer (state sharded over DP×CP={parallel_state.get_data_parallel_world_size(True)})"
-             if all(distributed) else "replicated optimizer state")
+    dp_cp = parallel_state.get_data_parallel_world_size(True)
+    if isinstance(optimizer, LayerWiseDistributedOptimizer) or any(
+            isinstance(opt, LayerWiseDistributedOptimizer) for opt in getattr(optimizer, "chained_optimizers", [])):
+        state = f"layer-wise distributed optimizer (Muon's matrices whole, each on one of DP×CP={dp_cp} ranks)"
+    else:
+        state = (f"distributed optimizer (state sharded over DP×CP={dp_cp})" if all(distributed)
+                 else "replicated optimizer state")
     overlap = [name for name, on in [("overlapped grad reduce", ddp.overlap_grad_reduce),
                                      ("overlapped param gather", ddp.overlap_param_gather)] if on]
     return f"{state}; grad sync: {', '.join(overlap) or 'after the backward pass'}"
@@ -273,6 +278,8 @@ class Trainer:
                     chunk.train()
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
+                if self.cfg.model.qk_clip:
+                    qk_clip.forget_max_logits([chunk.module for chunk in self.model])
             losses = self._run_schedule(data_iterator, forward_only=False)
             with self.metrics.timers.region("loss_sync"):
                 # fp16's overflowing gradients are the grad scaler's to skip, not a divergence
@@ -304,6 +311,8 @@ class Trainer:
         scale = self.loss_scale()
         with self.metrics.timers.region("optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
+            if ok and self.cfg.model.qk_clip:
+                qk_clip.clip_after_update([chunk.module for chunk in self.model])
         if not ok:  # the fp16 grad scaler found an overflow and skipped the step (bf16 and fp32 have no scaler)
             self.pending.drop_newest()
             check_loss_scale_floor(self.iteration + 1, scale, self.cfg.train.min_loss_scale, self.cfg.optimizer.lr)

@@ -523,6 +523,10 @@ def test_every_enum_value_that_validates_builds_megatron_cores_configs(key, valu
 _COMPANIONS = {
     "optimizer.lr_decay_style": ["optimizer.lr_wsd_decay_iters=100"],
     "train.fp8": ["train.precision=bf16"],
+    "optimizer.name": ["train.precision=bf16"],  # the tiny recipe's fp32 and Muon's layer-wise optimizer
+    "optimizer.muon_scale_mode": ["optimizer.name=muon", "train.precision=bf16"],
+    "optimizer.muon_tp_mode": ["optimizer.name=muon", "train.precision=bf16"],
+    "optimizer.muon_fp32_matmul_prec": ["optimizer.name=muon", "train.precision=bf16"],
     "train.fp4": ["train.precision=bf16"],
     "train.cuda_graph_impl": ["parallel.pipeline_model_parallel_size=1", "logging.step_breakdown=false"],
     "model.moe_flex_dispatcher_backend": ["model.moe_token_dispatcher_type=flex"],
