@@ -58,6 +58,17 @@ FAMILIES = {
 }
 
 
+# Kimi K2 (moonshotai/Kimi-K2-Base's config.json): DeepSeek-V3's architecture with one expert group (n_group 1, topk_group
+# 1: no group-limited routing), one first dense layer, 384 experts top-8 (here 16), a single shared expert, routed
+# scaling 2.827, 64 heads (here 4), no MTP layer, YaRN ×32 over 4,096 positions; published as model_type kimi_k2 with
+# transformers' DeepseekV3ForCausalLM as its architecture
+KIMI_K2 = dict(num_hidden_layers=2, num_key_value_heads=4, rms_norm_eps=1e-6, num_experts_per_tok=8,
+               intermediate_size=96, moe_intermediate_size=16, n_routed_experts=16, n_shared_experts=1, n_group=1,
+               topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               rope_parameters={**YARN, "factor": 32.0, "original_max_position_embeddings": 4, "beta_fast": 1.0})
+
+
 def make_moe_model(path: Path, family: str, seed: int = 0) -> Path:
     """A random fp32 model of `family` saved with save_pretrained (sharded), its weights scaled as test_convert's
     Llamas' are (DeepSeek-V3: a random expert bias too, and an MTP layer added)."""
@@ -165,3 +176,35 @@ def test_export_gives_back_every_tensor_bit_exactly(megatron, models, tokens, fa
     for key in ("num_experts_per_tok", *FAMILIES[family][2]):
         if (family, key) != ("qwen3_moe", "intermediate_size"):  # Qwen3-MoE's dense width: no layer uses it
             assert config[key] == original[key], key
+
+
+def test_a_kimi_k2_shaped_model_imports_and_exports_bit_identically(megatron, tokens, tmp_path):
+    """As Moonshot publishes it (model_type kimi_k2, architecture DeepseekV3ForCausalLM): imported as a DeepSeek-V3
+    class model without group-limited routing, exported back tensor for tensor (as transformers' deepseek_v3, which
+    loads it without remote code)."""
+    import transformers
+
+    torch.manual_seed(5)
+    model = scale_weights(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**SHAPE, **KIMI_K2})))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn_like(buffer))
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf, max_shard_size="200KB")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2", "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}))
+    checkpoint = megatron(convert.import_hf, hf, tmp_path / "ckpt", 1, 1, 2)
+    cfg = load_config(checkpoint / "recipe.yaml")
+    assert (cfg.model.num_moe_experts, cfg.model.moe_router_topk, cfg.model.moe_router_num_groups,
+            cfg.model.moe_router_topk_scaling_factor, cfg.model.moe_layer_freq, cfg.model.mtp_num_layers) == (
+        16, 8, None, 2.827, [0, 1], None)
+    exported = megatron(convert.export_hf, checkpoint, tmp_path / "exported")
+    (hf / "config.json").write_text(json.dumps(config))  # transformers reads the original as deepseek_v3
+    assert_same_model(hf, exported, tokens)
+    written = json.loads((exported / "config.json").read_text())
+    for key in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
+                "first_k_dense_replace", "n_shared_experts", "q_lora_rank", "kv_lora_rank"):
+        assert written[key] == config[key], key
+

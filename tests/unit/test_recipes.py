@@ -21,7 +21,7 @@ def test_there_are_real_model_recipes():
     assert {p.name for p in REAL} >= {"llama3_2_1b_1gpu_bf16.yaml", "llama3_8b_8gpu_bf16.yaml",
                                       "llama3_70b_64gpu_bf16.yaml", "llama3_1_405b_40gpu_bf16.yaml",
                                       "mixtral_8x7b_64gpu_bf16.yaml", "qwen3_30b_a3b_16gpu_bf16.yaml",
-                                      "deepseek_v3_671b_192gpu_fp8.yaml"}
+                                      "deepseek_v3_671b_192gpu_fp8.yaml", "kimi_k2_1t_192gpu_bf16.yaml"}
 
 
 @pytest.mark.parametrize("path", REAL, ids=lambda p: p.stem)
@@ -43,7 +43,8 @@ def test_layout_is_valid_for_its_gpu_count(path):
 @pytest.mark.parametrize("name, gpus", [("llama3_8b_8gpu_bf16.yaml", 8), ("llama3_70b_64gpu_bf16.yaml", 64),
                                         ("llama3_1_405b_40gpu_bf16.yaml", 40), ("mixtral_8x7b_64gpu_bf16.yaml", 64),
                                         ("qwen3_30b_a3b_16gpu_bf16.yaml", 16),
-                                        ("deepseek_v3_671b_192gpu_fp8.yaml", 192)])
+                                        ("deepseek_v3_671b_192gpu_fp8.yaml", 192),
+                                        ("kimi_k2_1t_192gpu_bf16.yaml", 192)])
 def test_multi_gpu_recipes_ship_the_planners_best_layout_for_their_gpu_count(name, gpus):
     from megatron_ext.planner import best_layout
 
