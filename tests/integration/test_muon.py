@@ -9,7 +9,8 @@ layouts differ by 1e-4) and whole matrices orthogonalized (muon_tp_mode=duplicat
 orthogonalizes each TP shard on its own, another optimizer by design: 6e-3 apart at TP2).
 bf16 with the layer-wise distributed optimizer (Muon's only distributed optimizer in megatron-core 0.19.2): DP2
 against one process, 3.3e-5 and 1.2e-3 measured; resumed into one process from its step-4 checkpoint, 1.5e-5 and
-1.1e-3 (bf16 weights: the order of DP's sums rounds differently) — bounds BF16_TOLERANCE."""
+1.1e-3 (bf16 weights: the order of DP's sums rounds differently); MoE at EP2 × DP2 against one process, 5.9e-5 and
+1.6e-3 — bounds BF16_TOLERANCE."""
 
 from __future__ import annotations
 
@@ -74,3 +75,18 @@ def test_qk_clip_rescales_the_weights_after_each_update(initial_weights, tmp_pat
     # a cap of 0.001 (the small model's logits start near 0.01) moves the loss by 2.4e-4 at step 3 (measured); one
     # process is deterministic: without the clip it is the reference's to the bit
     assert abs(clipped[3] / expected[3] - 1) > 1e-5, (clipped, expected)
+
+
+def test_moe_ep2_under_the_layer_wise_optimizer_reproduces_one_process(tmp_path):
+    """configs/tiny_moe.yaml at the parity size: the experts' matrices Muon-stepped across EP2 (expert-DP1) and the
+    dense ones across DP2, from the same initial weights as one process (saved at EP1)."""
+    from tests.integration.test_moe import SINGLE, TINY_MOE
+
+    init = tmp_path / "init"
+    run_pretrain(1, [*parity_overrides(None, tmp_path / "unused", 0), *SINGLE, f"checkpoint.save={init}",
+                     "logging.tensorboard_dir=null"], config=TINY_MOE)
+    run_pretrain(1, [*parity_overrides(init, tmp_path / "reference"), *BF16_MUON, *SINGLE], config=TINY_MOE)
+    proc = run_pretrain(2, [*parity_overrides(init, tmp_path / "ep2"), *BF16_MUON, *DP2,
+                            "parallel.expert_model_parallel_size=2"], config=TINY_MOE)
+    assert "ETP1 × EP2 × expert-DP1 × PP1" in proc.stdout and "layer-wise distributed optimizer" in proc.stdout
+    _assert_reproduces(tmp_path / "reference", tmp_path / "ep2", BF16_TOLERANCE)
