@@ -32,10 +32,11 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_ext.config.schema import RecipeConfig, config_defaults, without_retired_keys
-from megatron_ext.config.shape import padded_vocab_size
+from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.convert import families
-from megatron_ext.convert.hf_files import check_tensors
+from megatron_ext.convert.cost import export_cost, import_cost
+from megatron_ext.convert.hf_files import DEFAULT_MAX_SHARD_SIZE, check_tensors, shard_size_bytes, write_safetensors
 from megatron_ext.convert.weight_mapping import hf_to_megatron, megatron_to_hf, vocab_padding
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
 
@@ -287,6 +288,12 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     except ConfigError as e:
         raise ConversionError(f"--tensor/pipeline/expert-model-parallel-size for this model: {e}") from None
 
+    cost = import_cost(reader.files.values(), ModelShape.of(cfg.model).num_parameters(shape.vocab_size),
+                       dtype.itemsize, output)
+    free = cost.free_bytes()
+    cost.check_disk(free)
+    print(cost.describe(free))
+
     from omegaconf import OmegaConf  # after the checks: bad inputs fail in a second
 
     from megatron_ext.checkpoint import save_load
@@ -372,13 +379,14 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
     return tokenizer.bos, tokenizer.eos
 
 
-def export_hf(checkpoint: Path, output: Path) -> Path:
+def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Latest checkpoint under `checkpoint` (any layout) → Hugging Face directory at `output`: Llama, or with
     qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE; with multi-latent attention
-    DeepSeek-V3."""
-    from safetensors.torch import save_file
+    DeepSeek-V3 — in safetensors shards of at most `max_shard_size` (transformers' form), one file when it fits."""
+    from megatron_ext.model.llama import PARAMETER_DTYPES
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
+    shard_bytes = shard_size_bytes(max_shard_size)
     saved = read_checkpoint(checkpoint)
     cfg = layout_config(saved)
     try:
@@ -393,6 +401,13 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
         print(f"warning: data.tokenizer_model={tokenizer} of the saved config does not exist; "
               "exporting without a tokenizer", file=sys.stderr)
         tokenizer = None
+    model_shape = ModelShape.of(cfg.model)
+    cost = export_cost(model_shape.num_parameters(shape.vocab_size),
+                       2 * model_shape.mtp_num_layers * shape.vocab_size * model_shape.hidden_size,
+                       PARAMETER_DTYPES[cfg.train.precision].itemsize, shard_bytes, output)
+    free = cost.free_bytes()
+    cost.check_disk(free)
+    print(cost.describe(free))
     with _staged(output) as staging:
         with model_parallel_world(cfg):
             model = build_model(cfg, saved.vocab_size, initialize=False)
@@ -403,7 +418,7 @@ def export_hf(checkpoint: Path, output: Path) -> Path:
             tensors.update({copy: tensors[source].clone() for copy, source in family.tensor_copies(shape).items()})
             dtype = model.embedding.word_embeddings.weight.dtype
             del model
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, staging, max_shard_size)
         bos = eos = None
         if tokenizer is not None and tokenizer.is_dir():
             bos, eos = _copy_hf_tokenizer(tokenizer, staging)
@@ -433,6 +448,9 @@ def _parser() -> argparse.ArgumentParser:
                                                    "Qwen3-MoE directory")
     exp.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
     exp.add_argument("--output", type=Path, required=True, help="new Hugging Face model directory")
+    exp.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                     help="largest safetensors file, in transformers' size strings (5GB, 100KB; default "
+                          f"{DEFAULT_MAX_SHARD_SIZE}): model-0000k-of-0000n.safetensors with an index beyond it")
     return parser
 
 
@@ -452,7 +470,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
                   f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:
-            out = export_hf(args.checkpoint, args.output)
+            out = export_hf(args.checkpoint, args.output, args.max_shard_size)
             print(f"exported {args.checkpoint} → {out}")
     except RecipeError as e:  # a conversion, checkpoint, config or tokenizer error: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

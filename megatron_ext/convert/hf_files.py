@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -153,3 +153,44 @@ def check_tensors(reader: SafetensorsReader, expected: Mapping[str, tuple[int, .
         raise ConversionError(f"{reader.files['model.embed_tokens.weight']}: weights must be float32, "
                               "bfloat16 or float16")
     return dtype
+
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+
+
+def shard_size_bytes(max_shard_size: str) -> int:
+    """`max_shard_size` (transformers' size strings: ``5GB``, ``100KB``, decimal units) in bytes, through
+    huggingface_hub's own parser (the one save_pretrained's sharding uses); ConversionError naming it otherwise."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        return parse_size_to_int(max_shard_size)
+    except ValueError as e:
+        raise ConversionError(f"--max-shard-size={max_shard_size!r}: {e}") from None
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], directory: Path, max_shard_size: str,
+                      progress: Callable[[str], None] = print) -> list[str]:
+    """`tensors` as Hugging Face writes a model: one ``model.safetensors`` when they fit in `max_shard_size`, else
+    ``model-0000k-of-0000n.safetensors`` shards of at most that size (a larger tensor alone in its shard) with
+    ``model.safetensors.index.json`` — split by huggingface_hub's ``split_torch_state_dict_into_shards``, as
+    transformers' save_pretrained splits. Says each shard as it is written, with the time left; returns the file
+    names."""
+    import time
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(dict(tensors), max_shard_size=shard_size_bytes(max_shard_size))
+    started, files = time.monotonic(), list(split.filename_to_tensors)
+    for done, (filename, names) in enumerate(split.filename_to_tensors.items(), 1):
+        save_file({name: tensors[name].contiguous() for name in names}, str(directory / filename),
+                  metadata={"format": "pt"})
+        if split.is_sharded:
+            elapsed = time.monotonic() - started
+            progress(f"  wrote {filename} ({done} of {len(files)}), {elapsed:.0f} s, about "
+                     f"{elapsed / done * (len(files) - done):.0f} s left")
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files

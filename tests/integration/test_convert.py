@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,34 @@ def test_export_gives_back_every_tensor_bit_exactly(megatron, imported, tokens, 
         assert after[key] == before[key], key
 
 
+def test_export_shards_as_transformers_does_and_the_shards_import_again(megatron, imported, tokens, tmp_path):
+    """--max-shard-size 100KB: model-0000k-of-0000n.safetensors shards of at most 100 KB (a larger tensor alone) with
+    the index transformers and huggingface_hub read; from_pretrained gives the original's logits, and the shards
+    import back to the same weights. Below the size (the default 5GB) a model stays one model.safetensors."""
+    paths = imported["gqa_untied_v1003"]
+    exported = megatron(convert.export_hf, paths["ckpt"], tmp_path / "sharded", "100KB")
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in exported.glob("*.safetensors"))
+    assert len(shards) > 3 and shards == sorted(set(index["weight_map"].values()))
+    assert all(re.fullmatch(rf"model-\d{{5}}-of-{len(shards):05d}\.safetensors", name) for name in shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in safetensors_state(exported).values())
+    for shard in exported.glob("*.safetensors"):
+        tensors = safetensors_state_of_file(shard)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 100_000, shard
+    assert_same_model(paths["hf"], exported, tokens)
+    again = megatron(convert.export_hf, megatron(convert.import_hf, exported, tmp_path / "reimported"),
+                     tmp_path / "whole")
+    assert sorted(p.name for p in again.glob("*.safetensors")) == ["model.safetensors"]
+    assert_same_model(paths["hf"], again, tokens)
+
+
+def safetensors_state_of_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
 def test_bf16_checkpoints_round_trip_bit_exactly(megatron, tmp_path):
     hf = make_hf_model(tmp_path / "hf", vocab=1003, kv_heads=1, tied=False, extra={}, save={},
                        dtype=torch.bfloat16)
@@ -273,6 +302,8 @@ def test_bad_layouts_and_outputs_fail_with_one_clear_error(imported, tmp_path, c
     (bad_tracker / "latest_checkpointed_iteration.txt").write_text("iter_0000004\n")
     cases.append((["export-hf", "--checkpoint", str(bad_tracker), "--output", str(tmp_path / "y")],
                   "expected an iteration number, found 'iter_0000004'"))
+    cases.append((["export-hf", "--checkpoint", str(paths["ckpt"]), "--output", str(tmp_path / "z"),
+                   "--max-shard-size", "5 gigs"], "--max-shard-size='5 gigs': Unit 'GS' not supported"))
     for argv, message in cases:
         code = convert.main(argv)
         text = capsys.readouterr().err

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.validate import validate_layout
+from megatron_ext.errors import ConversionError
 from recipes import convert
 from tests.launch import TINY
 
@@ -206,3 +209,22 @@ def test_a_deepseek_recipe_exports_as_deepseek_v3_and_what_it_cannot_hold_is_one
                                 ([*eps, "model.moe_router_group_topk=2"], "moe_router_topk = 2 × moe_router_group_topk")]:
         with pytest.raises(ConversionError, match=fragment):
             families.shape_from_recipe(load_config(TINY.parent / "tiny_deepseek.yaml", overrides), 1000)
+
+
+def test_a_conversion_says_what_it_will_read_write_and_hold_and_refuses_a_disk_too_small(tmp_path):
+    from megatron_ext.convert.cost import export_cost
+    from megatron_ext.convert.hf_files import shard_size_bytes
+
+    # Llama-3.1-405B's 405.9 B bf16 parameters at transformers' default shard size
+    cost = export_cost(405_853_388_800, 0, 2, shard_size_bytes("5GB"), tmp_path / "out")
+    assert (cost.read_bytes, cost.write_bytes, cost.files) == (811_706_777_600, 811_706_777_600, 163)
+    assert cost.describe(10**12) == (
+        f"export-hf: reads 811.71 GB, writes 811.71 GB in 163 files to {tmp_path / 'out'} (1,000.0 GB free there); "
+        "this process holds about 1,623.41 GB at its peak")
+    cost.check_disk(10**12)
+    with pytest.raises(ConversionError) as e:
+        cost.check_disk(500 * 10**9)
+    assert str(e.value) == (f"{tmp_path / 'out'}: 500.00 GB free, export-hf writes 827.94 GB: free space there or "
+                            "choose another --output")
+    assert cost.free_bytes() > 0  # the nearest existing ancestor's file system
+    assert (shard_size_bytes("100KB"), shard_size_bytes("5GB")) == (100_000, 5_000_000_000)
