@@ -35,6 +35,8 @@ class CommonState:
     # the fsdp_dtensor format keeps the LR schedule and every rank's RNG here (torch_dist keeps them in its shards)
     scheduler: Optional[dict[str, Any]] = None
     rng: Optional[list[Any]] = None
+    # the loop's registered components' state (:mod:`megatron_ext.checkpoint.run_state`), by name
+    run_state: Optional[dict[str, Any]] = None
     version: int = VERSION
 
     def saved(self) -> dict[str, Any]:
@@ -42,7 +44,7 @@ class CommonState:
         stored = {"iteration": self.iteration, "consumed_samples": self.consumed_samples, "config": self.config,
                   "content": self.content, "optimizer_format": self.optimizer_format,
                   "buffer_layouts": self.buffer_layouts, "opt_param_scheduler": self.scheduler,
-                  "rng_state": self.rng, "common_state_version": self.version}
+                  "rng_state": self.rng, "run_state": self.run_state, "common_state_version": self.version}
         return {key: value for key, value in stored.items() if value is not None}
 
     @classmethod
@@ -65,7 +67,8 @@ class CommonState:
                    optimizer_format=stored.get("optimizer_format",
                                                FORMAT_OF_OLDER_CHECKPOINTS if content == TRAINING_STATE else None),
                    buffer_layouts=stored.get("buffer_layouts"), scheduler=stored.get("opt_param_scheduler"),
-                   rng=stored.get("rng_state"), version=int(stored.get("common_state_version", 0)))
+                   rng=stored.get("rng_state"), run_state=stored.get("run_state"),
+                   version=int(stored.get("common_state_version", 0)))
 
 
 def read_common(ckpt_dir: Path) -> CommonState:

@@ -23,6 +23,7 @@ from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver
 from megatron_ext.checkpoint.common_state import read_common
 from megatron_ext.checkpoint.resume import Resumed, StartPoint, newest_checkpoint, resume_training
 from megatron_ext.checkpoint.run_lock import RunLock
+from megatron_ext.checkpoint.run_state import RunState
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.errors import CheckpointError
 
@@ -40,9 +41,12 @@ class CheckpointManager:
         return True
 
     def __init__(self, cfg: RecipeConfig, model_chunks: list, optimizer: MegatronOptimizer,
-                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None):
-        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it."""
+                 scheduler: OptimizerParamScheduler, on_gpu: bool, before_commit: Optional[Callable[[], None]] = None,
+                 run_state: Optional[RunState] = None):
+        """`before_commit`: called on every rank before a checkpoint is made complete; it may raise to stop it.
+        `run_state`: the loop's registered components, saved with every training checkpoint."""
         self.cfg = cfg
+        self.run_state = run_state or RunState()
         self.before_commit = before_commit
         self.model, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         ck = cfg.checkpoint
@@ -85,9 +89,10 @@ class CheckpointManager:
         newest = newest_checkpoint(self.cfg.checkpoint.save) if self.enabled else None
         if newest is None or newest.weights_only:
             return None
-        iteration, consumed = save_load.load_training_state(newest.ckpt_dir, read_common(newest.ckpt_dir), self.model,
-                                                            self.optimizer, self.scheduler, self.cfg.to_dict())
-        return Resumed(iteration, consumed, newest.ckpt_dir)
+        common = read_common(newest.ckpt_dir)
+        iteration, consumed = save_load.load_training_state(newest.ckpt_dir, common, self.model, self.optimizer,
+                                                            self.scheduler, self.cfg.to_dict())
+        return Resumed(iteration, consumed, newest.ckpt_dir, common.run_state)
 
     def due(self, iteration: int, stopping: bool, clock_due: bool = False) -> bool:
         """This run saves after `iteration` (see :func:`save_due`); `clock_due`: the ranks agreed that
@@ -115,7 +120,8 @@ class CheckpointManager:
         path = save_load.save_checkpoint(
             ck.save, iteration, self.model, self.optimizer, self.scheduler, consumed_samples, self.cfg.to_dict(),
             keep_last=ck.keep_last, keep_every=ck.keep_every, saver=self.saver,
-            optimizer_format=optimizer_format_for(self.cfg, iteration), before_commit=self._before_commit)
+            optimizer_format=optimizer_format_for(self.cfg, iteration), before_commit=self._before_commit,
+            run_state=self.run_state.state_dict())
         self.last_save, self.saved_iteration = time.monotonic(), iteration
         return path, time.perf_counter() - start
 

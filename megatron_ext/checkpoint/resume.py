@@ -127,11 +127,13 @@ def load_weights_before_sharding(cfg: RecipeConfig, models: list) -> Optional[St
 
 
 class Resumed(NamedTuple):
-    """Where a run starts: the iteration and samples consumed, and the checkpoint it read (None: nothing to read)."""
+    """Where a run starts: the iteration and samples consumed, the checkpoint it read (None: nothing to read) and the
+    run state saved with it (:mod:`megatron_ext.checkpoint.run_state`; None: none saved)."""
 
     iteration: int
     consumed_samples: int
     checkpoint: Optional[Path]
+    run_state: Optional[dict] = None
 
 
 def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start: Optional[StartPoint] = None
@@ -147,7 +149,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
         _info(f"no checkpoint in {load} yet: starting at iteration 0")
     start = start or start_point(cfg)
-    position = (0, 0)
+    position, run_state = (0, 0), None
     if start is not None and start.weights_only:
         if not start.weights_loaded:
             save_load.load_weights(start.ckpt_dir, [chunk.module for chunk in model_chunks])
@@ -161,6 +163,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
         _check_config(start.ckpt_dir, common.config, cfg)
         position = save_load.load_training_state(start.ckpt_dir, common, model_chunks, optimizer, scheduler,
                                                  cfg.to_dict())
+        run_state = common.run_state
         _info(f"resumed from {load} at iteration {position[0]} ({position[1]} samples consumed)")
     ahead = layout.latest_iteration(ck.save) if ck.save else None
     if ahead is not None and ahead > position[0]:
@@ -168,7 +171,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
             f"checkpoint.save={ck.save} already holds iteration {ahead}, ahead of this run's start at {position[0]}: "
             f"saving there would move its tracker back and lose that progress. Leave checkpoint.load unset (auto) "
             f"to resume it, or choose another checkpoint.save (or delete that one) to start over")
-    return Resumed(*position, start.ckpt_dir if start is not None else None)
+    return Resumed(*position, start.ckpt_dir if start is not None else None, run_state)
 
 
 def format_refusal(cfg: RecipeConfig) -> Optional[str]:

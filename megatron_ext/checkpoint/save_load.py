@@ -251,8 +251,9 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                     scheduler: OptimizerParamScheduler, consumed_samples: int, run_config: dict[str, Any],
                     keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                     saver: Optional[AsyncCheckpointSaver] = None,
-                    *, optimizer_format: str, before_commit: Optional[Callable[[], None]] = None) -> Path:
-    """Collective: every rank writes its shards into iter_XXXXXXX, the manifest is written, then rank 0
+                    *, optimizer_format: str, before_commit: Optional[Callable[[], None]] = None,
+                    run_state: Optional[dict[str, Any]] = None) -> Path:
+    """Collective: every rank writes its shards (and `run_state`, :mod:`run_state`'s) into iter_XXXXXXX, the manifest is written, then rank 0
     moves the tracker and applies retention (:mod:`checkpoint_retention`). With `saver` the shards are
     written in the background and the rest happens when the saver finalizes it. `before_commit` may raise to
     leave the shards without a manifest (a resume ignores them): a rank whose launcher died must not commit."""
@@ -264,7 +265,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     target = _new_iteration_dir(root, iteration)
     if optimizer_format == fsdp_dtensor.FORMAT:
         common = CommonState(iteration, consumed_samples, run_config, TRAINING_STATE, optimizer_format,
-                             scheduler=scheduler.state_dict(), rng=_from_every_rank(local_rng_state()))
+                             scheduler=scheduler.state_dict(), rng=_from_every_rank(local_rng_state()),
+                             run_state=run_state)
 
         def write(asynchronous: bool) -> Optional[AsyncRequest]:
             return fsdp_dtensor.save(model_chunks, optimizer, target, common, asynchronous)
@@ -273,7 +275,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                                optimizer_format=optimizer_format)
         state.update(CommonState(iteration, consumed_samples, run_config, TRAINING_STATE, optimizer_format,
                                  buffer_layouts=buffer_layouts(model_chunks) if optimizer_format == DP_RESHARDABLE
-                                 else None).saved())
+                                 else None, run_state=run_state).saved())
 
         def write(asynchronous: bool) -> Optional[AsyncRequest]:
             return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous,

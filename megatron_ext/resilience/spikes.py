@@ -12,6 +12,8 @@ to the newest checkpoint and the data continues after the spike: :mod:`megatron_
 update has made the weights non-finite; the checkpoint has not).
 Skips and rewinds are capped by train.max_rewinds; the next spike stops the run with one line. Every rank sees the
 same global-batch losses in the same order, so every rank decides the same without a collective of its own.
+The detector's losses and the count acted on are run state (:meth:`LossSpikes.state_dict`), saved with every
+checkpoint: a requeued run sees the spikes the uninterrupted one would, and a budget spent stays spent.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_ext.config.schema import TrainConfig
 from megatron_ext.errors import DivergenceError
 
 MIN_DEVIATION = 0.01  # of the median: a deviation below it counts as this much
+REWIND_REASON = "rewound past the loss spike"  # how a rewind's data skip begins (checkpoint/data_skips.py)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,21 @@ class LossSpikes:
                       (first_sample, first_sample + self.global_batch_size - 1), description)
         self._act(spike, "rewound past")
         return spike
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.detector.history), "acted": self.acted}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The losses as they were at the checkpoint (the newest spike_window of them); the count acted on never
+        goes down: a rewind to an earlier checkpoint keeps the rewinds spent since."""
+        self.detector.history.clear()
+        self.detector.history.extend(float(loss) for loss in state["history"])
+        self.acted = max(self.acted, int(state["acted"]))
+
+    def count_recorded_rewinds(self, rewinds: int) -> None:
+        """At least `rewinds` acted on: the rewinds the data skips recorded (each is written when it happens, a
+        checkpoint only later)."""
+        self.acted = max(self.acted, rewinds)
 
     def count(self, done: str) -> str:
         """`done` with how many spikes were acted on, for the line that says it."""

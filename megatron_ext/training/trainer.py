@@ -24,6 +24,7 @@ from megatron_ext.checkpoint.compat import megatron_optimizers
 from megatron_ext.checkpoint.layout import progress_path
 from megatron_ext.checkpoint.manager import CheckpointManager
 from megatron_ext.checkpoint.resume import Resumed, load_weights_before_sharding
+from megatron_ext.checkpoint.run_state import RunState
 from megatron_ext.config.kernels import uses_transformer_engine
 from megatron_ext.config.schema import (
     RecipeConfig,
@@ -70,7 +71,7 @@ from megatron_ext.resilience.exit_signal import ExitSignal
 from megatron_ext.resilience.failures import out_of_memory_advice, report_failure
 from megatron_ext.resilience.process_guard import die_with_parent, raise_if_launcher_gone
 from megatron_ext.resilience.reruns import StepReruns
-from megatron_ext.resilience.spikes import LossSpikes, Spike
+from megatron_ext.resilience.spikes import REWIND_REASON, LossSpikes, Spike
 from megatron_ext.resilience.watchdog import HangWatchdog
 from megatron_ext.training import micro_batch, qk_clip
 from megatron_ext.training.cuda_graphs import StepGraphs
@@ -161,8 +162,9 @@ class Trainer:
         self._wire_schedule_hooks()
         self.startup.mark("model and optimizer")
         # an orphan must not complete a checkpoint (its shards stay without a manifest, which a resume ignores)
+        self.run_state = RunState()  # what decides the run after a restart: registered by _build_monitors
         self.checkpointer = CheckpointManager(cfg, self.model, self.optimizer, self.scheduler, self.on_gpu,
-                                              before_commit=raise_if_launcher_gone)
+                                              before_commit=raise_if_launcher_gone, run_state=self.run_state)
         try:
             resumed = self._load_state(partial(self.checkpointer.load, start))
         except BaseException:
@@ -190,6 +192,7 @@ class Trainer:
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
         self.goodput = GoodputLedger(cfg.checkpoint.save, self.startup.start, writer=self.rank == 0)
         self._build_monitors()
+        self._restore_run_state(resumed.run_state if resumed else None)
 
     def _load_state(self, load: Callable[[], Optional[Resumed]]) -> Optional[Resumed]:
         """A checkpoint load: the offloaded optimizer state re-split around it, the Adam kernel flags it restores
@@ -209,6 +212,7 @@ class Trainer:
         t = self.cfg.train
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikes(t)
+        self.run_state.register("spikes", self.spikes)
         self.metrics = StepMetrics(self.cfg, self.run_logger, device())
         self.pending = PendingSteps(device())
         self.decide_before_update = decides_before_update(self.cfg)  # such runs settle every step
@@ -428,6 +432,12 @@ class Trainer:
             self.run_logger.loss_spike(spike)
         return spike
 
+    def _restore_run_state(self, saved: Optional[dict]) -> None:
+        """The registered components from a checkpoint's run state; the spike budget also counts the rewinds the
+        data skips recorded since (a rewind after the checkpoint, lost with the process, still counts)."""
+        self.run_state.load_state_dict(saved)
+        self.spikes.count_recorded_rewinds(sum(skip.reason.startswith(REWIND_REASON) for skip in self.data.skips.entries))
+
     def _rewind(self, result: RunResult, spike: Spike) -> None:
         """Back to checkpoint.save's newest checkpoint; the data goes on after the spike's global batch, a skip
         recorded for restarts (:mod:`megatron_ext.checkpoint.data_skips`)."""
@@ -436,6 +446,8 @@ class Trainer:
         with self.watchdog.suspended():
             resumed = self._load_state(self.checkpointer.rewind)
         self.goodput.spent("startup")  # the reload is recovery
+        if resumed is not None:
+            self._restore_run_state(resumed.run_state)
         self.goodput.write()
         if resumed is None:
             raise DivergenceError(
@@ -448,7 +460,7 @@ class Trainer:
         self.run_logger.loss_spike(spike, self.spikes.count(
             f"rewound to iteration {resumed.iteration} ({resumed.checkpoint})"), rewinds=self.spikes.acted)
         self.data.skip_to(resumed.iteration, resumed.consumed_samples, spike.samples[1] + 1,
-                          f"rewound past the loss spike at iteration {spike.iteration}")
+                          f"{REWIND_REASON} at iteration {spike.iteration}")
 
     def train(self) -> RunResult:
         cfg, t = self.cfg, self.cfg.train

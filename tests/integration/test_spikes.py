@@ -119,3 +119,28 @@ def test_a_nonfinite_step_is_rewound_past_as_a_spike_is_also_under_zero3(initial
     assert "non-finite" not in _run(initial_weights, tmp_path, "skipped", "tb_skipped", env={}, layout=tuple(ZERO3))
     assert _numbers(tmp_path / "tb_rewound") == _numbers(tmp_path / "tb_skipped")
 
+
+
+def test_a_requeued_run_sees_the_spikes_and_keeps_the_budget_of_the_uninterrupted_one(initial_weights, tmp_path):
+    """The detector's losses and the count of spikes acted on are run state saved with every checkpoint: with a
+    20-loss window (a warm-up of 4 losses) a run stopped at its checkpoint at 4 and started again still detects the
+    spike at 6 (a fresh detector would be warming up until 8) and rewinds past it; started again after its checkpoint
+    at 8 with train.max_rewinds=1 spent, its next spike ends it in one line instead of a second rewind."""
+    budget = ["train.spike_window=20", "train.max_rewinds=1"]
+
+    def run(steps: int, spike_at_sample: int, check: bool = True) -> str:
+        proc = run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "tb", steps), *TWO_STAGES, *REWIND,
+                                *budget, f"checkpoint.save={tmp_path / 'ckpt'}", f"logging.log_dir={tmp_path / 'logs'}"],
+                            module="tests.workers.spiked_worker", check=check,
+                            env={"SPIKE_AT_SAMPLE": str(spike_at_sample), "SPIKE_FACTOR": "30"})
+        return proc.stdout + proc.stderr
+
+    assert "loss spike" not in run(SAVE_EVERY, int(SPIKED["SPIKE_AT_SAMPLE"]))
+    said = run(STEPS, int(SPIKED["SPIKE_AT_SAMPLE"]))
+    assert f"resumed from {tmp_path / 'ckpt'} at iteration {SAVE_EVERY}" in said
+    assert re.search(rf"loss spike at iteration {SPIKE}: .* \(1 of train.max_rewinds=1\)", said), said[-3000:]
+    # the data went on past the spike's batches: iteration 10 starts at sample 88
+    said = run(12, (10 - 1) * GLOBAL_BATCH + SKIPPED["to_sample"] - SKIPPED["from_sample"], check=False)
+    assert f"resumed from {tmp_path / 'ckpt'} at iteration {STEPS}" in said
+    assert "loss spike at iteration 10" in said and "after 1 spikes rewound past (train.max_rewinds=1)" in said, (
+        said[-3000:])

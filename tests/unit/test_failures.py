@@ -174,6 +174,31 @@ def test_each_spike_policy_acts_where_it_should_and_remembers_only_accepted_loss
     assert rewind.acted == 1 and 9.0 not in rewind.detector.history
 
 
+def test_the_spike_state_goes_through_the_run_state_registry_and_a_spent_budget_never_comes_back():
+    from megatron_ext.checkpoint.run_state import RunState
+
+    spent = _policy("rewind")
+    assert spent.settled(4, 9.0, 24) is not None and spent.acted == 1
+    saved = RunState()
+    saved.register("spikes", spent)
+    state = saved.state_dict()
+    assert state == {"spikes": {"history": [3.0, 2.9, 2.8], "acted": 1}}
+    fresh = LossSpikes(TrainConfig(spike_policy="rewind", spike_window=5, max_rewinds=1))
+    restored = RunState()
+    restored.register("spikes", fresh)
+    assert restored.load_state_dict(state) == [] and restored.load_state_dict(None) == ["spikes"]
+    assert list(fresh.detector.history) == [3.0, 2.9, 2.8] and fresh.acted == 1
+    with pytest.raises(DivergenceError, match=r"after 1 spikes rewound past \(train.max_rewinds=1\)"):
+        fresh.settled(5, 9.0, 32)  # the budget spent before the requeue stays spent
+    # a rewind to an earlier checkpoint (acted 0 there) keeps the count; the rewinds the data skips recorded count
+    fresh.load_state_dict({"history": [3.0], "acted": 0})
+    assert fresh.acted == 1 and list(fresh.detector.history) == [3.0]
+    fresh.count_recorded_rewinds(2)
+    assert fresh.acted == 2
+    with pytest.raises(ValueError, match="registered twice"):
+        restored.register("spikes", fresh)
+
+
 def test_the_spike_a_rerun_checks_for_is_the_one_skip_would_drop_and_is_asked_without_remembering():
     spikes = LossSpikes(TrainConfig(spike_policy="skip", spike_window=5))
     for loss in (3.0, 3.1, 2.9):
