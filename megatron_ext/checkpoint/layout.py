@@ -89,6 +89,19 @@ def latest_iteration(root: str | Path) -> Optional[int]:
     return int(text)
 
 
+def resumable_iteration(root: str | Path) -> Optional[int]:
+    """The iteration a resume of `root` starts from, read without writing: the tracker's, or where it is missing or
+    unreadable, the newest complete checkpoint's (to which ``save_load.recover_tracker`` restores it)."""
+    try:
+        latest = latest_iteration(root)
+    except CheckpointError:
+        latest = None
+    if latest is not None:
+        return latest
+    complete = complete_iterations(root)
+    return complete[-1] if complete else None
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace `path`'s content with `text` atomically (temp file, then rename): a crash leaves the old one."""
     tmp = path.with_name(f".{path.name}.tmp")

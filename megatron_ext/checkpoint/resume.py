@@ -94,7 +94,10 @@ class StartPoint:
 def newest_checkpoint(root: Optional[str | Path]) -> Optional[StartPoint]:
     """Collective: the newest intact checkpoint in `root` (a corrupt newest one set aside, see
     :func:`save_load.intact_iteration`); None when it holds none."""
-    if not root or layout.latest_iteration(root) is None:
+    if not root:
+        return None
+    save_load.recover_tracker(root)
+    if layout.latest_iteration(root) is None:
         return None
     ckpt_dir = layout.iteration_dir(root, save_load.intact_iteration(root))
     return StartPoint(ckpt_dir, read_common(ckpt_dir).content == layout.WEIGHTS_ONLY)
@@ -142,6 +145,8 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
     `start`: :func:`load_weights_before_sharding`'s result, where there was one (else found here)."""
     ck = cfg.checkpoint
     load = resume_dir(cfg)
+    if load:
+        save_load.recover_tracker(load)
     if load and layout.latest_iteration(load) is None:
         own = ck.save and Path(load).resolve() == Path(ck.save).resolve()
         if not own:
@@ -179,7 +184,7 @@ def format_refusal(cfg: RecipeConfig) -> Optional[str]:
     or None. From the newest checkpoint's common.pt alone, so the
     launcher says it before any rank starts; one it cannot read is left to the ranks, which verify it and fall back."""
     load = resume_dir(cfg)
-    latest = layout.latest_iteration(load) if load else None
+    latest = layout.resumable_iteration(load) if load else None
     if latest is None:
         return None
     ckpt_dir = layout.iteration_dir(load, latest)
@@ -195,7 +200,7 @@ def finished_run(cfg: RecipeConfig) -> Optional[str]:
     None. From the tracker and the file sizes its manifest lists (no reads), so the launcher can say it before any
     rank starts; a damaged last checkpoint is left to the ranks, which verify it and fall back."""
     load, iters = resume_dir(cfg), cfg.train.train_iters
-    latest = layout.latest_iteration(load) if load and iters > 0 else None
+    latest = layout.resumable_iteration(load) if load and iters > 0 else None
     if latest is None or latest < iters or not manifest.sizes_match(layout.iteration_dir(load, latest)):
         return None
     return (f"run {cfg.recipe.name} is complete: {load} holds iteration {latest} (train.train_iters={iters}). "

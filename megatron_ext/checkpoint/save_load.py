@@ -297,6 +297,31 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     return target
 
 
+def recover_tracker(root: str | Path) -> None:
+    """Collective: a `root` whose tracker is missing or unreadable, beside complete checkpoints (each with its
+    manifest), gets it back pointing at the newest of them, with a warning — a run never starts from iteration 0
+    over them and overwrites them. :func:`intact_iteration` then verifies that checkpoint's files. Without complete
+    checkpoints nothing changes (an unreadable tracker stays the one-line error it is)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    try:
+        if latest_iteration(root) is not None:
+            return
+        problem = f"{root / TRACKER} is missing"
+    except CheckpointError as e:
+        problem = str(e).split(";")[0]
+    complete = complete_iterations(root)
+    if not complete:
+        return
+    if dist.get_rank() == 0:
+        log.warning(f"CHECKPOINT TRACKER LOST: {problem}, beside the complete checkpoints of iterations "
+                    f"{', '.join(map(str, complete))}: resuming from the newest, iteration {complete[-1]} (its "
+                    "manifest is checked next); the tracker points at it again")
+        write_tracker(root, complete[-1])
+    dist.barrier()
+
+
 def intact_iteration(root: str | Path) -> int:
     """Collective: the newest checkpoint in `root` whose files match their manifest.
 

@@ -167,6 +167,24 @@ def test_a_corrupt_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(r
     assert latest_iteration(ckpt) == 4 and (ckpt / "iter_0000004" / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("tracker", [None, "iter_0000004\n"], ids=["missing", "unreadable"])
+def test_a_lost_tracker_resumes_the_newest_complete_checkpoint_and_overwrites_none(run, tmp_path, tracker):
+    """The tracker deleted (or garbled) beside complete checkpoints: the relaunch resumes the newest of them and
+    says so; before, it started from iteration 0 and overwrote each checkpoint as it reached its iteration."""
+    ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
+    (ckpt / TRACKER).unlink()
+    if tracker is not None:
+        (ckpt / TRACKER).write_text(tracker)
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file() and p.parent != ckpt}
+    proc = run_pretrain(1, _overrides(tmp_path, "tb", f"checkpoint.save={ckpt}", "train.train_iters=6",
+                                      "checkpoint.save_interval=2"))
+    assert "CHECKPOINT TRACKER LOST" in proc.stdout and "iterations 2, 4: resuming from the newest, iteration 4" in (
+        proc.stdout), proc.stdout[-3000:]
+    assert f"resumed from {ckpt} at iteration 4" in proc.stdout and "lost 4 steps" not in proc.stdout
+    assert sorted(read_scalars(tmp_path / "tb", "train/lm_loss")) == [5, 6] and latest_iteration(ckpt) == 6
+    assert all(path.read_bytes() == data for path, data in before.items())  # iterations 2 and 4 untouched
+
+
 def test_with_no_intact_checkpoint_the_error_is_one_line(run, tmp_path):
     ckpt = _copy(run["ckpt"], tmp_path / "ckpt")
     for iteration in (2, 4):
