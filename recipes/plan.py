@@ -9,6 +9,7 @@ Estimates per-GPU memory and step time for every TP/PP/VPP/CP/DP layout the reci
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -40,6 +41,7 @@ from megatron_ext.planner.goodput import (
     checkpoint_write_s,
     recipe_checkpoint_interval,
 )
+from megatron_ext.planner.search import pipeline_splits
 from megatron_ext.planner.step_time import te_layers
 from megatron_ext.planner.timeouts import recipe_timeouts, timeout_warnings
 
@@ -154,14 +156,35 @@ def load_job_config(args: argparse.Namespace) -> RecipeConfig:
     return load_config(args.config, overrides)
 
 
-def config_layout_estimate(cfg: RecipeConfig, args: argparse.Namespace) -> Optional[Estimate]:
-    """The estimate of the config's own layout on --gpus; None where that layout is not valid there."""
+def config_layout_estimate(cfg: RecipeConfig, args: argparse.Namespace) -> tuple[Optional[Estimate], Optional[str]]:
+    """(the estimate of the config's own layout on --gpus, None) — or (None, why not): the validation's one line,
+    with the nearest split that validates where the cause is how the layers fall on the pipeline stages."""
     try:
         validate_layout(cfg, args.gpus, te_available=True, compute_capability=GPUS[args.gpu].compute_capability)
         return estimate(cfg, args.gpus, args.gpus_per_node, GPUS[args.gpu], model_vocab_size(cfg), args.mfu,
-                        not args.bf16_grads)
+                        not args.bf16_grads), None
+    except ConfigError as e:
+        return None, str(e) + _nearest_stage_split(cfg, args, str(e))
+
+
+def _nearest_stage_split(cfg: RecipeConfig, args: argparse.Namespace, error: str) -> str:
+    """For a refusal about the pipeline stages' layers: the planner's near-even split at the config's PP (without
+    virtual stages), when that one validates; else ''."""
+    if "pipeline" not in error and "layers" not in error:
+        return ""
+    p = cfg.parallel
+    first, last = pipeline_splits(cfg.model.num_layers, p.pipeline_model_parallel_size)[0]
+    keys = [f"parallel.num_layers_in_first_pipeline_stage={'null' if first is None else first}",
+            f"parallel.num_layers_in_last_pipeline_stage={'null' if last is None else last}",
+            "parallel.virtual_pipeline_model_parallel_size=null"]
+    try:
+        validate_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(
+            p, num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+            virtual_pipeline_model_parallel_size=None)), args.gpus, te_available=True,
+            compute_capability=GPUS[args.gpu].compute_capability)
     except ConfigError:
-        return None
+        return ""
+    return f" (the nearest split that validates at PP{p.pipeline_model_parallel_size}: {' '.join(keys)})"
 
 
 def job_checkpoint_interval(cfg: RecipeConfig, args: argparse.Namespace, step_s: float) -> CheckpointInterval:
@@ -189,7 +212,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_job_config(args)
         ranked = plan(cfg, args.gpus, args.gpus_per_node, args.gpu, args.mfu, not args.bf16_grads)
-        current = config_layout_estimate(cfg, args)
+        current, current_error = config_layout_estimate(cfg, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -213,6 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "train_iters": cfg.train.train_iters, "checkpoint": ckpt,
                           "timeouts": timeouts.to_dict() if timeouts else None,
                           "config_layout": current.to_dict() if current else None,
+                          "config_layout_error": current_error,
                           "config_layout_time_to_train": (_time_to_train(current, cfg.train.train_iters, args.gpus)
                                                           if current else None),
                           "layouts": [{**e.to_dict(), "time_to_train": _time_to_train(e, cfg.train.train_iters,
@@ -236,6 +260,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     for i, e in enumerate(fitting[:3]):
         print(f"{i + 1}. {explain(e, gpu)}\n")
+    if current_error is not None:
+        print(f"the config's own layout has no estimate: {current_error}")
     if current is not None and current.layout != fitting[0].layout:
         rank = next((i + 1 for i, e in enumerate(ranked) if e.layout == current.layout), None)
         verdict = "fits" if current.fits else "does NOT fit"

@@ -76,7 +76,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_job_config(args)
-        planned = config_layout_estimate(cfg, args)
+        planned, _ = config_layout_estimate(cfg, args)
         if planned is None or not planned.fits:
             planned = next((e for e in plan(cfg, args.gpus, args.gpus_per_node, args.gpu, args.mfu,
                                             not args.bf16_grads) if e.fits), None)

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
@@ -274,12 +274,31 @@ def _load_legacy_keys(state: dict[str, Any], checkpoint_dir: Path) -> None:
                 entry.key = entry.key.replace(new, old)
 
 
+def _shape_problem(state: dict[str, Any], checkpoint_dir: Path) -> Optional[str]:
+    """Collective: the first model tensor whose whole (global) shape in `checkpoint_dir` differs from the one this
+    run's model requests — on any rank (each holds its pipeline stage's) — said in one line, or None."""
+    saved = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
+    problem = next((
+        f"{checkpoint_dir} holds {entry.key} of shape {list(saved[entry.key].global_shape)} and this run's model "
+        f"builds {list(entry.global_shape)}: it was saved from a model of another shape (a vocabulary of another "
+        "size pads to another embedding: model.vocab_size, data.tokenizer_model, model.make_vocab_size_divisible_by); "
+        "resume it with the model it was saved from, or save this run elsewhere (checkpoint.save)"
+        for entry in nested_values(state) if isinstance(entry, ShardedTensor) and not entry.key.startswith("optimizer.")
+        and entry.key in saved and tuple(saved[entry.key].global_shape) != tuple(entry.global_shape)), None)
+    problems: list[Optional[str]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
 def load_sharded(state: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
     """dist_checkpointing.load, accepting a checkpoint without the ``_extra_state`` entries the current
     layer spec requests (left out of the result; :func:`load_model_chunks` keeps the fresh ones) and with the
-    LEGACY_KEYS names."""
+    LEGACY_KEYS names; a model of another shape is refused in one line before anything loads."""
     with safe_unpickle.refusals_named(checkpoint_dir):
         _load_legacy_keys(state, checkpoint_dir)
+        problem = _shape_problem(state, checkpoint_dir)
+        if problem:
+            raise IncompatibleCheckpointError(problem)
         loaded, _, absent = dist_checkpointing.load(state, str(checkpoint_dir),
                                                     strict=StrictHandling.RETURN_UNEXPECTED)
     needed = sorted(key for key in absent if not key.endswith(EXTRA_STATE_SUFFIX))

@@ -130,6 +130,12 @@ def test_config_differences_are_listed_and_shape_changes_refused(run, tmp_path):
     wider = run_pretrain(1, _overrides(tmp_path, "tb2", f"checkpoint.load={run['ckpt']}", "train.train_iters=5",
                                        "model.hidden_size=256"), check=False)
     _fails(wider, "model.hidden_size: 128 → 256")
+    # another vocabulary (here: mock data of 1,000 tokens) pads to another embedding: refused before anything loads,
+    # though no shape key of the config changed (model.vocab_size: None → 1000 is a tokenizer's choice)
+    vocabulary = run_pretrain(1, _overrides(tmp_path, "tb3", f"checkpoint.load={run['ckpt']}", "train.train_iters=5",
+                                            "data.mock=true", "model.vocab_size=1000"), check=False)
+    _fails(vocabulary, "holds embedding.word_embeddings.weight of shape [4096, 128] and this run's model builds "
+                       "[1024, 128]: it was saved from a model of another shape")
 
 
 def test_extending_train_iters_follows_the_new_lr_schedule(run, tmp_path):

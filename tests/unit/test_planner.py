@@ -18,7 +18,7 @@ from megatron_ext.hardware import GPUS
 from megatron_ext.planner import GIB, Layout, best_layout, explain, plan
 from megatron_ext.planner.static_memory import _ddp_buckets, _owned_elements, ddp_bucket_size
 from megatron_ext.planner.step_time import te_layers
-from tests.launch import ROOT
+from tests.launch import ROOT, TINY
 
 LLAMA3_8B = ROOT / "configs" / "llama3_8b_8gpu_bf16.yaml"
 LLAMA3_70B = ROOT / "configs" / "llama3_70b_64gpu_bf16.yaml"
@@ -123,6 +123,24 @@ def test_cli_table_explains_the_best(capsys):
                  "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]) == 0
     out = capsys.readouterr().out
     assert "the config's own layout TP1 PP1 CP4 DP2 distopt ZeRO-3 mbs1" in out and "(fits; rank" in out
+
+
+def test_the_configs_own_layout_without_an_estimate_says_why_and_the_nearest_split(capsys):
+    """Six layers over PP4 with a first stage of 2 leave 4 that do not divide over the other 3 stages: the validation's
+    line in the table's place and in --json (config_layout_error), with the planner's near-even split that validates."""
+    from recipes.plan import main
+
+    argv = ["--config", str(TINY), "--gpus", "4", "--top", "1", "model.num_layers=6",
+            "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false", "parallel.pipeline_model_parallel_size=4",
+            "parallel.num_layers_in_first_pipeline_stage=2"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    nearest = ("(the nearest split that validates at PP4: parallel.num_layers_in_first_pipeline_stage=2 "
+               "parallel.num_layers_in_last_pipeline_stage=2 parallel.virtual_pipeline_model_parallel_size=null)")
+    assert "the config's own layout has no estimate: model.num_layers=6 is invalid" in said and nearest in said, said
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config_layout"] is None and out["config_layout_error"].endswith(nearest)
 
 
 def test_llama3_8b_on_8_h100_matches_published_layouts():
