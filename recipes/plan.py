@@ -286,7 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"timeouts: {timeouts.describe()}"
               + "".join(f"\n  warning: {w}" for w in timeout_warnings(timeouts, under_slurm=True)))
     best = " ".join(f"{k}={'null' if v is None else str(v).lower()}"
-                    for k, v in fitting[0].layout.overrides().items())
+                    for k, v in fitting[0].overrides.items())
     print(f"\nto use the best: {best}")
     return 0
 

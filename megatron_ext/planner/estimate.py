@@ -49,9 +49,11 @@ class Estimate:
     without_sharding: Optional[dict[str, float]] = None
     # Optimizer-offload layouts found by the search: the same layout's memory without offload
     without_offload: Optional[dict[str, float]] = None
+    # the layout as the config values the estimate was made with (Layout.overrides): what to set to run it
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.label(), "overrides": self.layout.overrides(),
+        return {"layout": self.layout.label(), "overrides": self.overrides,
                 "memory_gib": {k: round(v / GIB, 3) for k, v in self.memory.items()},
                 "peak_stage": self.peak_stage, "time_s": {k: round(v, 4) for k, v in self.time.items()},
                 "num_microbatches": self.num_microbatches, "mfu": round(self.mfu, 4),
@@ -130,4 +132,4 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     mfu_est = model_flops / (time["step"] * world_size * gpu.peak_bf16_tflops * 1e12)
     m = microbatches_per_step(cfg, world_size)
     return Estimate(layout, memory, peak_stage, time, m, mfu_est, tokens / time["step"] / world_size, fits,
-                    gpu.memory_gib * GIB)
+                    gpu.memory_gib * GIB, overrides=layout.overrides(cfg))

@@ -46,54 +46,43 @@ class Layout:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
 
-    def overrides(self) -> dict[str, Any]:
-        """The config values of this layout, as ``section.key`` → value."""
-        # Megatron-FSDP overlaps its own gathers and reduce-scatters (megatron-core's overlap flags are refused).
-        memory = ({"parallel.data_parallel_sharding_strategy": self.sharding, "parallel.overlap_grad_reduce": False,
-                   "parallel.overlap_param_gather": False} if self.sharding else {})
-        # the planner's HSDP replicates across its groups (it does not search outer sharding)
-        memory.update({"parallel.num_distributed_optimizer_instances": self.replicas,
-                       "parallel.outer_dp_sharding_strategy": "no_shard",
-                       "optimizer.optimizer_cpu_offload": self.offload > 0})
-        if self.offload:
-            memory["optimizer.optimizer_offload_fraction"] = self.offload
-        # (EP1 too: applied over an MoE recipe's EP, the layout must set it)
-        experts = {"parallel.expert_model_parallel_size": self.ep, "parallel.expert_tensor_parallel_size": self.etp}
-        return {"parallel.use_megatron_fsdp": self.sharding is not None, **memory, **experts,
-            "parallel.tensor_model_parallel_size": self.tp,
-            "parallel.pipeline_model_parallel_size": self.pp,
+    def overrides(self, cfg: RecipeConfig) -> dict[str, Any]:
+        """This layout over `cfg`, as ``section.key`` → value: the one mapping from a layout to a config — what
+        :meth:`apply` sets, what the planner estimates and what it prints to use."""
+        p = cfg.parallel
+        keys: dict[str, Any] = {
+            "parallel.use_megatron_fsdp": self.sharding is not None,
+            "parallel.num_distributed_optimizer_instances": self.replicas,
+            # the planner's HSDP replicates across its groups unless the config shards the optimizer there too
+            "parallel.outer_dp_sharding_strategy": p.outer_dp_sharding_strategy if self.replicas > 1 else "no_shard",
+            "optimizer.optimizer_cpu_offload": self.offload > 0,
+            # (EP1 too: applied over an MoE recipe's EP, the layout must set it)
+            "parallel.expert_model_parallel_size": self.ep, "parallel.expert_tensor_parallel_size": self.etp,
+            "parallel.tensor_model_parallel_size": self.tp, "parallel.pipeline_model_parallel_size": self.pp,
             "parallel.virtual_pipeline_model_parallel_size": self.vpp,
             "parallel.num_layers_in_first_pipeline_stage": self.first_stage_layers,
             "parallel.num_layers_in_last_pipeline_stage": self.last_stage_layers,
-            "parallel.context_parallel_size": self.cp,
-            "parallel.sequence_parallel": self.sp,
+            "parallel.context_parallel_size": self.cp, "parallel.sequence_parallel": self.sp,
             "parallel.use_distributed_optimizer": self.distopt,
-            "train.micro_batch_size": self.mbs,
-            "train.recompute_granularity": self.recompute,
+            "train.micro_batch_size": self.mbs, "train.recompute_granularity": self.recompute,
         }
+        if self.offload:
+            keys["optimizer.optimizer_offload_fraction"] = self.offload
+        if self.sharding:  # Megatron-FSDP overlaps its own gathers and reduce-scatters (megatron-core's flags refused)
+            keys.update({"parallel.data_parallel_sharding_strategy": self.sharding,
+                         "parallel.overlap_grad_reduce": False, "parallel.overlap_param_gather": False})
+        elif p.overlap_param_gather and not self.distopt:  # the parameters' gather is the distributed optimizer's
+            keys["parallel.overlap_param_gather"] = False
+        return keys
 
     def apply(self, cfg: RecipeConfig) -> RecipeConfig:
-        """A copy of `cfg` with this layout (param gather overlap needs distopt)."""
-        p = dataclasses.replace(
-            cfg.parallel, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
-            sequence_parallel=self.sp, use_distributed_optimizer=self.distopt,
-            use_megatron_fsdp=self.sharding is not None,
-            data_parallel_sharding_strategy=self.sharding or cfg.parallel.data_parallel_sharding_strategy,
-            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce and self.sharding is None,
-            overlap_param_gather=cfg.parallel.overlap_param_gather and self.distopt and self.sharding is None,
-            num_distributed_optimizer_instances=self.replicas,
-            outer_dp_sharding_strategy=cfg.parallel.outer_dp_sharding_strategy if self.replicas > 1 else "no_shard",
-            num_layers_in_first_pipeline_stage=self.first_stage_layers,
-            num_layers_in_last_pipeline_stage=self.last_stage_layers,
-            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-        )
-        t = dataclasses.replace(cfg.train, micro_batch_size=self.mbs, recompute_granularity=self.recompute)
-        o = cfg.optimizer
-        if self.offload or o.optimizer_cpu_offload:
-            o = dataclasses.replace(o, optimizer_cpu_offload=self.offload > 0,
-                                    optimizer_offload_fraction=self.offload or o.optimizer_offload_fraction)
-        return dataclasses.replace(cfg, parallel=p, train=t, optimizer=o)
+        """A copy of `cfg` with this layout: :meth:`overrides` set."""
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in self.overrides(cfg).items():
+            section, name = key.split(".")
+            sections.setdefault(section, {})[name] = value
+        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)
+                                           for section, values in sections.items()})
 
     @classmethod
     def of(cls, cfg: RecipeConfig, world_size: int) -> "Layout":

@@ -179,4 +179,4 @@ def best_layout(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: str
         need = f"; the smallest needs {smallest.memory['total'] / GIB:.1f} GiB ({smallest.layout.label()})" \
             if smallest else ""
         raise ConfigError(f"no valid layout of {cfg.recipe.name} fits on {world_size}× {gpu}{need}")
-    return ranked[0].layout.overrides()
+    return ranked[0].overrides

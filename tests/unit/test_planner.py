@@ -361,7 +361,7 @@ def test_megatron_fsdp_is_estimated_as_asked_and_searched_after_zero1():
     assert est[3].layout.label().endswith("distopt ZeRO-3 mbs1 recompute=none")
     assert "Megatron-FSDP ZeRO-3 shards the gradients and the parameters" in planner.explain(est[3],
                                                                                              GPUS["h100-80gb"])
-    assert est[3].layout.overrides()["parallel.data_parallel_sharding_strategy"] == "optim_grads_params"
+    assert est[3].overrides["parallel.data_parallel_sharding_strategy"] == "optim_grads_params"
     assert est[3].time["dp_comm"] > est[2].time["dp_comm"] > 0  # it gathers the parameters twice per micro batch
     ranked = [e for e in plan(zero[3], 8, 8, "h100-80gb") if e.fits]
     first_fsdp = next(i for i, e in enumerate(ranked) if e.layout.sharding)
@@ -390,7 +390,7 @@ def test_hsdp_shards_within_a_node_and_all_reduces_across_nodes():
     assert est["hsdp"].layout.label().endswith("ZeRO-3 HSDP4 mbs1 recompute=none")
     assert "HSDP keeps the sharding's gathers inside each of the 4 groups" in planner.explain(est["hsdp"],
                                                                                                 GPUS["h100-80gb"])
-    assert est["hsdp"].layout.overrides()["parallel.num_distributed_optimizer_instances"] == 4
+    assert est["hsdp"].overrides["parallel.num_distributed_optimizer_instances"] == 4
     searched = {L.replicas for L in planner.candidate_layouts(cfgs["zero3"], 32, 8) if L.sharding and L.tp == 1}
     assert searched == {1, 4}
 
@@ -523,3 +523,21 @@ def test_the_shapes_remembered_for_a_config_section_follow_its_changes():
     assert RankShape.of(cfg, 512).model.moe_layers == (0, 0, 1, 1, 1, 1)
     cfg.parallel.tensor_model_parallel_size = 2
     assert RankShape.of(cfg, 512).tp == 2
+
+
+@pytest.mark.parametrize("name, gpus", [("llama3_8b_8gpu_bf16.yaml", 8), ("tiny_moe.yaml", 4),
+                                        ("llama3_1_405b_40gpu_bf16.yaml", 40)])
+def test_the_printed_overrides_are_the_config_the_planner_estimated(name, gpus):
+    """One mapping from a layout to a config: the top layouts' overrides, set with load_config as a user sets them,
+    give the layout and the estimate (step time and memory) the planner ranked them by."""
+    from megatron_ext.hardware import GPUS
+    from megatron_ext.planner import Layout, estimate, model_vocab_size, plan
+
+    path = ROOT / "configs" / name
+    cfg = load_config(path)
+    for ranked in [e for e in plan(cfg, gpus, 8, "h100-80gb") if e.fits][:3]:
+        applied = load_config(path, [f"{k}={'null' if v is None else str(v).lower()}"
+                                     for k, v in ranked.overrides.items()])
+        again = estimate(applied, gpus, 8, GPUS["h100-80gb"], model_vocab_size(applied))
+        assert Layout.of(applied, gpus) == ranked.layout
+        assert (again.time, again.memory) == (ranked.time, ranked.memory), ranked.layout.label()
