@@ -36,7 +36,7 @@ def validate_cuda_graphs(cfg: RecipeConfig) -> None:
          "changes it with every micro batch: set one of them off"),
         (p.pipeline_model_parallel_size == 1, "parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size,
          f"{key}={impl} keeps graphs per micro batch in flight under pipelining, which evaluation's other micro-batch "
-         "count breaks (and megatron-core's TE capture reads a micro-batch calculator this loop does not set up): use "
+         "count breaks (megatron-core's TE capture counts them from its micro-batch calculator, set for training): use "
          "pipeline size 1"),
         (not t.offload_modules, "train.offload_modules", list(t.offload_modules), "activation offload inside "
          "captured CUDA graphs is not verified here: use one of train.cuda_graph_impl and train.offload_modules"),
@@ -117,8 +117,8 @@ def _validate_per_layer(cfg: RecipeConfig) -> None:
                                      for part in ("mlp", "moe")), "model.hidden_dropout", m.hidden_dropout,
          "hidden dropout does not run in a recomputed MLP or MoE layer inside a CUDA graph (megatron-core's rule): set "
          "it 0, leave mlp/moe out of train.cuda_graph_modules or out of train.recompute_modules"),
-        # megatron-core's TE capture under the overlapped all-to-alls captures every micro batch, counted by Megatron-LM's
-        # global micro-batch calculator, which this loop does not set up (and refuses whole-layer or mlp/moe graphs)
+        # megatron-core's TE capture under the overlapped all-to-alls captures every micro batch, counted by its global
+        # micro-batch calculator (training/micro_batch.py sets it), and refuses whole-layer or mlp/moe graphs
         (not p.overlap_moe_expert_parallel_comm, "parallel.overlap_moe_expert_parallel_comm", True, "per-layer CUDA "
          f"graphs (train.cuda_graph_impl={impl}) with the overlapped expert all-to-alls are not wired here: use "
          "train.cuda_graph_impl=full_iteration or none"),

@@ -45,3 +45,14 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     output = run(batch["tokens"], batch["position_ids"], attention_mask=documents, labels=batch["labels"],
                  loss_mask=batch["loss_mask"], packed_seq_params=packed)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def set_up_micro_batch_calculator(rank: int, global_batch_size: int, micro_batch_size: int,
+                                  data_parallel_size: int) -> None:
+    """megatron-core's global micro-batch calculator, set as Megatron-LM sets it (constant global batch, no ramp-up):
+    parts of megatron-core read it (TransformerEngine's CUDA-graph capture under pipelining) rather than being told.
+    The loop itself counts micro batches with config.schema.microbatches_per_step, which this agrees with."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    calculator.unset_num_microbatches_calculator()
+    calculator.init_num_microbatches_calculator(rank, None, global_batch_size, micro_batch_size, data_parallel_size)

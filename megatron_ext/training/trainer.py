@@ -148,6 +148,8 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.dp_size = data_parallel_size(cfg, self.world_size)
+        micro_batch.set_up_micro_batch_calculator(self.rank, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                                  self.dp_size)
         self.tokenizer = (VocabOnlyTokenizer(cfg.model.vocab_size) if cfg.data.mock
                           else load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type))
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size

@@ -34,3 +34,23 @@ def test_megatron_fsdp_chunks_finish_their_gathers_quietly():
         waited_for = stop_data_parallel_communication([fsdp, ddp])
     assert fsdp.stopped == 1 and waited_for == 4
     assert not seen
+
+
+def test_megatron_cores_micro_batch_calculator_is_set_as_the_loop_counts():
+    """The trainer sets megatron-core's global calculator (parts of megatron-core ask it, not the loop): it gives the
+    micro batches the loop runs per step."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    from megatron_ext.config.schema import data_parallel_size, load_config, microbatches_per_step
+    from megatron_ext.training.micro_batch import set_up_micro_batch_calculator
+    from tests.launch import TINY
+
+    for world, overrides in ((4, []), (8, ["train.micro_batch_size=1"])):
+        cfg = load_config(TINY, overrides)
+        set_up_micro_batch_calculator(0, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                      data_parallel_size(cfg, world))
+        try:
+            assert calculator.get_num_microbatches() == microbatches_per_step(cfg, world)
+            assert calculator.get_micro_batch_size() == cfg.train.micro_batch_size
+        finally:
+            calculator.unset_num_microbatches_calculator()

@@ -52,3 +52,4 @@ def test_the_first_nonfinite_step_is_named_and_a_dropped_step_is_gone(one_proces
     assert [s.iteration for s in settled.steps] == [2, 3, 4]
     iteration, local_flags = settled.first_nonfinite
     assert iteration == 3 and local_flags.tolist() == [0.0, 1.0]
+
