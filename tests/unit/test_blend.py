@@ -178,3 +178,42 @@ def test_the_data_switches_reach_the_samples_the_trainer_reads(data, documents):
     assert bool((positions[:, 1:][~after_eod[:, 1:]] == positions[:, :-1][~after_eod[:, 1:]] + 1).all())
     ids = batch["documents"]
     assert bool((ids[:, 1:] - ids[:, :-1] == after_eod[:, 1:].to(ids.dtype)).all())
+
+
+def test_eod_mask_loss_leaves_the_eod_positions_out_of_the_loss_the_trainer_sums(data, monkeypatch):
+    """data.eod_mask_loss through the run's own data (RunData) and the trainer's micro-batch step into the loss it
+    sums: every token's loss counts but the EOD tokens' (one process: no context-parallel cut)."""
+    from megatron_ext.training import micro_batch, run_data
+
+    monkeypatch.setattr(micro_batch, "get_batch_on_this_cp_rank", lambda batch, **_: batch)
+    monkeypatch.setattr(micro_batch.parallel_state, "get_context_parallel_group", lambda: None)
+    monkeypatch.setattr(micro_batch, "device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(run_data.parallel_state, "get_data_parallel_rank", lambda: 0)
+    for on in (True, False):
+        cfg = _config(data, f"data.eod_mask_loss={str(on).lower()}")
+        seen = {}
+
+        def model(tokens, positions, **_):
+            seen["tokens"] = tokens
+            return torch.arange(1, tokens.numel() + 1, dtype=torch.float32).view(tokens.shape)  # one loss per token
+
+        batches = run_data.RunData(cfg, data.tokenizer, 1, 1, speak=False).iterators(
+            build_datasets(cfg, data.tokenizer)[0])
+        output, loss = micro_batch.forward_step(batches, model)
+        loss_sum, num_tokens, _ = loss(output)
+        counted = seen["tokens"] != data.tokenizer.eod if on else torch.ones_like(seen["tokens"], dtype=torch.bool)
+        assert 0 < int(num_tokens) == int(counted.sum()) and float(loss_sum) == float(output[counted].sum())
+        assert on == (int(num_tokens) < seen["tokens"].numel())
+
+
+def test_data_num_workers_reaches_the_runs_data_loader(data, monkeypatch):
+    """data.num_workers through RunData's iterators: the loader runs that many worker processes."""
+    from megatron_ext.training import run_data
+
+    monkeypatch.setattr(run_data.parallel_state, "get_data_parallel_rank", lambda: 0)
+    cfg = _config(data, "data.num_workers=2")
+    run = run_data.RunData(cfg, data.tokenizer, 1, 1, speak=False)
+    batches = run.iterators(run.train)
+    next(batches)
+    assert batches._num_workers == 2 and len(batches._workers) == 2
+    del batches
