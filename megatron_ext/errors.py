@@ -24,6 +24,11 @@ EXIT_RERUN_ELSEWHERE = 16
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+def signal_exit_code(signum: int) -> int:
+    """The exit code of a process ended by signal `signum`, as the shell reports it: 128 + its number."""
+    return 128 + int(signum)
+
+
 def exit_codes_shell() -> str:
     """The exit codes above as the shell file the SLURM templates source (launch/exit_codes.sh): one table, written
     here and checked by tests/unit/test_failures.py, so a shell script never holds a copy that can drift."""

@@ -29,6 +29,7 @@ from megatron_ext.errors import (
     EXIT_RERUN_ELSEWHERE,
     EXIT_USER_ERROR,
     ConfigError,
+    signal_exit_code,
 )
 from megatron_ext.resilience.agent import RERUNS_ELSEWHERE, Agent, SpareNotNeeded, agent
 from megatron_ext.resilience.failures import rank_log
@@ -200,8 +201,8 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
             return EXIT_RERUN_ELSEWHERE
         received = getattr(e, "received", e.sigval)
         print(_stopped_by(received, cfg.checkpoint.save, timeouts.stop_s), file=sys.stderr, flush=True)
-        write_node_end(log_dir(cfg), NodeRecord(node, "signalled", 128 + int(received)))
-        return 128 + int(received)
+        write_node_end(log_dir(cfg), NodeRecord(node, "signalled", signal_exit_code(received)))
+        return signal_exit_code(received)
     except chosen.child_failed as e:
         rank, failure = _root_cause(e.failures)
         others = len(e.failures) - 1

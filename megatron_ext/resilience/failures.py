@@ -8,22 +8,33 @@ import datetime
 import errno
 import hashlib
 import os
+import signal
 import socket
 import sys
 import traceback
 from pathlib import Path
 from typing import Iterator, Optional
 
-from megatron_ext.errors import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_STORAGE, STORAGE_ERRNOS, RecipeError
+from megatron_ext.errors import (
+    EXIT_FAILED,
+    EXIT_PEER_FAILED,
+    EXIT_STORAGE,
+    STORAGE_ERRNOS,
+    RecipeError,
+    signal_exit_code,
+)
 
 # What torch.distributed raises on the survivors when a peer process dies: a consequence, not the cause.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
               "ProcessGroupNCCL is aborted", "Broken pipe", "Socket closed")
 
 
+RANK_LOG = "rank-{rank}.log"  # each rank's log in the run's log directory
+
+
 def rank_log(log_dir: str | Path, rank: int) -> Path:
     """Where rank `rank` writes its tracebacks and hang stacks."""
-    return Path(log_dir) / f"rank-{rank}.log"
+    return Path(log_dir) / RANK_LOG.format(rank=rank)
 
 
 @contextlib.contextmanager
@@ -70,7 +81,7 @@ def _classify(exc: BaseException) -> tuple[str, int, str]:
     if isinstance(exc, torch.OutOfMemoryError):
         return "out of GPU memory", EXIT_FAILED, ""
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted", 128 + 2, ""
+        return "interrupted", signal_exit_code(signal.SIGINT), ""
     if isinstance(exc, OSError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return "storage error", EXIT_STORAGE, ("free space there (or point checkpoint.save elsewhere) and "

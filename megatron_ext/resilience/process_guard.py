@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Optional
 
+from megatron_ext.errors import signal_exit_code
+
 _PR_SET_PDEATHSIG = 1
 _PR_GET_PDEATHSIG = 2
 # SIGHUP ("the controlling process hung up"), not SIGTERM: SIGTERM means "checkpoint and stop" to a training rank,
@@ -45,7 +47,7 @@ def die_with_parent(sig: signal.Signals = PARENT_DEATH_SIGNAL) -> Optional[str]:
     if current.value != int(sig):
         return f"prctl(PR_SET_PDEATHSIG) did not take (reads back {current.value})"
     if parent == 1 or os.getppid() != parent:  # the parent died before the request was in place
-        os._exit(128 + int(sig))
+        os._exit(signal_exit_code(sig))
     return None
 
 
@@ -61,7 +63,7 @@ def _on_parent_death(signum: int, _frame) -> None:
     if _launcher_gone_raised:
         return
     _launcher_gone_raised = True
-    raise LauncherGone(128 + signum)
+    raise LauncherGone(signal_exit_code(signum))
 
 
 def raise_if_launcher_gone() -> None:
@@ -69,7 +71,7 @@ def raise_if_launcher_gone() -> None:
     (a signal handler that raises inside a finalizer run by the garbage collector is reported and dropped, and
     the rank would train on, saving checkpoints, until the backstop ends it)."""
     if _guarded_parent is not None and os.getppid() != _guarded_parent:
-        raise LauncherGone(128 + int(PARENT_DEATH_SIGNAL))
+        raise LauncherGone(signal_exit_code(PARENT_DEATH_SIGNAL))
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -78,7 +80,7 @@ def _exit_when_orphaned(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     time.sleep(ORPHAN_GRACE_S)
-    os._exit(128 + int(PARENT_DEATH_SIGNAL))
+    os._exit(signal_exit_code(PARENT_DEATH_SIGNAL))
 
 
 def guard_training_rank() -> Optional[str]:

@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 from megatron_ext.config.schema import HANG_MARGIN
 from megatron_ext.errors import EXIT_HUNG
-from megatron_ext.resilience.failures import rank_log, write_rank_log
+from megatron_ext.resilience.failures import RANK_LOG, rank_log, write_rank_log
 from megatron_ext.resilience.job_store import job_store
 from megatron_ext.resilience.nvrx import RankMonitorHeartbeats
 
@@ -172,6 +172,6 @@ class HangWatchdog:
                          "(a stuck device or network); the stacks show where")
         if behind:
             lines.append("  behind the others: " + ", ".join(f"rank {r} at iteration {i}" for r, i in behind.items()))
-        lines.append(f"  → Python stacks of the live ranks: {Path(self.log_dir) / 'rank-*.log'}; the job ends "
+        lines.append(f"  → Python stacks of the live ranks: {Path(self.log_dir) / RANK_LOG.format(rank='*')}; the job ends "
                      f"(exit {EXIT_HUNG}) so that SLURM requeues it and it resumes from the last checkpoint")
         return "\n".join(lines)

@@ -525,3 +525,20 @@ def test_a_spare_the_job_ended_without_is_told_apart_from_a_node_that_failed():
     # a node that trained and whose restart then found the job gone is not a spare: the error is its own
     with pytest.raises(RendezvousConnectionError):
         _Spare(RendezvousConnectionError(), trained=True).run()
+
+
+def test_signal_exit_codes_and_the_rank_log_name_are_written_once():
+    """128 + a signal's number is errors.signal_exit_code's alone, the rank log's name failures.RANK_LOG's: a grep of
+    the code (comments and docstrings aside) finds no second derivation."""
+    import re
+
+    sources = [*(ROOT / "megatron_ext").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]
+    twice = []
+    for path in sources:
+        code = re.sub(r'"""(?:.|\n)*?"""', "", path.read_text())  # docstrings
+        code = "\n".join(line.split("  #")[0] for line in code.splitlines() if not line.lstrip().startswith("#"))
+        if path.name != "errors.py" and re.search(r"\b128 \+ ", code):
+            twice.append(f"{path}: 128 + signal")
+        if path.name != "failures.py" and re.search(r"rank-(\{[^}]*\}|\*)\.log", code):
+            twice.append(f"{path}: the rank log's name")
+    assert not twice, twice
