@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 
 from megatron_ext.config.schema import HANG_MARGIN
 from megatron_ext.errors import EXIT_HUNG
+from megatron_ext.resilience import flight_recorder
 from megatron_ext.resilience.failures import RANK_LOG, rank_log, write_rank_log
 from megatron_ext.resilience.job_store import job_store
 from megatron_ext.resilience.nvrx import RankMonitorHeartbeats
@@ -122,6 +123,7 @@ class HangWatchdog:
                                                        "Python stacks of every thread follow")
         with contextlib.suppress(OSError), open(rank_log(self.log_dir, self.rank), "a") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
+        flight_recorder.dump(self.log_dir, self.rank)
         stopped, behind, procs = [], {}, {}
         if self._store is not None:
             before = self._heartbeats()
@@ -174,4 +176,7 @@ class HangWatchdog:
             lines.append("  behind the others: " + ", ".join(f"rank {r} at iteration {i}" for r, i in behind.items()))
         lines.append(f"  → Python stacks of the live ranks: {Path(self.log_dir) / RANK_LOG.format(rank='*')}; the job ends "
                      f"(exit {EXIT_HUNG}) so that SLURM requeues it and it resumes from the last checkpoint")
+        lines.append(f"  → the collective each live rank was in: python -m torch.distributed.flight_recorder.fr_trace "
+                     f"{self.log_dir} --prefix {flight_recorder.PREFIX} --allow-incomplete-ranks (torch's flight "
+                     "recorder, one dump per live rank)")
         return "\n".join(lines)

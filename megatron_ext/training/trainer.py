@@ -59,6 +59,7 @@ from megatron_ext.model.document_mask import uses_packed_sequences
 from megatron_ext.model.llama import transformer_engine_available
 from megatron_ext.model.moe import expert_biases
 from megatron_ext.planner.timeouts import hang_ceiling_s
+from megatron_ext.resilience import flight_recorder
 from megatron_ext.resilience.divergence import (
     NonFiniteSteps,
     check_loss_scale_floor,
@@ -142,6 +143,7 @@ class Trainer:
         # forked before the process groups start their threads; it must not outlive its rank
         if CheckpointManager.start_save_helper(cfg, die_with_parent):
             self.startup.mark("checkpoint save helper process")
+        flight_recorder.enable(log_dir(cfg))  # before the process groups: torch reads it when it creates them
         init_distributed(cfg, self.on_gpu, uses_transformer_engine(cfg, self.on_gpu, transformer_engine_available()))
         initialize_userbuffers(cfg)  # parallel.tp_comm_overlap: before TE's layers are built
         self.startup.mark("process groups")

@@ -7,6 +7,7 @@ import ctypes
 import json
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 from megatron_ext.checkpoint.layout import complete_iterations, latest_iteration
 from megatron_ext.errors import EXIT_FAILED
+from megatron_ext.resilience import flight_recorder
 from megatron_ext.resilience.run_record import read_node_ends, verdict
 from tests.launch import ROOT, SMALL_MODEL, free_ports, pretrain_command, read_scalars, run_env, run_pretrain
 
@@ -177,6 +179,10 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_pa
     for rank in (1, 2, 3):
         stacks = (logs / f"rank-{rank}.log").read_text()
         assert "hang watchdog" in stacks and "(most recent call first)" in stacks and "training/trainer.py" in stacks
+        # its flight recorder's dump: the collectives it ran, the last one still open (the stopped rank never joined)
+        trace = pickle.loads((logs / f"{flight_recorder.PREFIX}{rank}").read_bytes())
+        assert trace["entries"] and trace["entries"][-1]["state"] != "completed", trace["entries"][-1]
+    assert f"fr_trace {logs} --prefix {flight_recorder.PREFIX}" in text
     # which of the job's two ways of ending reaches the spare first is a race (recipes.launch's agent module)
     assert re.search(r"^node node-spare was not needed: it waited as a hot spare until the (job|rendezvous host) "
                      r"ended", spare_out.read_text(), re.MULTILINE), spare_out.read_text()[-3000:]
