@@ -120,6 +120,30 @@ PATCHED = [
             "resilience/agent.py"),
     Patched("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler._wrap_store",
             "7cfb065e563578ac", "resilience/agent.py"),
+    # torch's elastic agent (and NVRx's ft_launcher subclass of it), whose methods resilience/agent.py wraps in place:
+    # restarts ended after errors a restart repeats and the failures seen reported (_monitor_workers, _invoke_run),
+    # an unneeded hot spare ended (run), restarts timed (_restart_workers, _initialize_workers, _rendezvous), the
+    # job store named (_rendezvous), signals passed on as a stop with a checkpoint (_terminate_process_handler)
+    Patched("torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent._monitor_workers",
+            "4ba1c04fe76bba95", "resilience/agent.py"),
+    Patched("torch.distributed.elastic.agent.server.api.SimpleElasticAgent._invoke_run", "376e457facabbfbc",
+            "resilience/agent.py"),
+    Patched("torch.distributed.elastic.agent.server.api.SimpleElasticAgent._restart_workers", "7de319cd35c6f36e",
+            "resilience/agent.py"),
+    Patched("torch.distributed.elastic.agent.server.api.SimpleElasticAgent._initialize_workers", "14311253e222ba2a",
+            "resilience/agent.py"),
+    Patched("torch.distributed.elastic.agent.server.api.SimpleElasticAgent._rendezvous", "f0c843d67c04a7fc",
+            "resilience/agent.py"),
+    Patched("torch.distributed.elastic.multiprocessing.api._terminate_process_handler", "690db341fcce4d93",
+            "resilience/agent.py"),
+    Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._monitor_workers", "219a518f9f2ad4e7",
+            "resilience/agent.py"),
+    Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent._invoke_run", "a5b658f9a6ddfd0d",
+            "resilience/agent.py"),
+    Patched("nvidia_resiliency_ext.fault_tolerance.launcher.LocalElasticAgent.run", "4d9950799e905bc5",
+            "resilience/agent.py"),
+    # the document-mask hook hands GPTModel.forward the document ids as its attention_mask argument
+    Patched("megatron.core.models.gpt.gpt_model.GPTModel.forward", "ecf2ffcb318347f6", "model/document_mask.py"),
     # MLA's shared rotary key: its gradient summed over TP (megatron-core leaves each rank its own heads' share)
     Patched("megatron.core.transformer.multi_latent_attention.MLASelfAttention._qkv_down_projection",
             "6e1c7d106c8c3ac1", "model/mla.py"),
