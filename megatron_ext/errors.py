@@ -85,6 +85,14 @@ class CheckpointStorageError(CheckpointError):
     exit_code = EXIT_STORAGE
 
 
+class SaveHelperDiedError(CheckpointError):
+    """A rank's checkpoint save helper process is gone (killed: the OOM killer picks the process holding a copy of the
+    shards): a fault of that node, which the agent's restart repairs (the run resumes from its last complete
+    checkpoint)."""
+
+    exit_code = EXIT_FAILED
+
+
 class IncompatibleCheckpointError(CheckpointError):
     """The checkpoint lacks tensors this model needs (another model shape or architecture)."""
 

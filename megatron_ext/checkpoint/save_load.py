@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.managers
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -55,7 +56,7 @@ from megatron_ext.checkpoint.optimizer_format import (
 )
 from megatron_ext.checkpoint.retention import apply_retention
 from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_state
-from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError
+from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError, SaveHelperDiedError
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,26 @@ def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> No
         filesystem_async._results_queue = _save_helper.Queue()  # what _get_write_results_queue would create
 
 
+def helper_death() -> Optional[str]:
+    """How this rank's save helper process ended, if it has (None while it runs, or when none was started)."""
+    process = getattr(_save_helper, "_process", None)  # multiprocessing's BaseManager keeps its server process there
+    if process is None or process.is_alive():
+        return None
+    code = process.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
+    return f"rank {dist.get_rank()}'s checkpoint save helper process (pid {process.pid}) {how}"
+
+
+def _refuse_without_helpers(iteration: int) -> None:
+    """Collective, before a save starts: every rank raises the same one line when any rank's save helper is gone,
+    instead of the save waiting on it (or the ranks meeting in different collectives) until the collective timeout."""
+    deaths = [death for death in _from_every_rank(helper_death()) if death]
+    if deaths:
+        raise SaveHelperDiedError(f"{'; '.join(deaths)}, before the checkpoint of iteration {iteration} was written: "
+                                  "nothing was saved; the run resumes from its last complete checkpoint when its "
+                                  "workers are restarted (recipes.launch --max-restarts, or the SLURM requeue)")
+
+
 def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
     """Run one collective phase of a save; if it failed on any rank, remove the partial `target` and raise on
     every rank one CheckpointError naming each failed rank's cause (the ranks agree before going on)."""
@@ -258,6 +279,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     written in the background and the rest happens when the saver finalizes it. `before_commit` may raise to
     leave the shards without a manifest (a resume ignores them): a rank whose launcher died must not commit."""
     root = Path(root)
+    _refuse_without_helpers(iteration)
     ahead = latest_iteration(root)
     if ahead is not None and ahead > iteration:
         raise CheckpointError(f"{root} already holds iteration {ahead}, ahead of this save at {iteration}: "
