@@ -118,7 +118,7 @@ def _end_restarts_after_errors_a_restart_repeats(chosen: Agent) -> None:
                 _after_a_fault_recurred(agent, worker_group, chosen.processes)
         return result
 
-    monitor_workers.ends_restarts = True
+    monitor_workers.ends_restarts, monitor_workers.__wrapped__ = True, monitor  # __wrapped__: for the upstream hash
     chosen.local_agent._monitor_workers = monitor_workers
 
 
@@ -136,7 +136,7 @@ def _report_the_failures_seen(chosen: Agent) -> None:
             result = dataclasses.replace(result, failures=agent.seen_failures)
         return result
 
-    invoke_run_reporting_failures.reports_failures = True
+    invoke_run_reporting_failures.reports_failures, invoke_run_reporting_failures.__wrapped__ = True, invoke_run
     chosen.local_agent._invoke_run = invoke_run_reporting_failures
 
 
@@ -168,7 +168,7 @@ def _end_a_spare_the_job_did_not_need(local_agent: type) -> None:
             raise SpareNotNeeded("it waited as a hot spare until the job ended")
         return result
 
-    run_or_end_unneeded.ends_unneeded_spares = True
+    run_or_end_unneeded.ends_unneeded_spares, run_or_end_unneeded.__wrapped__ = True, run
     local_agent.run = run_or_end_unneeded
 
 
@@ -192,6 +192,8 @@ def _time_restarts(simple_agent: type) -> None:
         return result
 
     timed_restart.timed = True
+    timed_restart.__wrapped__, timed_initialize.__wrapped__, timed_rendezvous.__wrapped__ = (
+        restart_workers, initialize_workers, rendezvous)
     simple_agent._restart_workers, simple_agent._initialize_workers, simple_agent._rendezvous = (
         timed_restart, timed_initialize, timed_rendezvous)
 
@@ -222,7 +224,7 @@ def _name_the_job_store(simple_agent: type) -> None:
             os.environ[JOB_STORE] = f"{store.host}:{store.port}/{handler.get_run_id()}.{round_}"
         return result
 
-    rendezvous_naming_the_store.names_the_job_store = True
+    rendezvous_naming_the_store.names_the_job_store, rendezvous_naming_the_store.__wrapped__ = True, rendezvous
     simple_agent._rendezvous = rendezvous_naming_the_store
 
 
@@ -237,6 +239,7 @@ def _stop_ranks_with_a_checkpoint_on_signals(processes: ModuleType) -> None:
         stop.received = received
         raise stop
 
+    raise_stop.__wrapped__ = processes._terminate_process_handler  # torch's, for the upstream hash
     processes._terminate_process_handler = raise_stop  # what the agent installs when it starts the ranks
 
 

@@ -19,10 +19,11 @@ PREFIX = "collective-trace_"  # a rank's dump: <log_dir>/collective-trace_<rank>
 
 
 def environment(log_dir: str | Path) -> dict[str, str]:
-    """torch's variables for the recorder: the buffer (gloo's and NCCL's names), NCCL's dump on its timeout, and
-    where dumps go."""
-    return {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES),
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(Path(log_dir) / PREFIX)}
+    """torch's variables for the recorder: the buffer (TORCH_FR_BUFFER_SIZE, for every backend; its older name
+    TORCH_NCCL_TRACE_BUFFER_SIZE makes torch 2.13 print a deprecation line per rank), NCCL's dump on its timeout,
+    and where dumps go."""
+    return {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(Path(log_dir) / PREFIX)}
 
 
 def enable(log_dir: str | Path) -> None:
