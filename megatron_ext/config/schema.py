@@ -618,6 +618,15 @@ def microbatches_per_step(cfg: RecipeConfig, world_size: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))
 
 
+def ddp_bucket_size(cfg: RecipeConfig, dp: int) -> Optional[int]:
+    """Elements per gradient bucket where megatron-core's DDP buckets (the first chunk of pipeline stage 0), as it
+    sizes them from parallel.ddp_bucket_size over `dp` data-parallel ranks; None = one bucket (no overlap)."""
+    p = cfg.parallel
+    if not p.overlap_grad_reduce:
+        return None
+    return p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+
+
 def pipeline_stage_layers(cfg: RecipeConfig) -> list[int]:
     """Decoder layers on each pipeline stage, as megatron-core splits them: parallel.num_layers_in_first/last_
     pipeline_stage where set, the rest evenly over the other stages."""

@@ -24,6 +24,7 @@ from megatron_ext.config.schema import (
     ZERO_LEVEL,
     RecipeConfig,
     collective_timeout_minutes,
+    ddp_bucket_size,
     expert_data_parallel_size,
 )
 from megatron_ext.distributed import cpu_backend
@@ -163,21 +164,21 @@ def wrap_with_ddp(chunks: list[GPTModel], config: TransformerConfig, cfg: Recipe
         tag_params_for_buffer_routing(chunks)
     return [
         DistributedDataParallel(config=config, ddp_config=data_parallel, module=chunk, disable_bucketing=(i > 0),
-                                full_param_layout=_layer_wise_layout(chunk, data_parallel, i > 0) if layer_wise
+                                full_param_layout=_layer_wise_layout(chunk, data_parallel, cfg, i > 0) if layer_wise
                                 else None)
         for i, chunk in enumerate(chunks)
     ]
 
 
-def _layer_wise_layout(chunk: GPTModel, data_parallel: DistributedDataParallelConfig,
+def _layer_wise_layout(chunk: GPTModel, data_parallel: DistributedDataParallelConfig, cfg: RecipeConfig,
                        unbucketed: bool) -> FullParamLayout:
     """megatron-core's layer-wise distributed optimizer's layout of `chunk`'s gradient buffers, which DDP must be
     given (it derives only the distributed optimizer's itself): every Muon matrix whole in one DP rank's shard,
-    the rest sharded as the distributed optimizer shards it; buckets sized as DDP sizes them."""
+    the rest sharded as the distributed optimizer shards it; buckets sized as DDP sizes them (the first chunk of the
+    first stage only)."""
     dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    bucket = data_parallel.bucket_size or max(40_000_000, 1_000_000 * dp)
-    if unbucketed or not data_parallel.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank() > 0:
-        bucket = None
+    first = not unbucketed and parallel_state.get_pipeline_model_parallel_rank() == 0
+    bucket = ddp_bucket_size(cfg, dp) if first else None
     params = [param for param in chunk.parameters() if param.requires_grad]
     return LayerWiseDistributedOptimizer.compute_full_param_layout(
         params, bucket, dp, data_parallel,

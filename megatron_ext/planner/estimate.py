@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_ext.config.kernels import block_mask_bytes
-from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
+from megatron_ext.config.schema import RecipeConfig, ddp_bucket_size, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.activations import layer_activation_bytes, output_loss_bytes, stage_activation_bytes
 from megatron_ext.planner.layout import GIB, Layout, RankShape
 from megatron_ext.planner.static_memory import (
-    ddp_bucket_size,
     expert_static,
     largest_layer_elements,
     optimizer_bytes_per_element,

@@ -13,6 +13,7 @@ from megatron_ext.config.schema import (
     RecipeConfig,
     ShardingStrategy,
     data_parallel_size,
+    ddp_bucket_size,
     pipeline_stage_layers,
 )
 from megatron_ext.config.shape import ModelShape
@@ -116,15 +117,6 @@ def _owned_elements(buckets: list[tuple[int, int, list[tuple[int, int]]]], dp_cp
             for r in range((gap_start - start) // size, (gap_end - 1 - start) // size + 1):
                 padding[r] += min(gap_end, start + (r + 1) * size) - max(gap_start, start + r * size)
     return [whole - pad for pad in padding]
-
-
-def ddp_bucket_size(cfg: RecipeConfig, dp: int) -> Optional[int]:
-    """Elements per gradient bucket where megatron-core's DDP buckets (the first chunk of pipeline stage 0), as it
-    sizes them from parallel.ddp_bucket_size over `dp` data-parallel ranks; None = one bucket (no overlap)."""
-    p = cfg.parallel
-    if not p.overlap_grad_reduce:
-        return None
-    return p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
 
 
 def stage_static(shape: RankShape, stages: tuple[int, ...], vpp: Optional[int], pp_rank: int, dp: int, distopt: bool,

@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from megatron_ext.config.kernels import compiles_layers
-from megatron_ext.config.schema import RecipeConfig, microbatches_per_step, pipeline_stage_layers
+from megatron_ext.config.schema import RecipeConfig, ddp_bucket_size, microbatches_per_step, pipeline_stage_layers
 from megatron_ext.hardware import GPUSpec
 from megatron_ext.planner.compute_time import te_compute_seconds
 from megatron_ext.planner.layout import Layout, RankShape
 from megatron_ext.planner.muon import muon_seconds
 from megatron_ext.planner.static_memory import (
-    ddp_bucket_size,
     expert_static,
     model_elements,
     mtp_layers,

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ext import planner
-from megatron_ext.config.schema import load_config
+from megatron_ext.config.schema import ddp_bucket_size, load_config
 from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.hardware import GPUS
 from megatron_ext.planner import GIB, Layout, best_layout, explain, plan
-from megatron_ext.planner.static_memory import _ddp_buckets, _owned_elements, ddp_bucket_size
+from megatron_ext.planner.static_memory import _ddp_buckets, _owned_elements
 from megatron_ext.planner.step_time import te_layers
 from tests.launch import ROOT, TINY
 
