@@ -311,7 +311,7 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
         pending = {k for k in state if not k.endswith("._extra_state")}
         with torch.no_grad():
             for name, tensor in hf_to_megatron(reader.get, family.weight_mappings(shape), padded,
-                                                 family.qkv_codec(shape)):
+                                                 family.qkv_codec(shape), reader.get_row):
                 if name not in pending or state[name].shape != tensor.shape:
                     raise RuntimeError(f"weight mapping bug: {name} {tuple(tensor.shape)} does not fit")
                 state[name].copy_(tensor)

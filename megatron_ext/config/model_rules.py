@@ -1,5 +1,5 @@
 """The model architecture's config rules: which layers are MoE layers and how their experts are routed and laid out,
-multi-latent attention, multi-token prediction. Each broken rule is one ConfigError naming the key and what to do,
+multi-latent attention, multi-token prediction, GPT-OSS's attention and GLU. Each broken rule is one ConfigError naming the key and what to do,
 before any process starts (called by :func:`megatron_ext.config.validate.validate_layout`)."""
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def validate_moe(cfg: RecipeConfig, world_size: int) -> None:
             f"{[d for d in range(1, experts + 1) if experts % d == 0]}")
     require(etp >= 1 and shape.expert_ffn_hidden_size % etp == 0, "parallel.expert_tensor_parallel_size", etp,
             f"must divide the experts' width {shape.expert_ffn_hidden_size} (model.moe_ffn_hidden_size)")
+    require(etp == 1 or not m.add_bias_linear, "parallel.expert_tensor_parallel_size", etp, "experts with biases "
+            "(model.add_bias_linear) are never split over TP (megatron-core's rule): set it 1, or null")
     non_pipeline = world_size // pp
     require(non_pipeline % (ep * etp) == 0, "parallel.expert_model_parallel_size", ep,
             f"EP × expert_tensor_parallel_size = {ep}×{etp} = {ep * etp} must divide the {non_pipeline} ranks of each "
@@ -151,8 +153,6 @@ def validate_mla(cfg: RecipeConfig) -> None:
     """Multi-latent attention: the keys it replaces, its ranks under TP, and what is not wired with it yet."""
     m, p = cfg.model, cfg.parallel
     if not m.multi_latent_attention:
-        require(m.rope_type == "rope", "model.rope_type", m.rope_type, "(YaRN) is multi-latent attention's; other "
-                "models' long-context scaling is model.rope_scaling_factor (Llama 3.1's): set it rope")
         return
     tp = p.tensor_model_parallel_size
     for key in ("num_query_groups", "kv_channels"):
@@ -170,9 +170,11 @@ def validate_mla(cfg: RecipeConfig) -> None:
     require(m.rope_scaling_factor is None, "model.rope_scaling_factor", m.rope_scaling_factor,
             "(Llama 3.1's RoPE scaling) does not apply to multi-latent attention, whose long-context scaling is YaRN: "
             "set it null (and model.rope_type=yarn with model.rotary_scaling_factor)")
-    if m.rope_type == "yarn":
-        require(m.beta_fast >= m.beta_slow, "model.beta_fast", m.beta_fast, f"must be at least model.beta_slow="
-                f"{m.beta_slow:g} (YaRN interpolates the frequencies between the two; Kimi K2: both 1)")
+    require(m.correction_range_round_to_int, "model.correction_range_round_to_int", False, "megatron-core's "
+            "multi-latent attention always rounds YaRN's frequency band to whole channels: set it true")
+    for key in ("softmax_type", "window_size"):
+        require(getattr(m, key) == getattr(ModelConfig, key), f"model.{key}", getattr(m, key), "is not wired with "
+                f"multi-latent attention here: leave it {getattr(ModelConfig, key)}")
     require(not cfg.data.reset_position_ids, "data.reset_position_ids", True, "megatron-core's multi-latent "
             "attention numbers positions 0..seq_length-1 itself and cannot restart them at documents: set it false "
             "(data.reset_attention_mask still keeps attention within each document)")
@@ -193,3 +195,39 @@ def validate_mtp(cfg: RecipeConfig) -> None:
                     (not cfg.data.reset_position_ids, "data.reset_position_ids")]:
         require(ok, key, True, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
                 "set it false")
+
+
+def validate_attention_and_glu(cfg: RecipeConfig) -> None:
+    """GPT-OSS's pieces — attention sinks, sliding windows, biases, the clamped quick-GeGLU — and YaRN: their shapes,
+    and what they are not wired with here (context parallelism's ring attention, the fused SwiGLU kernels, RoPE
+    restarted at documents), each refused in one line."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.rope_type == "yarn":
+        require(m.beta_fast >= m.beta_slow, "model.beta_fast", m.beta_fast, f"must be at least model.beta_slow="
+                f"{m.beta_slow:g} (YaRN interpolates the frequencies between the two; Kimi K2: both 1)")
+        require(m.rope_scaling_factor is None, "model.rope_scaling_factor", m.rope_scaling_factor, "(Llama 3.1's "
+                "RoPE scaling) and YaRN (model.rope_type=yarn) are two long-context scalings: keep one")
+        require(m.multi_latent_attention or not cfg.data.reset_position_ids, "data.reset_position_ids", True,
+                "megatron-core's YaRN embedding numbers positions 0..seq_length-1 and this model cannot restart it at "
+                "documents: set it false (data.reset_attention_mask still keeps attention within each document)")
+    window = m.window_size
+    if window is None:
+        require(m.window_attn_skip_freq is None, "model.window_attn_skip_freq", m.window_attn_skip_freq,
+                "chooses which layers keep a sliding window: set model.window_size, or leave it null")
+    else:
+        require(len(window) == 2 and window[0] >= 1 and window[1] == 0, "model.window_size", list(window),
+                "must be [left, 0]: each query sees the left >= 1 keys before it and itself (causal; Hugging Face's "
+                "sliding_window=W is [W-1, 0])")
+        skip = m.window_attn_skip_freq
+        require(skip is None or (isinstance(skip, int) and skip >= 2) or (
+            isinstance(skip, list) and len(skip) == m.num_layers and set(skip) <= {0, 1}),
+            "model.window_attn_skip_freq", skip, f"must be N >= 2 (every N-th layer full, the others windowed), a 0/1 "
+            f"flag for each of the model.num_layers={m.num_layers} layers (1 = windowed), or null (all windowed)")
+    if m.softmax_type != "vanilla" or window is not None:
+        what = "attention sinks (model.softmax_type)" if m.softmax_type != "vanilla" else "a sliding window"
+        require(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size,
+                f"the ring attention that splits sequences over CP ranks here has no {what}: set it 1")
+    plain_glu = m.activation_func == "silu" and m.activation_func_clamp_value is None and m.glu_linear_offset == 0.0
+    for key in ("fused_swiglu", "liger_kernels"):
+        require(plain_glu or not getattr(t, key), f"train.{key}", True, "fuses the plain SwiGLU; this model's GLU "
+                "(model.activation_func, activation_func_clamp_value, glu_linear_offset) runs unfused: set it false")

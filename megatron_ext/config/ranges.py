@@ -55,6 +55,9 @@ RANGES: dict[str, Range] = {
     "model.hidden_dropout": PROBABILITY, "model.attention_dropout": PROBABILITY,
     "model.moe_aux_loss_coeff": AT_LEAST_0, "model.moe_router_bias_update_rate": AT_LEAST_0,
     "model.moe_expert_capacity_factor": ABOVE_0, "model.moe_router_topk_scaling_factor": ABOVE_0,
+    "model.activation_func_clamp_value": ABOVE_0, "model.glu_linear_offset": AT_LEAST_0,
+    # [left, right] and N >= 2 or 0/1 flags: config/model_rules.py's rules, which know which
+    "model.window_size": AT_LEAST_0, "model.window_attn_skip_freq": AT_LEAST_0,
     "model.moe_layer_freq": AT_LEAST_0,  # N >= 1 or 0/1 flags: config/validate.py's rule, which knows which it is
     **{f"parallel.{key}": AT_LEAST_1 for key in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",

@@ -63,7 +63,13 @@ OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "ml
 # Mixture-of-Experts (megatron-core's TransformerConfig names and values)
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 MoEScoreFunction = Literal["softmax", "sigmoid"]
-RopeType = Literal["rope", "yarn"]  # megatron-core's MLA rotary embeddings
+RopeType = Literal["rope", "yarn"]  # megatron-core's rotary embeddings: plain, or YaRN's long-context scaling
+# megatron-core's softmax_type: vanilla; learnable = attention sinks (a learned logit per head that takes part in the
+# softmax and attends to nothing: GPT-OSS); off-by-one = that logit fixed at 0
+SoftmaxType = Literal["vanilla", "off-by-one", "learnable"]
+# the GLU's activation on its gate half: silu (SwiGLU: Llama, Qwen, DeepSeek) or quick_gelu (x·sigmoid(1.702·x): with
+# activation_func_clamp_value and glu_linear_offset, GPT-OSS's clamped SwiGLU)
+ActivationFunc = Literal["silu", "quick_gelu"]
 # the model keys that set YaRN (model.rope_type=yarn), named as megatron-core's MLATransformerConfig fields
 YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim")
@@ -142,6 +148,22 @@ class ModelConfig:
     # unfused (plain PyTorch) — the way around a cuDNN that the TE build does not match. Not NVTE_*_ATTN variables:
     # megatron-core refuses those unless they agree with this key
     te_attention_kernel: TEAttentionKernel = "auto"
+    # attention sinks (GPT-OSS: learnable), megatron-core's softmax_type (the SoftmaxType comment above)
+    softmax_type: SoftmaxType = "vanilla"
+    # sliding-window attention, megatron-core's window_size [left, right]: a query sees the `left` keys before it and
+    # itself (right must be 0: causal); null = full causal attention. Hugging Face's sliding_window=W is [W-1, 0]
+    window_size: Optional[list[int]] = None
+    # with window_size, which layers are windowed (megatron-core's window_attn_skip_freq): N = all but every N-th
+    # layer counting from 1 (GPT-OSS: 2, windowed and full alternating from a windowed first layer), or a 1/0 flag per
+    # layer (1 = windowed); null = every layer windowed
+    window_attn_skip_freq: Optional[Union[int, list[int]]] = None
+    add_bias_linear: bool = False  # a bias in every linear layer: attention's projections, MLPs, experts, router
+    add_qkv_bias: bool = False  # a bias in the query/key/value projection (Qwen2's); implied by add_bias_linear
+    activation_func: ActivationFunc = "silu"  # the GLU's activation (the ActivationFunc comment above)
+    # the GLU's gate half clamped above at this value and its linear half to ±this before the product; null = none
+    # (GPT-OSS: 7)
+    activation_func_clamp_value: Optional[float] = None
+    glu_linear_offset: float = 0.0  # added to the GLU's linear half before the product (GPT-OSS: 1)
     # Multi-latent attention (DeepSeek-V2/V3, docs/moe.md): queries and keys/values through low-rank projections
     # (each followed by an RMSNorm), every head's query and key a non-rotary part and a rotary part shared by the
     # heads' keys; replaces num_query_groups/kv_channels/qk_layernorm
@@ -151,8 +173,8 @@ class ModelConfig:
     qk_head_dim: int = 128  # each head's non-rotary query/key channels
     qk_pos_emb_head_dim: int = 64  # each head's rotary query/key channels (the key's shared by all heads)
     v_head_dim: int = 128  # each head's value channels
-    # the rotary part's RoPE under multi-latent attention: rope (plain, model.rotary_base), or yarn (DeepSeek-V3's and
-    # Kimi K2's long-context scaling, set by the keys below; megatron-core's names and defaults)
+    # RoPE (under multi-latent attention its rotary part's): rope (plain, model.rotary_base), or yarn (the long-context
+    # scaling of DeepSeek-V3, Kimi K2 and GPT-OSS, set by the keys below; megatron-core's names and defaults)
     rope_type: RopeType = "rope"
     rotary_scaling_factor: float = 40.0  # yarn: the context's extension (DeepSeek-V3: 40, Kimi K2: 32)
     original_max_position_embeddings: int = 4096  # yarn: the context the frequencies were first trained for
@@ -160,6 +182,9 @@ class ModelConfig:
     beta_slow: float = 1.0  # yarn: frequencies turning less often than this are interpolated fully
     mscale: float = 1.0  # yarn: cos/sin are scaled by (0.1·mscale·ln(factor) + 1) / the same with mscale_all_dim
     mscale_all_dim: float = 0.0  # yarn: the softmax scale is multiplied by (0.1·this·ln(factor) + 1)² (DeepSeek-V3: 1)
+    # yarn: the frequency band's edges rounded to whole channels (transformers' truncate; GPT-OSS: false). Multi-latent
+    # attention's YaRN always rounds
+    correction_range_round_to_int: bool = True
     # Mixture-of-Experts (docs/moe.md): an MoE layer's MLP is this many experts and a router; null = dense
     num_moe_experts: Optional[int] = None
     # which decoder layers are MoE layers, the others dense SwiGLUs of ffn_hidden_size: N = every N-th from the first
@@ -214,7 +239,8 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None  # chunks per stage (interleaved 1F1B); null = off
     context_parallel_size: int = 1  # CP: each sequence split over this many GPUs (long context)
     expert_model_parallel_size: int = 1  # EP: an MoE layer's experts split over this many GPUs
-    # ETP: each expert's matrices split over this many GPUs; null = tensor_model_parallel_size
+    # ETP: each expert's matrices split over this many GPUs; null = tensor_model_parallel_size (1 for experts with
+    # biases: megatron-core splits those over TP never)
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False  # norms and dropout split over the TP group along the sequence (TP > 1)
     use_distributed_optimizer: bool = True  # optimizer state and main weights sharded over DP (ZeRO-1)
@@ -642,9 +668,16 @@ def pipeline_stage_layers(cfg: RecipeConfig) -> list[int]:
 
 
 def expert_tensor_parallel_size(cfg: RecipeConfig) -> int:
-    """ETP as megatron-core builds it: parallel.expert_tensor_parallel_size, or TP where it is null."""
+    """ETP as megatron-core builds it: parallel.expert_tensor_parallel_size, or where it is null what the model
+    implies (:func:`model_expert_tensor_parallel_size`), else TP."""
     p = cfg.parallel
-    return p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    return p.expert_tensor_parallel_size or model_expert_tensor_parallel_size(cfg.model) or p.tensor_model_parallel_size
+
+
+def model_expert_tensor_parallel_size(model: ModelConfig) -> Optional[int]:
+    """The ETP a model fixes whatever the layout: 1 for experts with biases (model.add_bias_linear), which
+    megatron-core never splits over TP; None where it follows the layout."""
+    return 1 if model.add_bias_linear and model.num_moe_experts else None
 
 
 def log_dir(cfg: RecipeConfig) -> str:

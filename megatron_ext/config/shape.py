@@ -7,6 +7,9 @@ the resume checks and the planner all read a :class:`ModelShape`.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -33,6 +36,20 @@ def moe_layer_pattern(moe_layer_freq: Union[int, list[int]], num_layers: int) ->
     return tuple(int(flag) for flag in moe_layer_freq)
 
 
+def window_layer_pattern(window_size: Optional[Any], window_attn_skip_freq: Optional[Union[int, list[int]]],
+                         num_layers: int) -> tuple[int, ...]:
+    """Which decoder layers attend through the sliding window (1) and which fully (0), as megatron-core reads
+    ``window_attn_skip_freq`` (transformer/utils.py ``is_layer_window_attention``; a unit test holds the two equal):
+    null = every layer, N = all but every N-th counting from 1, a list = its flags; () without a window."""
+    if not window_size:
+        return ()
+    if window_attn_skip_freq is None:
+        return (1,) * num_layers
+    if isinstance(window_attn_skip_freq, int):
+        return tuple(int((layer + 1) % window_attn_skip_freq != 0) for layer in range(num_layers))
+    return tuple(int(bool(flag)) for flag in window_attn_skip_freq)
+
+
 def cached_by_section(cache: dict, section: Any, key: tuple, compute: Callable[[], Any]) -> Any:
     """`compute()`'s result for config section `section` (and `key`), remembered while the section holds the values
     it held then: the planner asks for the same section's derived shapes hundreds of thousands of times in a search,
@@ -54,7 +71,8 @@ _SHAPES: dict[tuple, tuple[dict[str, Any], "ModelShape"]] = {}
 _CONFIG_KEY = {"tied_embeddings": "untie_embeddings_and_output_weights", "num_experts": "num_moe_experts",
                "expert_ffn_hidden_size": "moe_ffn_hidden_size", "router_topk": "moe_router_topk",
                "shared_expert_ffn_hidden_size": "moe_shared_expert_intermediate_size",
-               "moe_layers": "moe_layer_freq"}
+               "moe_layers": "moe_layer_freq", "linear_biases": "add_bias_linear", "qkv_bias": "add_qkv_bias",
+               "attention_sinks": "softmax_type"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,13 @@ class ModelShape:
     qk_head_dim: int = 0
     qk_pos_emb_head_dim: int = 0
     v_head_dim: int = 0
+    # GPT-OSS's pieces: a bias in every linear layer, or only in the query/key/value projection; a learned sink logit
+    # per head; a sliding window of `window` earlier keys on the layers window_layers flags (() = none)
+    linear_biases: bool = False
+    qkv_bias: bool = False
+    attention_sinks: bool = False
+    window: int = 0
+    window_layers: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, model: ModelConfig | Mapping[str, Any]) -> ModelShape:
@@ -96,6 +121,7 @@ class ModelShape:
         ffn = m.get("ffn_hidden_size") or default_ffn_hidden_size(hidden)
         experts = m.get("num_moe_experts") or 0
         mla = bool(m.get("multi_latent_attention", False))
+        window = tuple(m["window_size"]) if m.get("window_size") else None
         latent = {key: m.get(key, getattr(ModelConfig, key)) if mla else 0 for key in (
             "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
         return cls(
@@ -113,14 +139,20 @@ class ModelShape:
             moe_layers=moe_layer_pattern(m.get("moe_layer_freq", 1), m["num_layers"]) if experts else (),
             mtp_num_layers=m.get("mtp_num_layers") or 0,
             multi_latent_attention=mla, **latent,
+            linear_biases=bool(m.get("add_bias_linear", False)),
+            qkv_bias=bool(m.get("add_bias_linear", False) or m.get("add_qkv_bias", False)),
+            attention_sinks=m.get("softmax_type", "vanilla") == "learnable",
+            window=window[0] if window else 0,
+            window_layers=window_layer_pattern(window, m.get("window_attn_skip_freq"), m["num_layers"]),
         )
 
     def parameter_shapes(self) -> dict[str, Any]:
         """``model.<key>`` → its resolved value, for every setting that decides the shapes of the parameters (all of
         the shape's fields but the sequence length and top-k)."""
         values = {f"model.{_CONFIG_KEY.get(f.name, f.name)}": getattr(self, f.name) for f in fields(self)
-                  if f.name not in ("seq_length", "router_topk")}
+                  if f.name not in ("seq_length", "router_topk", "window", "window_layers")}
         values["model.untie_embeddings_and_output_weights"] = not values["model.untie_embeddings_and_output_weights"]
+        values["model.softmax_type"] = "learnable" if self.attention_sinks else "vanilla or off-by-one"
         return values
 
     @property
@@ -137,10 +169,16 @@ class ModelShape:
         shared experts (`active`: only the top-k experts a token goes through)."""
         h = self.hidden_size
         if not (moe and self.is_moe):
-            return 3 * h * self.ffn_hidden_size
+            return self._glu_parameters(self.ffn_hidden_size)
         experts = self.router_topk if active else self.num_experts
-        return h * self.num_experts + experts * 3 * h * self.expert_ffn_hidden_size + 3 * h * (
-            self.shared_expert_ffn_hidden_size)
+        router = (h + int(self.linear_biases)) * self.num_experts
+        shared = self._glu_parameters(self.shared_expert_ffn_hidden_size) if self.shared_expert_ffn_hidden_size else 0
+        return router + experts * self._glu_parameters(self.expert_ffn_hidden_size) + shared
+
+    def _glu_parameters(self, width: int) -> int:
+        """A GLU MLP of `width`: up (gate and linear halves), down, and their biases with linear_biases."""
+        h = self.hidden_size
+        return 3 * h * width + ((2 * width + h) if self.linear_biases else 0)
 
     @property
     def query_key_head_dim(self) -> int:
@@ -159,13 +197,14 @@ class ModelShape:
         return self.num_query_groups * (self.query_key_head_dim + self.value_head_dim)
 
     def attention_parameters(self) -> int:
-        """One layer's attention projection weights (its norms left out). Multi-latent attention: the query's
+        """One layer's attention projection weights (its norms left out; with their biases and sinks). Multi-latent attention: the query's
         down- and up-projections, the KV down-projection (to the compressed KV and
         the shared rotary key) and up-projection (to every head's non-rotary key and value), the output projection."""
         h, n = self.hidden_size, self.num_attention_heads
-        if not self.multi_latent_attention:
-            d = self.kv_channels
-            return h * d * (n + 2 * self.num_query_groups) + n * d * h
+        if not self.multi_latent_attention:  # (and the biases, the sinks)
+            d, qkv = self.kv_channels, n + 2 * self.num_query_groups
+            return (h * d * qkv + n * d * h + (d * qkv if self.qkv_bias else 0) + (h if self.linear_biases else 0)
+                    + (n if self.attention_sinks else 0))
         queries = self.q_lora_rank * (h + n * self.query_key_head_dim)
         keys_values = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * n * (
             self.qk_head_dim + self.v_head_dim)
@@ -187,7 +226,14 @@ class ModelShape:
         layers = self.num_layers + self.mtp_num_layers
         norms = layers * self._norm_parameters_per_layer() + self.hidden_size + self.mtp_num_layers * 3 * self.hidden_size
         embeddings = vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_parameters(vocab_size) - norms - embeddings
+        return self.num_parameters(vocab_size) - norms - embeddings - self._vector_parameters()
+
+    def _vector_parameters(self) -> int:
+        """The biases and sinks over all layers: 1-D, so Adam's under Muon (as the norms)."""
+        if not (self.linear_biases or self.qkv_bias or self.attention_sinks):
+            return 0
+        plain = dataclasses.replace(self, linear_biases=False, qkv_bias=False, attention_sinks=False)
+        return self.num_parameters(0) - plain.num_parameters(0)
 
     def mtp_projection_parameters(self) -> int:
         """What an MTP layer has besides its decoder layer: the norms of the embedding and of the previous hidden
@@ -201,46 +247,62 @@ class ModelShape:
             return 2 * self.hidden_size + self.q_lora_rank + self.kv_lora_rank
         return 2 * self.hidden_size + (2 * self.kv_channels if self.qk_layernorm else 0)
 
-    def attention_flops_per_token(self, causal: bool = True) -> float:
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) attends through the sliding window (an MTP layer never does)."""
+        return layer < len(self.window_layers) and bool(self.window_layers[layer])
+
+    def attention_flops_per_token(self, causal: bool = True, windowed: bool = False) -> float:
         """One layer's score and value matmuls, forward+backward, for one token: 6·heads·(query/key + value
-        channels)·s over all of the score matrix (how torchtitan counts), half of it causal."""
+        channels)·s over all of the score matrix (how torchtitan counts), half of it causal. Through the sliding window
+        (`windowed`) a query sees w = window + 1 keys at most: on average w - w²/(2s) of them causally (the first w
+        queries fewer), twice that (at most s) counted non-causally."""
         channels = self.query_key_head_dim + self.value_head_dim
-        return (3.0 if causal else 6.0) * channels * self.num_attention_heads * self.seq_length
+        s, w = self.seq_length, self.window + 1
+        keys = s / 2 if not windowed or w >= s else w - w * w / (2 * s)
+        return 6.0 * channels * self.num_attention_heads * (keys if causal else min(2 * keys, s))
 
     def layer_flops_per_token(self, layer: int, causal: bool = True,
                               recompute: Optional[RecomputeGranularity] = None) -> float:
         """Decoder layer `layer`'s (from 0) forward+backward FLOPs for one token: 6 × the matmul parameters it goes
-        through (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms
-        excluded) + its attention; with `recompute`, what the backward pass repeats: the whole forward (full) or
-        attention's (selective) — hardware FLOPs, not model FLOPs."""
-        return self._layer_flops_per_token(self.is_moe_layer(layer), causal, recompute)
+        through (attention's projections; the MLP, or an MoE layer's router, top-k experts and shared experts; norms,
+        biases and sinks excluded) + its attention; with `recompute`, what the backward pass repeats: the whole
+        forward (full) or attention's (selective) — hardware FLOPs, not model FLOPs."""
+        return self._layer_flops_per_token(self.is_moe_layer(layer), causal, recompute, self.is_window_layer(layer))
 
-    def _layer_flops_per_token(self, moe: bool, causal: bool, recompute: Optional[RecomputeGranularity]) -> float:
-        kinds = self.layer_flops_by_kind(moe, causal)
+    def _layer_flops_per_token(self, moe: bool, causal: bool, recompute: Optional[RecomputeGranularity],
+                               windowed: bool = False) -> float:
+        kinds = self.layer_flops_by_kind(moe, causal, windowed)
         matmuls, attention = kinds["dense_gemm"] + kinds["expert_gemm"], kinds["attention"]
         repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
         return matmuls + attention + repeated
 
-    def layer_flops_by_kind(self, moe: bool, causal: bool = True) -> dict[str, float]:
+    @functools.cached_property
+    def _matmuls(self) -> ModelShape:
+        """This shape without its biases and sinks: what the FLOP counts multiply (an add is not a matmul)."""
+        return dataclasses.replace(self, linear_biases=False, qkv_bias=False, attention_sinks=False)
+
+    def layer_flops_by_kind(self, moe: bool, causal: bool = True, windowed: bool = False) -> dict[str, float]:
         """One decoder layer's forward+backward FLOPs for one token by the kernels that run them: ``dense_gemm``
         (attention's projections, the dense MLP or an MoE layer's router and shared experts), ``expert_gemm`` (the
-        top-k experts' grouped GEMMs) and ``attention`` (the score and value matmuls). They sum to the layer's count."""
+        top-k experts' grouped GEMMs) and ``attention`` (the score and value matmuls; `windowed`: a sliding-window
+        layer's). They sum to the layer's count."""
+        plain = self._matmuls
         experts = 6.0 * self.router_topk * 3 * self.hidden_size * self.expert_ffn_hidden_size if (
             moe and self.is_moe) else 0.0
-        return {"dense_gemm": 6.0 * (self.attention_parameters() + self.mlp_parameters(True, moe)) - experts,
-                "expert_gemm": experts, "attention": self.attention_flops_per_token(causal)}
+        return {"dense_gemm": 6.0 * (plain.attention_parameters() + plain.mlp_parameters(True, moe)) - experts,
+                "expert_gemm": experts, "attention": self.attention_flops_per_token(causal, windowed)}
 
-    def recompute_flops_per_token(self, moe: bool, modules: Iterable[str]) -> float:
+    def recompute_flops_per_token(self, moe: bool, modules: Iterable[str], windowed: bool = False) -> float:
         """What selective recompute of megatron-core's `modules` repeats in one layer's backward pass, per token:
         each recomputed module's forward (a third of its forward+backward count); layernorm and moe_act are
         elementwise (no FLOPs counted)."""
-        kinds = self.layer_flops_by_kind(moe)
+        kinds = self.layer_flops_by_kind(moe, windowed=windowed)
         h, n = self.hidden_size, self.num_attention_heads
         up_projections = (n * self.query_key_head_dim * self.q_lora_rank + self.kv_lora_rank * n * (
             self.qk_head_dim + self.v_head_dim)) if self.multi_latent_attention else 0
         shared = 3 * h * self.shared_expert_ffn_hidden_size if moe and self.is_moe else 0
         forward = {"core_attn": kinds["attention"] / 3, "mla_up_proj": 2.0 * up_projections,
-                   "mlp": 0.0 if moe and self.is_moe else 2.0 * self.mlp_parameters(True, False),
+                   "mlp": 0.0 if moe and self.is_moe else 2.0 * self._matmuls.mlp_parameters(True, False),
                    "moe": kinds["expert_gemm"] / 3 + 2.0 * (h * self.num_experts + shared) if moe and self.is_moe
                    else 0.0, "shared_experts": 2.0 * shared}
         return sum(forward.get(module, 0.0) for module in modules)
@@ -267,11 +329,9 @@ class ModelShape:
                                recompute: Optional[RecomputeGranularity] = None) -> float:
         """:meth:`layer_flops_per_token` summed over `layers` (each kind of layer counted once, then multiplied: the
         planner asks for many stages of many layouts)."""
-        layers = list(layers)
-        moe = sum(map(self.is_moe_layer, layers))
-        dense = len(layers) - moe
-        return sum(n * self._layer_flops_per_token(kind, causal, recompute) for kind, n in ((True, moe), (False, dense))
-                   if n)
+        kinds = collections.Counter((self.is_moe_layer(layer), self.is_window_layer(layer)) for layer in layers)
+        return sum(n * self._layer_flops_per_token(moe, causal, recompute, windowed)
+                   for (moe, windowed), n in kinds.items())
 
 
 def model_flops_per_token(cfg: RecipeConfig, vocab_size: int, causal: bool = True) -> float:

@@ -15,7 +15,13 @@ import typing
 from typing import Any, Optional
 
 from megatron_ext.config.cuda_graph_rules import validate_cuda_graphs
-from megatron_ext.config.model_rules import validate_mla, validate_moe, validate_moe_layer_freq, validate_mtp
+from megatron_ext.config.model_rules import (
+    validate_attention_and_glu,
+    validate_mla,
+    validate_moe,
+    validate_moe_layer_freq,
+    validate_mtp,
+)
 from megatron_ext.config.optimizer_rules import validate_optimizer
 from megatron_ext.config.precision import Capability, validate_precision
 from megatron_ext.config.schema import (
@@ -193,6 +199,7 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
 
     validate_mla(cfg)
     validate_mtp(cfg)
+    validate_attention_and_glu(cfg)
     _validate_pipeline(cfg)
     for key in ("hidden_dropout", "attention_dropout"):
         require(0.0 <= getattr(m, key) < 1.0, f"model.{key}", getattr(m, key), "must be in [0, 1)")

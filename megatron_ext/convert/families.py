@@ -1,5 +1,5 @@
 """Which Hugging Face model family a directory or a recipe is, and that family's module: :mod:`hf_llama` (Llama,
-Qwen3, Mixtral, Qwen3-MoE) or :mod:`hf_deepseek` (DeepSeek-V3 class). Each family module offers the same functions —
+Qwen3, Mixtral, Qwen3-MoE), :mod:`hf_deepseek` (DeepSeek-V3 class, Kimi K2) or :mod:`hf_gpt_oss` (GPT-OSS). Each family module offers the same functions —
 ``shape_from_config``, ``shape_from_recipe``, ``hf_config``, ``recipe_model_fields``, ``weight_mappings``,
 ``hf_shapes``, ``tensor_copies``, ``qkv_codec`` — over its own shape type; :mod:`recipes.convert` calls them through
 :func:`family_of` and never names a family itself."""
@@ -10,15 +10,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Union
 
-from megatron_ext.config.schema import RecipeConfig
-from megatron_ext.convert import hf_deepseek, hf_llama
+from megatron_ext.config.schema import ModelConfig, RecipeConfig
+from megatron_ext.convert import hf_deepseek, hf_gpt_oss, hf_llama
 from megatron_ext.convert.hf_files import SafetensorsReader, read_config_json
 from megatron_ext.errors import ConversionError
 
-HFShape = Union[hf_llama.LlamaShape, hf_deepseek.DeepseekShape]
-_FAMILIES: dict[str, ModuleType] = {model_type: family for family in (hf_llama, hf_deepseek)
+HFShape = Union[hf_llama.LlamaShape, hf_deepseek.DeepseekShape, hf_gpt_oss.GptOssShape]
+_FAMILIES: dict[str, ModuleType] = {model_type: family for family in (hf_llama, hf_deepseek, hf_gpt_oss)
                                     for model_type in family.ARCHITECTURES}
-ARCHITECTURES: dict[str, str] = {**hf_llama.ARCHITECTURES, **hf_deepseek.ARCHITECTURES}  # model_type: architecture
+ARCHITECTURES: dict[str, str] = {model_type: family.ARCHITECTURES[model_type]  # model_type: architecture
+                                 for model_type, family in _FAMILIES.items()}
 
 
 def _model_type(config: dict[str, Any], source: str) -> str:
@@ -56,7 +57,20 @@ def family_of(shape: HFShape) -> ModuleType:
 
 
 def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> HFShape:
-    """The Hugging Face shape a recipe exports as: DeepSeek-V3 with multi-latent attention, else a Llama-family
-    model."""
-    family = hf_deepseek if cfg.model.multi_latent_attention else hf_llama
+    """The Hugging Face shape a recipe exports as: DeepSeek-V3 with multi-latent attention, GPT-OSS with attention
+    sinks, else a Llama-family model."""
+    family = (hf_deepseek if cfg.model.multi_latent_attention else hf_gpt_oss if cfg.model.softmax_type == "learnable"
+              else hf_llama)
+    if family is not hf_gpt_oss:
+        plain = _GPT_OSS_KEYS + (("rope_type", "correction_range_round_to_int") if family is hf_llama else ())
+        for key in plain:
+            if getattr(cfg.model, key) != getattr(ModelConfig, key):
+                raise ConversionError(f"model.{key}={getattr(cfg.model, key)!r}: this model is exported as a "
+                                      f"{family.__name__.rsplit('_', 1)[-1]}-family model, which has no such setting "
+                                      f"(only {key}={getattr(ModelConfig, key)!r} converts)")
     return family.shape_from_recipe(cfg, vocab_size)
+
+
+# the keys only GPT-OSS among the families sets (another family exports only their defaults)
+_GPT_OSS_KEYS = ("softmax_type", "window_size", "window_attn_skip_freq", "add_bias_linear", "add_qkv_bias",
+                 "activation_func", "activation_func_clamp_value", "glu_linear_offset")

@@ -32,16 +32,22 @@ import torch
 
 from megatron_ext.config.schema import YARN_KEYS, RecipeConfig
 from megatron_ext.config.shape import ModelShape
-from megatron_ext.convert.hf_files import field, refuse_unless, shared_config_fields
-from megatron_ext.convert.weight_mapping import SEQ_LENGTH_CAP, WeightMapping, vocab_padding
+from megatron_ext.convert.hf_files import (
+    HF_YARN,
+    field,
+    refuse_unless,
+    rope_config_fields,
+    shared_config_fields,
+    shared_recipe_fields,
+    yarn_rope,
+)
+from megatron_ext.convert.weight_mapping import WeightMapping
 from megatron_ext.errors import ConversionError
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}  # model_type: architecture
 # transformers' DeepseekV3RMSNorm over the compressed query and KV takes its default epsilon, not rms_norm_eps;
 # megatron-core's MLA norms take the model's one epsilon, so the two agree only at this value.
 _MLA_NORM_EPS = 1e-6
-# YaRN's numbers under transformers' names: the recipe's (YARN_KEYS) but for the factor
-_HF_YARN = tuple({"rotary_scaling_factor": "factor"}.get(key, key) for key in YARN_KEYS)
 
 
 @dataclass(frozen=True)
@@ -85,37 +91,6 @@ class DeepseekShape:
 # Hugging Face config.json
 
 
-def _rope(config: dict[str, Any], source: str) -> tuple[float, Optional[tuple[float, ...]]]:
-    """(rope_theta, YaRN's six numbers or None) from the legacy (rope_scaling) or transformers-5 form."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConversionError(f"{source}: rope_theta={theta!r} must be a positive number")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "yarn":
-        raise ConversionError(f"{source}: rope_type={rope_type!r} is not supported (none/default, or yarn)")
-    refuse_unless(params, f"{source} rope_parameters", {"attention_factor": None, "truncate": True,
-                                                         "partial_rotary_factor": 1.0},
-                  "megatron-core's YaRN derives the attention factor from mscale/mscale_all_dim and rounds the "
-                  "correction range")
-    factor = field(params, "factor", source, kind=float)
-    original = field(params, "original_max_position_embeddings", source)
-    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):  # optional; null or 0: transformers' default
-        if params.get(name):
-            field(params, name, source, kind=float)
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    # transformers uses mscale/mscale_all_dim only when both are set (else mscale 1, no all-dim term): so does this
-    if not (mscale and mscale_all_dim) and mscale not in (None, 1, 1.0):
-        raise ConversionError(f"{source}: rope_parameters.mscale={mscale!r} without mscale_all_dim is not supported "
-                              "(transformers then ignores mscale, megatron-core does not): give both, or mscale=1")
-    values = {"factor": float(factor), "original_max_position_embeddings": int(original),
-              "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
-              "mscale": float(mscale or 1.0), "mscale_all_dim": float(mscale_all_dim or 0.0)}
-    return float(theta), tuple(values[name] for name in _HF_YARN)
-
-
 def shape_from_config(config: dict[str, Any], source: str, model_type: str, tensors: Collection[str]
                       ) -> DeepseekShape:
     """Check config.json's fields (read from `source`): a DeepSeek-V3-class model our model reproduces exactly, with
@@ -152,7 +127,7 @@ def shape_from_config(config: dict[str, Any], source: str, model_type: str, tens
     if topk > 1 and not field(config, "norm_topk_prob", source, default=True, kind=bool):
         raise ConversionError(f"{source}: norm_topk_prob=false is not supported: megatron-core renormalises the "
                               "chosen experts' sigmoid scores")
-    theta, yarn = _rope(config, source)
+    theta, yarn, _ = yarn_rope(config, source)
     mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)) or 0
     carried = [k for k in range(mtp) if f"model.layers.{num_layers + k}.eh_proj.weight" in tensors]
     if len(carried) not in (0, mtp):
@@ -191,15 +166,10 @@ def hf_config(shape: DeepseekShape, dtype: torch.dtype, bos_id: Optional[int], e
               ) -> dict[str, Any]:
     """config.json for transformers' DeepseekV3ForCausalLM (both the transformers-5 rope_parameters and the
     published rope_scaling form of the RoPE)."""
-    rope = {"rope_type": "default"} if shape.yarn is None else {"rope_type": "yarn", **dict(zip(_HF_YARN, shape.yarn))}
+    rope = {"rope_type": "default"} if shape.yarn is None else {"rope_type": "yarn", **dict(zip(HF_YARN, shape.yarn))}
     return {
-        "architectures": [shape.architecture],
-        "model_type": shape.model_type,
-        "hidden_size": shape.hidden_size,
         "intermediate_size": shape.ffn_hidden_size,
         "moe_intermediate_size": shape.moe_ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_heads,
         "q_lora_rank": shape.q_lora_rank,
         "kv_lora_rank": shape.kv_lora_rank,
@@ -216,9 +186,7 @@ def hf_config(shape: DeepseekShape, dtype: torch.dtype, bos_id: Optional[int], e
         "routed_scaling_factor": shape.routed_scaling_factor,
         "num_nextn_predict_layers": shape.mtp_layers,
         "hidden_act": "silu",
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": None if shape.yarn is None else rope,
-        "rope_parameters": {"rope_theta": shape.rope_theta, **rope},
+        **rope_config_fields(shape.rope_theta, rope),
         "rope_interleave": True,
         **shared_config_fields(shape, dtype, bos_id, eos_id),
     }
@@ -231,12 +199,9 @@ def hf_config(shape: DeepseekShape, dtype: torch.dtype, bos_id: Optional[int], e
 def recipe_model_fields(shape: DeepseekShape, tensor_parallel_size: int) -> dict[str, Any]:
     """The ``model.*`` section of a recipe that builds exactly this model, training its router as DeepSeek-V3 did:
     aux-loss-free balancing (the expert bias) beside a small per-sequence balance loss."""
-    divisor, _ = vocab_padding(shape.vocab_size, tensor_parallel_size)
     yarn = {} if shape.yarn is None else {"rope_type": "yarn", **dict(zip(YARN_KEYS, shape.yarn))}
     return {
-        "num_layers": shape.num_layers,
-        "hidden_size": shape.hidden_size,
-        "num_attention_heads": shape.num_heads,
+        **shared_recipe_fields(shape, tensor_parallel_size),
         "multi_latent_attention": True,
         "q_lora_rank": shape.q_lora_rank,
         "kv_lora_rank": shape.kv_lora_rank,
@@ -244,14 +209,7 @@ def recipe_model_fields(shape: DeepseekShape, tensor_parallel_size: int) -> dict
         "qk_pos_emb_head_dim": shape.qk_rope_head_dim,
         "v_head_dim": shape.v_head_dim,
         "ffn_hidden_size": shape.ffn_hidden_size,
-        "seq_length": min(shape.max_position_embeddings, SEQ_LENGTH_CAP),
-        "vocab_size": shape.vocab_size,
-        "make_vocab_size_divisible_by": divisor,
-        "rotary_base": shape.rope_theta,
         **yarn,
-        "layernorm_epsilon": shape.rms_norm_eps,
-        "init_method_std": shape.init_std,
-        "untie_embeddings_and_output_weights": not shape.tied,
         "num_moe_experts": shape.num_experts,
         "moe_layer_freq": [0] * shape.first_k_dense + [1] * (shape.num_layers - shape.first_k_dense),
         "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from megatron_ext.config.schema import YARN_KEYS
 from megatron_ext.errors import ConversionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json's names
@@ -38,6 +39,11 @@ def shared_config_fields(shape: Any, dtype: torch.dtype, bos_id: Optional[int], 
     """The config.json fields every family writes alike, from a family shape's attributes of the same names."""
     dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
     return {
+        "architectures": [shape.architecture],
+        "model_type": shape.model_type,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": shape.rms_norm_eps,
         "vocab_size": shape.vocab_size,
@@ -48,6 +54,32 @@ def shared_config_fields(shape: Any, dtype: torch.dtype, bos_id: Optional[int], 
         "eos_token_id": eos_id,
         "dtype": dtype_name,
         "torch_dtype": dtype_name,  # the key transformers < 4.56 reads
+    }
+
+
+def rope_config_fields(theta: float, rope: dict[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE as transformers 5 writes it (``rope_parameters``) and as the published configs do
+    (``rope_theta`` + ``rope_scaling``, null without scaling): `rope` is the scaling's ``rope_type`` and numbers."""
+    return {"rope_theta": theta, "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+            "rope_parameters": {"rope_theta": theta, **rope}}
+
+
+def shared_recipe_fields(shape: Any, tensor_parallel_size: int) -> dict[str, Any]:
+    """The ``model.*`` keys every family's recipe sets alike, from a family shape's attributes (the vocabulary padded
+    to load under TP 1, 2, 4, 8 and `tensor_parallel_size`, the sequence length capped)."""
+    from megatron_ext.convert.weight_mapping import SEQ_LENGTH_CAP, vocab_padding
+
+    return {
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "num_attention_heads": shape.num_heads,
+        "seq_length": min(shape.max_position_embeddings, SEQ_LENGTH_CAP),
+        "vocab_size": shape.vocab_size,
+        "make_vocab_size_divisible_by": vocab_padding(shape.vocab_size, tensor_parallel_size)[0],
+        "rotary_base": shape.rope_theta,
+        "layernorm_epsilon": shape.rms_norm_eps,
+        "init_method_std": shape.init_std,
+        "untie_embeddings_and_output_weights": not shape.tied,
     }
 
 
@@ -71,6 +103,47 @@ def refuse_unless(config: dict[str, Any], source: str, plain: Mapping[str, Any],
         if config.get(name, value) != value:
             raise ConversionError(f"{source}: {name}={config[name]!r} is not supported ({why}; only {name}={value!r} "
                                   "converts)")
+
+
+# YaRN's numbers under transformers' names: the recipe's (YARN_KEYS) but for the factor
+HF_YARN = tuple({"rotary_scaling_factor": "factor"}.get(key, key) for key in YARN_KEYS)
+
+
+def yarn_rope(config: dict[str, Any], source: str, unrounded_allowed: bool = False
+              ) -> tuple[float, Optional[tuple[float, ...]], bool]:
+    """(rope_theta, YaRN's six numbers (YARN_KEYS' order) or None, whether YaRN rounds its correction range) from the
+    legacy (rope_scaling) or transformers-5 form; `unrounded_allowed`: ``truncate=false`` converts (megatron-core's
+    GPT YaRN takes it, its multi-latent attention's does not)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConversionError(f"{source}: rope_theta={theta!r} must be a positive number")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None, True
+    if rope_type != "yarn":
+        raise ConversionError(f"{source}: rope_type={rope_type!r} is not supported (none/default, or yarn)")
+    truncate = params.get("truncate", True)
+    refuse_unless(params, f"{source} rope_parameters", {"attention_factor": None, "partial_rotary_factor": 1.0,
+                                                         **({} if unrounded_allowed else {"truncate": True})},
+                  "megatron-core's YaRN derives the attention factor from mscale/mscale_all_dim" + (
+                      "" if unrounded_allowed else " and, under multi-latent attention, rounds the correction range"))
+    if not isinstance(truncate, bool):
+        raise ConversionError(f"{source}: rope_parameters.truncate={truncate!r} must be true or false")
+    factor = field(params, "factor", source, kind=float)
+    original = field(params, "original_max_position_embeddings", source)
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):  # optional; null or 0: transformers' default
+        if params.get(name):
+            field(params, name, source, kind=float)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    # transformers uses mscale/mscale_all_dim only when both are set (else mscale 1, no all-dim term): so does this
+    if not (mscale and mscale_all_dim) and mscale not in (None, 1, 1.0):
+        raise ConversionError(f"{source}: rope_parameters.mscale={mscale!r} without mscale_all_dim is not supported "
+                              "(transformers then ignores mscale, megatron-core does not): give both, or mscale=1")
+    values = {"factor": float(factor), "original_max_position_embeddings": int(original),
+              "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+              "mscale": float(mscale or 1.0), "mscale_all_dim": float(mscale_all_dim or 0.0)}
+    return float(theta), tuple(values[name] for name in HF_YARN), truncate
 
 
 class SafetensorsReader:
@@ -121,6 +194,10 @@ class SafetensorsReader:
 
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.files[name]].get_tensor(name)
+
+    def get_row(self, name: str, row: int) -> torch.Tensor:
+        """``get(name)[row]``, reading that row's bytes only (one expert of a tensor stacking a layer's experts)."""
+        return self._handles[self.files[name]].get_slice(name)[row]
 
 
 def check_tensors(reader: SafetensorsReader, expected: Mapping[str, tuple[int, ...]], copies: Mapping[str, str],

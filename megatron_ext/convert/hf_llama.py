@@ -34,8 +34,8 @@ import torch
 
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape
-from megatron_ext.convert.hf_files import field, shared_config_fields
-from megatron_ext.convert.weight_mapping import SEQ_LENGTH_CAP, QKVCodec, WeightMapping, vocab_padding
+from megatron_ext.convert.hf_files import field, shared_config_fields, shared_recipe_fields
+from megatron_ext.convert.weight_mapping import QKVCodec, WeightMapping
 from megatron_ext.errors import ConversionError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",  # model_type: architecture
@@ -225,12 +225,7 @@ def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
                       "decoder_sparse_step": 1, "mlp_only_layers": []},
     }[shape.model_type]
     return {
-        "architectures": [ARCHITECTURES[shape.model_type]],
-        "model_type": shape.model_type,
-        "hidden_size": shape.hidden_size,
         "intermediate_size": shape.ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
         "hidden_act": "silu",
@@ -247,22 +242,12 @@ def hf_config(shape: LlamaShape, dtype: torch.dtype, bos_id: Optional[int],
 
 def recipe_model_fields(shape: LlamaShape, tensor_parallel_size: int) -> dict[str, Any]:
     """The ``model.*`` section of a recipe that builds exactly this Llama."""
-    divisor, _ = vocab_padding(shape.vocab_size, tensor_parallel_size)
     return {
-        "num_layers": shape.num_layers,
-        "hidden_size": shape.hidden_size,
-        "num_attention_heads": shape.num_heads,
+        **shared_recipe_fields(shape, tensor_parallel_size),
         "num_query_groups": shape.num_kv_heads,
         "ffn_hidden_size": shape.ffn_hidden_size,
         "kv_channels": shape.head_dim,
-        "seq_length": min(shape.max_position_embeddings, SEQ_LENGTH_CAP),
-        "vocab_size": shape.vocab_size,
-        "make_vocab_size_divisible_by": divisor,
-        "rotary_base": shape.rope_theta,
         "rope_scaling_factor": shape.rope_scaling_factor,
-        "layernorm_epsilon": shape.rms_norm_eps,
-        "init_method_std": shape.init_std,
-        "untie_embeddings_and_output_weights": not shape.tied,
         **({"qk_layernorm": True} if shape.qk_norm else {}),
         **({"num_moe_experts": shape.num_experts, "moe_ffn_hidden_size": shape.ffn_hidden_size,
             "moe_router_topk": shape.router_topk, "moe_router_pre_softmax": not shape.norm_topk_prob,
@@ -314,8 +299,8 @@ def shape_from_recipe(cfg: RecipeConfig, vocab_size: int) -> LlamaShape:
 # The weight mapping: one table serves import, export and the input checks
 # (megatron names are those of the TP1/PP1 local-spec GPTModel's state_dict; "{i}" is the layer)
 
-_GLOBAL_BEFORE = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab_rows")]
-_ATTENTION = [
+GLOBAL_BEFORE = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab_rows")]
+ATTENTION = [
     WeightMapping("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "direct"),
     WeightMapping("decoder.layers.{i}.self_attention.linear_qkv.weight",
                   ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
@@ -336,32 +321,32 @@ _DENSE_MLP = [
                   ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up"),
     WeightMapping("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "direct"),
 ]
-_ROUTER = "decoder.layers.{i}.mlp.router.weight"
+ROUTER = "decoder.layers.{i}.mlp.router.weight"
 _EXPERT_FC1 = "decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"  # "{e}": the expert
 _EXPERT_FC2 = "decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"
 _MOE_MLP = {  # by model_type: the router, then one expert's tensors
     "mixtral": [
-        WeightMapping(_ROUTER, ("model.layers.{i}.block_sparse_moe.gate.weight",), "direct"),
+        WeightMapping(ROUTER, ("model.layers.{i}.block_sparse_moe.gate.weight",), "direct"),
         WeightMapping(_EXPERT_FC1, ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
                                     "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
         WeightMapping(_EXPERT_FC2, ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "direct"),
     ],
     "qwen3_moe": [
-        WeightMapping(_ROUTER, ("model.layers.{i}.mlp.gate.weight",), "direct"),
+        WeightMapping(ROUTER, ("model.layers.{i}.mlp.gate.weight",), "direct"),
         WeightMapping(_EXPERT_FC1, ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
                                     "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), "gate_up"),
         WeightMapping(_EXPERT_FC2, ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "direct"),
     ],
 }
-_GLOBAL_AFTER = [WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "direct")]
-_UNTIED_OUTPUT = WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab_rows")
+GLOBAL_AFTER = [WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "direct")]
+UNTIED_OUTPUT = WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab_rows")
 
 
 def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
     """Every tensor pair of a model of this shape, layer by layer (the output layer only when untied)."""
-    yield from _GLOBAL_BEFORE
+    yield from GLOBAL_BEFORE
     for i in range(shape.num_layers):
-        per_layer = [(m, 0) for m in _ATTENTION + (_QK_NORMS if shape.qk_norm else [])]
+        per_layer = [(m, 0) for m in ATTENTION + (_QK_NORMS if shape.qk_norm else [])]
         if shape.num_experts:
             router, *expert = _MOE_MLP[shape.model_type]
             per_layer += [(router, 0)] + [(m, e) for e in range(shape.num_experts) for m in expert]
@@ -369,9 +354,9 @@ def weight_mappings(shape: LlamaShape) -> Iterator[WeightMapping]:
             per_layer += [(m, 0) for m in _DENSE_MLP]
         for m, e in per_layer:
             yield m.format(i=i, e=e)
-    yield from _GLOBAL_AFTER
+    yield from GLOBAL_AFTER
     if not shape.tied:
-        yield _UNTIED_OUTPUT
+        yield UNTIED_OUTPUT
 
 
 def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
@@ -393,21 +378,22 @@ def hf_shapes(shape: LlamaShape) -> dict[str, tuple[int, ...]]:
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LlamaShape) -> torch.Tensor:
-    groups, d = shape.num_kv_heads, shape.head_dim
-    per_group = [q.reshape(groups, shape.heads_per_group * d, -1), k.reshape(groups, d, -1),
-                 v.reshape(groups, d, -1)]
-    return torch.cat(per_group, dim=1).reshape(-1, q.size(-1))
+    groups, d, rest = shape.num_kv_heads, shape.head_dim, q.shape[1:]  # rest: () for a bias
+    per_group = [q.reshape(groups, shape.heads_per_group * d, *rest), k.reshape(groups, d, *rest),
+                 v.reshape(groups, d, *rest)]
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)
 
 
 def _split_qkv(qkv: torch.Tensor, shape: LlamaShape) -> tuple[torch.Tensor, ...]:
-    groups, d = shape.num_kv_heads, shape.head_dim
-    grouped = qkv.reshape(groups, (shape.heads_per_group + 2) * d, -1)
+    groups, d, rest = shape.num_kv_heads, shape.head_dim, qkv.shape[1:]
+    grouped = qkv.reshape(groups, (shape.heads_per_group + 2) * d, *rest)
     q, k, v = torch.split(grouped, [shape.heads_per_group * d, d, d], dim=1)
-    return tuple(t.reshape(-1, qkv.size(-1)) for t in (q, k, v))
+    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
 
 
 def qkv_codec(shape: LlamaShape) -> QKVCodec:
-    """How this shape's q, k, v projections fuse into megatron-core's ``linear_qkv`` and split back."""
+    """How this shape's q, k, v projections (weights, or biases) fuse into megatron-core's ``linear_qkv`` and split
+    back (any shape with ``num_kv_heads``, ``head_dim`` and ``heads_per_group``)."""
     return (lambda q, k, v: _fuse_qkv(q, k, v, shape)), (lambda qkv: _split_qkv(qkv, shape))
 
 

@@ -26,6 +26,7 @@ from megatron_ext.config.schema import (
     collective_timeout_minutes,
     ddp_bucket_size,
     expert_data_parallel_size,
+    expert_tensor_parallel_size,
 )
 from megatron_ext.distributed import cpu_backend
 
@@ -91,7 +92,7 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool, use_te: bool = False) -> N
         distributed_timeout_minutes=minutes,
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(cfg),
     )
     # Same seed on every rank: megatron's tracker derives the TP-rank-specific streams from it,
     # and CPU-initialised weights come out identical across TP layouts.

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -25,13 +26,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_ext.config.schema import RecipeConfig, recomputed_modules
+from megatron_ext.config.schema import YARN_KEYS, RecipeConfig, recomputed_modules
 from megatron_ext.config.shape import ModelShape, moe_layer_pattern, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
 from megatron_ext.model.fused_output import FusedOutputGPTModel
 from megatron_ext.model.mla import mla_local_layer_spec, mla_transformer_config
 from megatron_ext.model.moe import (
+    give_biased_experts_their_own_output,
     moe_transformer_config,
     reduce_experts_over_expert_data_parallel,
 )
@@ -106,8 +108,15 @@ def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
 def _local_layer_spec(config: TransformerConfig, norm: type, moe: bool) -> ModuleSpec:
     experts = config.num_moe_experts if moe else None
     core_attention = RingAttention if config.context_parallel_size > 1 else SDPAttention
-    if config.multi_latent_attention:
-        return mla_local_layer_spec(experts, norm, core_attention)
+    layer = (mla_local_layer_spec(experts, norm, core_attention) if config.multi_latent_attention
+             else _local_gqa_layer_spec(config, norm, experts, core_attention))
+    if experts and config.add_bias_linear:
+        give_biased_experts_their_own_output(layer)
+    return layer
+
+
+def _local_gqa_layer_spec(config: TransformerConfig, norm: type, experts: Optional[int],
+                          core_attention: type) -> ModuleSpec:
     layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
                                                    qk_layernorm=config.qk_layernorm))
     layer.submodules.input_layernorm = norm
@@ -147,6 +156,7 @@ def _liger_kernels(chunks: list[GPTModel]) -> list[str]:
 
 
 PARAMETER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # by train.precision
+ACTIVATIONS = {"silu": F.silu, "quick_gelu": quick_gelu}  # by model.activation_func: the GLU's gate activation
 
 
 def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> TransformerConfig:
@@ -155,7 +165,7 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
     dtype = PARAMETER_DTYPES[t.precision]
     vpp = p.virtual_pipeline_model_parallel_size
     mla = mla_transformer_config(cfg)
-    return (MLATransformerConfig if mla else TransformerConfig)(
+    config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -165,9 +175,14 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         normalization="RMSNorm",
         layernorm_epsilon=m.layernorm_epsilon,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
+        activation_func=ACTIVATIONS[m.activation_func],
+        activation_func_clamp_value=m.activation_func_clamp_value,
+        glu_linear_offset=m.glu_linear_offset,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        softmax_type=m.softmax_type,
+        window_size=tuple(m.window_size) if m.window_size else None,
+        window_attn_skip_freq=m.window_attn_skip_freq,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -222,6 +237,19 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         **mtp_transformer_config(cfg),
         **(mla or {"qk_layernorm": m.qk_layernorm}),
     )
+    if uses_yarn_in_model(cfg):
+        # megatron-core's GPTModel and attention read YaRN's numbers as these attributes of a plain TransformerConfig
+        # (no fields of its own: Megatron-LM sets them from its arguments)
+        for key in YARN_KEYS:
+            setattr(config, f"yarn_{key}", getattr(m, key))
+        config.yarn_correction_range_round_to_int = m.correction_range_round_to_int
+    return config
+
+
+def uses_yarn_in_model(cfg: RecipeConfig) -> bool:
+    """YaRN applied by megatron-core's GPTModel (its ``yarn`` position embedding) rather than inside multi-latent
+    attention."""
+    return cfg.model.rope_type == "yarn" and not cfg.model.multi_latent_attention
 
 
 def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: bool, fp8: Optional[str]) -> str:
@@ -235,10 +263,13 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
     else:
         spec = "megatron-core local"
         attention = "ring attention over CP" if config.context_parallel_size > 1 else "torch SDPA"
+        if config.softmax_type != "vanilla" or config.window_size:
+            attention = "matmuls and an fp32 softmax (sinks or a window: no SDPA kernel takes them)"
     if config.multi_latent_attention:
         attention = (f"multi-latent (query rank {config.q_lora_rank}, KV rank {config.kv_lora_rank}, head channels "
                      f"{config.qk_head_dim}+{config.qk_pos_emb_head_dim} rotary / value {config.v_head_dim}) through "
                      f"{attention}")
+    attention += _attention_and_glu_variants(chunks, config, use_te)
     precision = ("bf16" if config.bf16 else "fp16 with dynamic loss scaling" if config.fp16 else "fp32") + (
         f" + FP8 ({fp8} scaling, E4M3/E5M2 hybrid, through TE"
         + (", parameters kept and gathered in FP8" if config.fp8_param else "") + ")" if config.fp8
@@ -271,6 +302,26 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
             f"kernels: {', '.join(kernels) or 'eager, none fused'}")
 
 
+def _attention_and_glu_variants(chunks: list[GPTModel], config: TransformerConfig, use_te: bool) -> str:
+    """The start-up line's words for GPT-OSS's pieces this model runs (sinks, windows, biases, the GLU's variant)."""
+    parts = []
+    if config.softmax_type != "vanilla":
+        parts.append(f", {config.softmax_type} attention sinks")
+    if config.window_size:
+        layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+        where = (f"window_attn_skip_freq {config.window_attn_skip_freq}" if use_te else
+                 f"on {sum(layer.self_attention.core_attention.window is not None for layer in layers)} of this "
+                 f"rank's {len(layers)} layers")
+        parts.append(f", a window of {config.window_size[0]} earlier keys {where}")
+    if config.add_bias_linear:
+        parts.append(", biases in every linear layer")
+    if config.activation_func is not F.silu or config.activation_func_clamp_value is not None:
+        clamp = config.activation_func_clamp_value
+        parts.append(f"; GLU {config.activation_func.__name__}" + (f" clamped at {clamp:g}" if clamp else "")
+                     + (f", linear half + {config.glu_linear_offset:g}" if config.glu_linear_offset else ""))
+    return "".join(parts)
+
+
 def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerConfig,
                        use_te: bool) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving); with
@@ -292,7 +343,8 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-            position_embedding_type="rope",
+            # (multi-latent attention applies its own RoPE or YaRN: megatron-core builds none here for it)
+            position_embedding_type="yarn" if uses_yarn_in_model(cfg) else "rope",
             rotary_base=int(cfg.model.rotary_base),
             rope_scaling=cfg.model.rope_scaling_factor is not None,
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,
@@ -321,7 +373,7 @@ def _give_row_parallel_layers_their_group(chunks: list[GPTModel]) -> None:
     meant: pass it."""
     for chunk in chunks:
         for module in chunk.modules():
-            if type(module) is RowParallelLinear:
+            if isinstance(module, RowParallelLinear):
                 module._forward_impl = partial(_with_tp_group, module._forward_impl, module.tp_group)
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config.schema import RecipeConfig, expert_tensor_parallel_size
 from megatron_ext.config.shape import ModelShape, moe_layer_pattern
@@ -104,3 +106,23 @@ def expert_biases(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
     """The routers' learned expert biases (auxiliary-loss-free balancing), which the end of every step updates."""
     return [module.expert_bias for chunk in chunks for module in chunk.modules()
             if getattr(module, "expert_bias", None) is not None]
+
+
+class ExpertOutputLinear(RowParallelLinear):
+    """A local expert's down-projection whose output is its own tensor.
+
+    With biased experts (GPT-OSS) megatron-core 0.19.2's ``MLP.forward`` adds the routing-weighted bias to this
+    layer's output in place (mlp.py: ``output += output_bias ...``), but the output is what its tensor-parallel
+    reduce returned as-is, which autograd refuses to modify in place ("is a view and is being modified inplace"):
+    every biased local expert fails in training. A copy per expert output (only for biased experts) lets it add."""
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
+        return (output.clone() if bias is not None else output), bias
+
+
+def give_biased_experts_their_own_output(layer: ModuleSpec) -> None:
+    """In a local MoE layer spec (`layer`, megatron-core's get_gpt_layer_local_spec), the routed experts'
+    down-projection as :class:`ExpertOutputLinear`."""
+    experts = layer.submodules.mlp.keywords["submodules"].experts
+    experts.keywords["submodules"].linear_fc2 = ExpertOutputLinear

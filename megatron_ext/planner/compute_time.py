@@ -94,14 +94,15 @@ def te_compute_seconds(cfg: RecipeConfig, shape: RankShape, layers: Sequence[int
     if shape.experts:  # a balanced share of the EP group's routed tokens per local expert
         per_expert = shape.ep * tokens / (tp if shape.sp else 1) * shape.topk / shape.experts
     for layer in layers:
-        moe = model.is_moe_layer(layer)
-        kinds = model.layer_flops_by_kind(moe)
+        moe, windowed = model.is_moe_layer(layer), model.is_window_layer(layer)
+        kinds = model.layer_flops_by_kind(moe, windowed=windowed)
         scale = 4 / 3 if recompute == "full" else 1.0  # the forward again
         for kind, value in kinds.items():
             flops[kind] += value * scale
         if recompute == "selective":
             flops["dense_gemm"] += model.recompute_flops_per_token(moe, [m for m in modules if m != "core_attn"])
-            flops["attention"] += model.recompute_flops_per_token(moe, [m for m in modules if m == "core_attn"])
+            flops["attention"] += model.recompute_flops_per_token(moe, [m for m in modules if m == "core_attn"],
+                                                                  windowed)
         ffn = shape.topk * shape.expert_ffn + shape.shared_ffn if moe else shape.ffn
         dense_ffn = shape.shared_ffn if moe else shape.ffn
         # weights on this rank and each token's GEMM inputs and outputs (qkv, proj, fc1, fc2), read or written once

@@ -14,6 +14,7 @@ from megatron_ext.config.schema import (
     data_parallel_size,
     expert_data_parallel_size,
     expert_tensor_parallel_size,
+    model_expert_tensor_parallel_size,
 )
 from megatron_ext.config.shape import ModelShape, cached_by_section, padded_vocab_size
 from megatron_ext.errors import ConfigError
@@ -94,7 +95,8 @@ class Layout:
                    p.use_distributed_optimizer, cfg.train.recompute_granularity, cfg.train.micro_batch_size,
                    p.data_parallel_sharding_strategy if p.use_megatron_fsdp else None,
                    p.num_distributed_optimizer_instances, offload_fraction(cfg), p.expert_model_parallel_size,
-                   p.expert_tensor_parallel_size, p.num_layers_in_first_pipeline_stage,
+                   p.expert_tensor_parallel_size or model_expert_tensor_parallel_size(cfg.model),
+                   p.num_layers_in_first_pipeline_stage,
                    p.num_layers_in_last_pipeline_stage)
 
     def label(self) -> str:
@@ -180,19 +182,28 @@ class RankShape:
             attention = [h, h * n * m.v_head_dim // t, q_rank * h // t, n * m.query_key_head_dim * q_rank // t,
                          (kv_rank + m.qk_pos_emb_head_dim) * h // t, n * (m.qk_head_dim + m.v_head_dim) * kv_rank // t,
                          q_rank, kv_rank]
-        else:
-            attention = [h, h * self.heads * d // t, (self.heads + 2 * self.groups) * d * h // t]
+        else:  # the input norm, the sinks, the output projection (and its bias, whole), the QKV projection and bias
+            qkv = (self.heads + 2 * self.groups) * d
+            attention = [h, *([self.heads // t] if m.attention_sinks else []), h * self.heads * d // t,
+                         *([h] if m.linear_biases else []), qkv * h // t, *([qkv // t] if m.qkv_bias else [])]
             attention += [d, d] if self.qk_norm else []
         if not (moe and self.experts):
-            return [*attention, h, 2 * self.ffn * h // t, self.ffn * h // t]
-        shared = [2 * self.shared_ffn * h // t, self.shared_ffn * h // t] if self.shared_ffn else []
-        return [*attention, h, self.experts * h, *shared]
+            return [*attention, h, *self._glu_params(self.ffn, t)]
+        shared = self._glu_params(self.shared_ffn, t) if self.shared_ffn else []
+        return [*attention, h, self.experts * h, *([self.experts] if m.linear_biases else []), *shared]
+
+    def _glu_params(self, width: int, split: int) -> list[int]:
+        """A GLU MLP's up and down projections (each followed by its bias with model.add_bias_linear; the down
+        projection's whole) with `split`-way tensor parallelism."""
+        h, biased = self.hidden, self.model.linear_biases
+        return [2 * width * h // split, *([2 * width // split] if biased else []), width * h // split,
+                *([h] if biased else [])]
 
     def expert_params(self) -> list[int]:
-        """One MoE layer's expert parameters on an EP×ETP rank (its experts' fc1 and fc2), in ``named_parameters``
-        order; megatron-core keeps them in buffers of their own, reduced and sharded over expert-DP."""
-        f, h = self.expert_ffn, self.hidden
-        return [n for _ in range(self.experts // self.ep) for n in (2 * f * h // self.etp, f * h // self.etp)]
+        """One MoE layer's expert parameters on an EP×ETP rank (its experts' fc1 and fc2, and their biases), in
+        ``named_parameters`` order; megatron-core keeps them in buffers of their own, reduced and sharded over
+        expert-DP."""
+        return [n for _ in range(self.experts // self.ep) for n in self._glu_params(self.expert_ffn, self.etp)]
 
     def expert_dp(self, world_size: int, pp: int) -> int:
         """The expert-data-parallel size: the ranks of a pipeline stage regrouped as ETP × EP × expert-DP."""

@@ -8,7 +8,7 @@ import itertools
 import math
 from typing import Any, Iterator, Optional
 
-from megatron_ext.config.schema import RecipeConfig, ShardingStrategy
+from megatron_ext.config.schema import RecipeConfig, ShardingStrategy, model_expert_tensor_parallel_size
 from megatron_ext.config.validate import validate_layout_rules
 from megatron_ext.errors import ConfigError
 from megatron_ext.hardware import GPUS, GPUSpec
@@ -45,7 +45,8 @@ def _expert_layouts(cfg: RecipeConfig, stage_ranks: int, tp: int) -> list[tuple[
     experts = cfg.model.num_moe_experts
     if experts is None:
         return [(1, None)]
-    etps: list[Optional[int]] = [None, 1] if tp > 1 else [None]
+    implied = model_expert_tensor_parallel_size(cfg.model)
+    etps: list[Optional[int]] = [implied] if implied else [None, 1] if tp > 1 else [None]
     return [(ep, etp) for ep in _divisors(math.gcd(experts, stage_ranks)) for etp in etps]
 
 

@@ -128,7 +128,7 @@ def tokens() -> torch.Tensor:
 
 
 def test_padded_vocab_is_the_same_for_tp_1_2_4_8():
-    from megatron_ext.convert.hf_llama import vocab_padding
+    from megatron_ext.convert.weight_mapping import vocab_padding
 
     for vocab in (1000, 1003, 4100, 32000, 128256, 151936):
         divisor, padded = vocab_padding(vocab, 1)

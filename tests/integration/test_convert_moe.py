@@ -1,9 +1,11 @@
-"""Hugging Face Mixtral, Qwen3-MoE and DeepSeek-V3 import/export, proven against transformers: a small random
-MixtralForCausalLM and Qwen3MoeForCausalLM (4 experts, top-2, 2 layers) and DeepseekV3ForCausalLM (MLA with q and kv
+"""Hugging Face Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS import/export, proven against transformers: a small random
+MixtralForCausalLM and Qwen3MoeForCausalLM (4 experts, top-2, 2 layers), DeepseekV3ForCausalLM (MLA with q and kv
 LoRA, a first dense layer, 8 routed experts in 4 groups with a learned bias, 2 shared experts, YaRN, an odd vocabulary,
-an MTP layer in DeepSeek-V3's published form) are saved with transformers and imported; our model's logits must match
-transformers' at EP1 in-process and at EP2 and EP2 × TP2 (+SP) — DeepSeek also TP2+SP — under one torchrun, and
-export must give back every tensor bit for bit.
+an MTP layer in DeepSeek-V3's published form) and GptOssForCausalLM (attention sinks, a sliding window of 8 on its
+first layer and full attention on its second, biases everywhere, a GLU clamped at 1.5 so the clamp bites, YaRN
+without rounding) are saved with transformers and imported; our model's logits must match transformers' at EP1
+in-process and at EP2 and EP2 × TP2 (+SP) — DeepSeek also TP2+SP — under one torchrun, GPT-OSS's greedy tokens must
+be transformers' generate()'s, and export must give back every tensor bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.integration.test_convert import (
     scale_weights,
 )
 from tests.launch import run_module
-from tests.workers.convert_logits_worker import checkpoint_logits
+from tests.workers.convert_logits_worker import checkpoint_greedy, checkpoint_logits
 
 EXPERTS, TOPK, VOCAB = 4, 2, 1003
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -55,6 +57,16 @@ FAMILIES = {
                          moe_layer_freq=[0, 1, 1], moe_shared_expert_intermediate_size=64, moe_router_num_groups=4,
                          moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, rope_type="yarn",
                          rotary_base=50000.0, rotary_scaling_factor=4.0, mscale_all_dim=1.0, mtp_num_layers=1)),
+    # every layer MoE; sinks; windowed then full attention over 48 tokens; YaRN ×4 with truncate=false
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=96, num_local_experts=EXPERTS, head_dim=16, sliding_window=8, swiglu_limit=1.5,
+                     router_aux_loss_coef=0.02, rope_parameters={
+                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 32, "truncate": False}),
+                dict(moe_router_pre_softmax=False, moe_aux_loss_coeff=0.02, qk_layernorm=False, softmax_type="learnable",
+                     window_size=[7, 0], window_attn_skip_freq=2, add_bias_linear=True, activation_func="quick_gelu",
+                     activation_func_clamp_value=1.5, glu_linear_offset=1.0, rope_type="yarn",
+                     correction_range_round_to_int=False, **{**SOFTMAX_TOP2, "rotary_base": 150000.0})),
 }
 
 
@@ -176,6 +188,18 @@ def test_export_gives_back_every_tensor_bit_exactly(megatron, models, tokens, fa
     for key in ("num_experts_per_tok", *FAMILIES[family][2]):
         if (family, key) != ("qwen3_moe", "intermediate_size"):  # Qwen3-MoE's dense width: no layer uses it
             assert config[key] == original[key], key
+
+
+def test_gpt_oss_greedy_tokens_are_transformers_generate(megatron, models):
+    """Past the sliding window (a 10-token prompt and 14 more), recipes.generate's loop on the imported checkpoint
+    writes what transformers' generate() (its KV cache, sliding-window cache layers) writes."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    model = AutoModelForCausalLM.from_pretrained(models["gpt_oss"]["hf"], dtype=torch.float32).eval()
+    reference = model.generate(prompt, max_new_tokens=14, do_sample=False, attention_mask=torch.ones_like(prompt))
+    ours = megatron(checkpoint_greedy, models["gpt_oss"]["ckpt"], prompt[0].tolist(), 14)
+    assert ours == reference[0, 10:].tolist()
 
 
 def test_a_kimi_k2_shaped_model_imports_and_exports_bit_identically(megatron, tokens, tmp_path):

@@ -2,7 +2,9 @@
 405B's first and last pipeline stages (stage depth, sequence parallelism, full recompute, micro batch, untied output,
 the optimizer state in host memory); DeepSeek-V3 671B's layer pattern and parallelism (its dense first layers on a
 deeper first stage, MoE layers with shared experts and group-limited routing split over EP with whole experts, YaRN
-MLA under TP + SP, the MTP layer and the output layer on the last stage)."""
+MLA under TP + SP, the MTP layer and the output layer on the last stage); GPT-OSS-120B's attention and experts (sinks,
+windowed and full layers alternating across pipeline stages, biases everywhere, the clamped GLU, YaRN, biased experts
+whole under EP)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tests.launch import ROOT, read_scalars, run_pretrain
 
 RECIPE = ROOT / "configs" / "llama3_1_405b_40gpu_bf16.yaml"
 DEEPSEEK_V3 = ROOT / "configs" / "deepseek_v3_671b_192gpu_fp8.yaml"
+GPT_OSS = ROOT / "configs" / "gpt_oss_120b_64gpu_bf16.yaml"
 
 
 def test_405b_first_and_last_pipeline_stages_train_at_reduced_width(tmp_path):
@@ -87,3 +90,36 @@ def test_deepseek_v3_671b_layer_pattern_and_parallelism_train_at_reduced_width(t
     assert abs(losses[1] - math.log(m.vocab_size)) < 1.0  # an untrained model over the full vocabulary
     lr = read_scalars(tb, "train/lr")
     assert lr[1] == pytest.approx(cfg.optimizer.lr, rel=1e-3), lr
+
+
+def test_gpt_oss_120b_attention_and_experts_train_at_reduced_width(tmp_path):
+    cfg = load_config(GPT_OSS)
+    m = cfg.model
+    assert (m.softmax_type, m.window_size, m.window_attn_skip_freq, m.add_bias_linear) == (
+        "learnable", [127, 0], 2, True)
+    # 4 layers (windowed, full | windowed, full: the alternation crosses the stage boundary by global layer number),
+    # 1/30 of the width with 8 heads of 16 in 2 groups, 8 experts top-2 (the recipe's 128, top-4), a window of 15
+    # earlier keys over 64 tokens, the full vocabulary; PP2 × EP2 (experts whole) stands in for PP8 × EP8 in 4
+    # processes, in the recipe's bf16 with selective recompute of core attention (the recipe's moe_act is TE's)
+    tb = tmp_path / "tb"
+    run = run_pretrain(4, [
+        "model.num_layers=4", "model.hidden_size=96", "model.num_attention_heads=8", "model.num_query_groups=2",
+        "model.kv_channels=16", "model.ffn_hidden_size=96", "model.moe_ffn_hidden_size=96", "model.num_moe_experts=8",
+        "model.moe_router_topk=2", "model.window_size=[15,0]", "model.seq_length=64",
+        "model.original_max_position_embeddings=16", "parallel.pipeline_model_parallel_size=2",
+        "parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null",
+        "parallel.expert_model_parallel_size=2", "train.recompute_modules=[core_attn]", "train.global_batch_size=4",
+        "train.train_iters=2",
+        "train.eval_interval=1000", "train.eval_iters=1", "data.mock=true", "data.blend=null", "logging.log_interval=1",
+        f"logging.tensorboard_dir={tb}", "optimizer.lr_warmup_iters=0", "checkpoint.save_interval=null",
+    ], config=GPT_OSS)
+    log = run.stdout + run.stderr
+    assert "TP1 × CP1 × DP2 × PP2" in log and "ETP1 × EP2 × expert-DP1 × PP2" in log, log[-3000:]
+    for said in ("learnable attention sinks", "a window of 15 earlier keys on 1 of this rank's 2 layers",
+                 "biases in every linear layer", "GLU quick_gelu clamped at 7, linear half + 1", "selective recompute"):
+        assert said in log, (said, log[-3000:])
+    losses, grad_norm = read_scalars(tb, "train/lm_loss"), read_scalars(tb, "train/grad_norm")
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    assert abs(losses[1] - math.log(m.vocab_size)) < 1.0  # an untrained model over the full vocabulary
+    assert all(0 < g < 1e3 for g in grad_norm.values()), grad_norm
+

@@ -5,7 +5,6 @@ from them (one CPU process) and Megatron-LM's formula."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
@@ -14,6 +13,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.planner.layout import RankShape
 from megatron_ext.planner.static_memory import chunk_params
 from tests.launch import TINY
+from tests.workers.built_model import built_model_facts
 
 VOCAB = 256
 # a tiny DeepSeek-V3: every head's query/key 16 + 8 rotary channels, values 12; query and KV ranks 32 and 24
@@ -28,36 +28,11 @@ ONE_PROCESS = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model
                "parallel.sequence_parallel=false"]
 
 
-def _built(overrides: list[str]) -> dict:
-    """In a spawned world of one: the built model's parameter count, each layer's parameter sizes (experts apart)
-    and whether it is an MoE layer, and one forward/backward pass's loss and whether every parameter got a
-    gradient."""
-    from megatron.core import tensor_parallel
-
-    from recipes.convert import build_model, model_parallel_world
-
-    cfg = load_config(TINY, overrides)
-    with model_parallel_world(cfg):
-        torch.manual_seed(0)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        model = build_model(cfg, VOCAB).train()
-        tokens = torch.randint(0, VOCAB, (2, cfg.model.seq_length))
-        loss = model(tokens, None, attention_mask=None, labels=tokens).mean()
-        loss.backward()
-        return {"parameters": sum(p.numel() for p in model.parameters()),
-                "layers": [[p.numel() for n, p in layer.named_parameters() if ".experts." not in f".{n}"]
-                           for layer in model.decoder.layers],
-                "moe_layers": [hasattr(layer.mlp, "router") for layer in model.decoder.layers],
-                "named": [p.numel() for n, p in model.named_parameters() if ".experts." not in n],
-                "softmax_scale": model.decoder.layers[0].self_attention.core_attention.softmax_scale,
-                "loss": loss.item(), "all_have_gradients": all(p.grad is not None for p in model.parameters())}
-
-
 @pytest.mark.parametrize("routed", [[], ROUTED, [*ROUTED, "model.moe_layer_freq=[0,1,0,1]", "model.mtp_num_layers=2"]],
                          ids=["dense", "moe", "moe_every_other_layer_from_the_second_and_two_mtp_layers"])
 def test_counts_equal_the_model_megatron_core_builds(megatron, routed):
     overrides = [*MLA, *ONE_PROCESS, *routed]
-    built = megatron(_built, overrides)
+    built = megatron(built_model_facts, overrides, VOCAB)
     cfg = load_config(TINY, overrides)
     shape = ModelShape.of(cfg.model)
     assert built["moe_layers"] == [shape.is_moe_layer(layer) for layer in range(shape.num_layers)] == (
@@ -116,8 +91,8 @@ def test_dense_and_moe_layers_are_counted_each_as_what_it_is():
     (["model.q_lora_rank=33"], "the q down-projection's 33 outputs are split over parallel.tensor_model_parallel_size=2"),
     (["model.kv_lora_rank=23"], "the kv down-projection's 31 outputs are split over"),
     (["model.rope_scaling_factor=8"], "does not apply to multi-latent attention, whose long-context scaling is YaRN"),
-    (["model.multi_latent_attention=false", "model.rope_type=yarn"], "model.rope_type='yarn' is invalid: (YaRN) is "
-                                                                     "multi-latent attention's"),
+    (["model.rope_type=yarn", "model.correction_range_round_to_int=false"], "multi-latent attention always rounds "
+                                                                             "YaRN's frequency band"),
     (["model.rope_type=yarn", "model.beta_fast=0.5"], "model.beta_fast=0.5 is invalid: must be at least "
                                                       "model.beta_slow=1"),
     (["model.rope_type=yarn", "model.rotary_scaling_factor=0.5"], "model.rotary_scaling_factor=0.5 is invalid: must "

@@ -64,6 +64,19 @@ def checkpoint_logits(checkpoint: Path, tokens: torch.Tensor, tp: int = 1, pp: i
     return logits[..., : saved.vocab_size] if holder else None
 
 
+def checkpoint_greedy(checkpoint: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The tokens `checkpoint`'s model writes greedily after `prompt` (recipes.generate's loop, one process)."""
+    from megatron_ext.model.generation import Sampling, generate
+    from recipes.convert import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
+
+    saved = read_checkpoint(Path(checkpoint))
+    cfg = layout_config(saved)
+    with model_parallel_world(cfg):
+        model = build_model(cfg, saved.vocab_size, initialize=False)
+        load_weights(model, saved)
+        return generate(model.eval(), prompt, max_new_tokens, saved.vocab_size, cfg.model.seq_length, Sampling())
+
+
 def main(jobs_file: str) -> int:
     spec = json.loads(Path(jobs_file).read_text())
     tokens = torch.load(spec["tokens"])
