@@ -36,7 +36,7 @@ from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.convert import families
 from megatron_ext.convert.cost import export_cost, import_cost
-from megatron_ext.convert.hf_files import DEFAULT_MAX_SHARD_SIZE, check_tensors, shard_size_bytes, write_safetensors
+from megatron_ext.convert.hf_files import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_tensors, shard_size_bytes
 from megatron_ext.convert.weight_mapping import hf_to_megatron, megatron_to_hf, vocab_padding
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
 
@@ -402,23 +402,31 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
               "exporting without a tokenizer", file=sys.stderr)
         tokenizer = None
     model_shape = ModelShape.of(cfg.model)
-    cost = export_cost(model_shape.num_parameters(shape.vocab_size),
-                       2 * model_shape.mtp_num_layers * shape.vocab_size * model_shape.hidden_size,
-                       PARAMETER_DTYPES[cfg.train.precision].itemsize, shard_bytes, output)
+    h, layers = model_shape.hidden_size, model_shape.num_layers + model_shape.mtp_num_layers
+    held = (1 if model_shape.tied_embeddings else 2) * shape.vocab_size * h + h + 2 * max(
+        map(model_shape.layer_parameters, range(layers)))
+    cost = export_cost(model_shape.num_parameters(shape.vocab_size), 2 * model_shape.mtp_num_layers * shape.vocab_size * h,
+                       PARAMETER_DTYPES[cfg.train.precision].itemsize, shard_bytes, output, held)
     free = cost.free_bytes()
     cost.check_disk(free)
     print(cost.describe(free))
+    family = families.family_of(shape)
+    dtype = PARAMETER_DTYPES[cfg.train.precision]
+    hf_shapes, copies = family.hf_shapes(shape), family.tensor_copies(shape)
     with _staged(output) as staging:
+        writer = ShardWriter({name: (dims, dtype) for name, dims in {
+            **hf_shapes, **{duplicate: hf_shapes[source] for duplicate, source in copies.items()}}.items()}, staging,
+            max_shard_size)
         with model_parallel_world(cfg):
-            model = build_model(cfg, saved.vocab_size, initialize=False)
-            load_weights(model, saved)
-            family = families.family_of(shape)
-            tensors = megatron_to_hf(model.state_dict(), family.weight_mappings(shape), shape.vocab_size,
-                                     family.qkv_codec(shape))
-            tensors.update({copy: tensors[source].clone() for copy, source in family.tensor_copies(shape).items()})
-            dtype = model.embedding.word_embeddings.weight.dtype
-            del model
-        write_safetensors(tensors, staging, max_shard_size)
+            mappings = list(family.weight_mappings(shape))
+            for state in _megatron_state_by_group(cfg, saved):
+                ready = [m for m in mappings if m.megatron in state]
+                for name, tensor in megatron_to_hf(state, ready, shape.vocab_size, family.qkv_codec(shape)).items():
+                    writer.add(name, tensor)
+                    for duplicate in (duplicate for duplicate, source in copies.items() if source == name):
+                        writer.add(duplicate, tensor.clone())
+                del state
+        writer.finish()
         bos = eos = None
         if tokenizer is not None and tokenizer.is_dir():
             bos, eos = _copy_hf_tokenizer(tokenizer, staging)
@@ -427,6 +435,39 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
         config = family.hf_config(shape, dtype, bos, eos)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return output
+
+
+def _megatron_state_by_group(cfg: RecipeConfig, saved: SavedCheckpoint) -> Iterator[dict[str, torch.Tensor]]:
+    """The saved weights as the one-process model holds them, a group at a time (the embedding, output layer and
+    final norm, then each layer: :mod:`megatron_ext.convert.streaming`) — or all at once from a Megatron-FSDP
+    checkpoint, or one whose keys the model no longer names (read by the full load's repairs)."""
+    from megatron_ext.checkpoint import fsdp_dtensor, safe_unpickle
+    from megatron_ext.convert import streaming
+
+    with torch.device("meta"):
+        meta = build_model(cfg, saved.vocab_size, initialize=False)
+    sharded = meta.sharded_state_dict()
+    grouped = streaming.groups(sharded)
+    safe_unpickle.install()  # torch's reader unpickles the metadata: only what a checkpoint of this recipe holds
+    if fsdp_dtensor.holds_format(saved.iteration_dir) or not streaming.keys_of(sharded) <= _guarded(
+            streaming.stored_keys, saved):
+        print(f"reading {saved.iteration_dir} whole (a Megatron-FSDP checkpoint, or keys of an older layout): the "
+              "model's weights are held at once")
+        model = build_model(cfg, saved.vocab_size, initialize=False)
+        load_weights(model, saved)
+        yield model.state_dict()
+        return
+    print(f"reading {saved.iteration_dir} a group at a time: {streaming.GLOBALS}, then {len(grouped) - 1} layers")
+    for names in grouped.values():
+        yield _guarded(streaming.read_group, saved, sharded, names)
+
+
+def _guarded(read, saved: SavedCheckpoint, *args):
+    """`read(*args, iteration_dir)` with a refused unpickling said as one CheckpointError naming the checkpoint."""
+    from megatron_ext.checkpoint import safe_unpickle
+
+    with safe_unpickle.refusals_named(saved.iteration_dir):
+        return read(*args, saved.iteration_dir)
 
 
 # ---------------------------------------------------------------------------------------------

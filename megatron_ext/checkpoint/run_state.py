@@ -2,7 +2,10 @@
 registry of checkpointable components (torchtitan's ``Stateful``: each has ``state_dict``/``load_state_dict``), so a
 new piece of such state is registered once and cannot be left out of the save or the load. Model, optimizer, LR
 schedule, RNG and data position have their own places in the checkpoint (:mod:`save_load`); what is here is the
-rest (the loss-spike detector and its budget, ...), stored in the checkpoint's common state under ``run_state``."""
+rest (the loss-spike detector and its budget, the non-finite steps skipped against train.skip_nonfinite_steps),
+stored in the checkpoint's common state under ``run_state``. The goodput ledger is the run's, not a checkpoint's: it
+keeps its own file beside the checkpoints (a rewind to an older checkpoint must not take back the wall time spent
+since), and megatron-core's rerun state machine is :mod:`megatron_ext.resilience.reruns`'."""
 
 from __future__ import annotations
 

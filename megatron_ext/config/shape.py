@@ -220,6 +220,13 @@ class ModelShape:
         embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
         return layers * per_layer + mlps + embeddings + h + self.mtp_num_layers * self.mtp_projection_parameters()
 
+    def layer_parameters(self, layer: int) -> int:
+        """Decoder layer `layer`'s parameters (from 0; num_layers + k: the k-th MTP layer's, its projection and norms
+        included)."""
+        mtp = self.mtp_projection_parameters() if layer >= self.num_layers else 0
+        return (self.attention_parameters() + self._norm_parameters_per_layer()
+                + self.mlp_parameters(moe=self.is_moe_layer(layer)) + mtp)
+
     def matrix_parameters(self, vocab_size: int) -> int:
         """The parameters in 2-D weights other than the embedding and the output layer: what megatron-core's Muon
         orthogonalizes (its layer-wise optimizer's rule; the norms, the embedding and the output layer take Adam)."""

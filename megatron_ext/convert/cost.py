@@ -1,7 +1,8 @@
 """What a conversion will read, write and hold, said before it starts, and refused in one line where the output's
-disk cannot take what it will write. Today's converters build the whole model in one process (issue #62's streaming
-conversion is not done): the peak is the model once (import, which reads one tensor at a time) or twice (export:
-the model and its converted tensors)."""
+disk cannot take what it will write. Export streams (a layer's tensors at a time, each shard written as it fills):
+its peak is the embedding and output layer, one layer twice (read and converted) and two shards' tensors (the one
+filling and the last, which holds the output layer). Import still builds the whole model in one process: its peak
+is the model once (it reads one tensor at a time)."""
 
 from __future__ import annotations
 
@@ -47,12 +48,14 @@ class ConversionCost:
                                   f"{needed / GB:,.2f} GB: free space there or choose another --output")
 
 
-def export_cost(parameters: int, copied: int, bytes_per_value: int, shard_bytes: int, output: Path
-                ) -> ConversionCost:
+def export_cost(parameters: int, copied: int, bytes_per_value: int, shard_bytes: int, output: Path,
+                held_parameters: int) -> ConversionCost:
     """export-hf of a model of `parameters` (and `copied` more written twice, as DeepSeek-V3's MTP layer repeats the
-    embedding and output layer) in `bytes_per_value`, sharded at `shard_bytes`."""
+    embedding and output layer) in `bytes_per_value`, sharded at `shard_bytes`, streaming: `held_parameters` at once
+    (the embedding and output layer, one layer twice) beside two shards."""
     written = (parameters + copied) * bytes_per_value
-    return ConversionCost("export-hf", parameters * bytes_per_value, written, parameters * bytes_per_value + written,
+    peak = held_parameters * bytes_per_value + min(2 * shard_bytes, written)
+    return ConversionCost("export-hf", parameters * bytes_per_value, written, peak,
                           max(1, math.ceil(written / shard_bytes)), output)
 
 

@@ -6,6 +6,7 @@ the config implies before a byte is converted. Shared by the model families (:mo
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -246,28 +247,49 @@ def shard_size_bytes(max_shard_size: str) -> int:
         raise ConversionError(f"--max-shard-size={max_shard_size!r}: {e}") from None
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], directory: Path, max_shard_size: str,
-                      progress: Callable[[str], None] = print) -> list[str]:
-    """`tensors` as Hugging Face writes a model: one ``model.safetensors`` when they fit in `max_shard_size`, else
-    ``model-0000k-of-0000n.safetensors`` shards of at most that size (a larger tensor alone in its shard) with
-    ``model.safetensors.index.json`` — split by huggingface_hub's ``split_torch_state_dict_into_shards``, as
-    transformers' save_pretrained splits. Says each shard as it is written, with the time left; returns the file
-    names."""
-    import time
+class ShardWriter:
+    """A model's tensors written as Hugging Face writes a model, as they arrive in any order: one
+    ``model.safetensors`` when they fit in `max_shard_size`, else ``model-0000k-of-0000n.safetensors`` shards of at
+    most that size (a larger tensor alone in its shard) with ``model.safetensors.index.json``. The split is planned
+    up front from the names, shapes and dtype (`planned`, in order) by huggingface_hub's
+    ``split_torch_state_dict_into_shards``, as transformers' save_pretrained splits; a shard is written (and its
+    tensors let go) as soon as its last tensor arrives, with a line and the time left."""
 
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+    def __init__(self, planned: Mapping[str, tuple[tuple[int, ...], torch.dtype]], directory: Path,
+                 max_shard_size: str, progress: Callable[[str], None] = print):
+        from huggingface_hub import split_torch_state_dict_into_shards
 
-    split = split_torch_state_dict_into_shards(dict(tensors), max_shard_size=shard_size_bytes(max_shard_size))
-    started, files = time.monotonic(), list(split.filename_to_tensors)
-    for done, (filename, names) in enumerate(split.filename_to_tensors.items(), 1):
-        save_file({name: tensors[name].contiguous() for name in names}, str(directory / filename),
-                  metadata={"format": "pt"})
-        if split.is_sharded:
-            elapsed = time.monotonic() - started
-            progress(f"  wrote {filename} ({done} of {len(files)}), {elapsed:.0f} s, about "
-                     f"{elapsed / done * (len(files) - done):.0f} s left")
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
+        meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in planned.items()}
+        self.split = split_torch_state_dict_into_shards(meta, max_shard_size=shard_size_bytes(max_shard_size))
+        self.directory, self.progress = directory, progress
+        self.waiting: dict[str, dict[str, torch.Tensor]] = {}  # a shard's arrived tensors, by file
+        self.written: list[str] = []
+        self.started = time.monotonic()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        filename = self.split.tensor_to_filename[name]
+        arrived = self.waiting.setdefault(filename, {})
+        arrived[name] = tensor.contiguous()
+        if len(arrived) < len(self.split.filename_to_tensors[filename]):
+            return
+        save_file({key: arrived[key] for key in self.split.filename_to_tensors[filename]},
+                  str(self.directory / filename), metadata={"format": "pt"})
+        del self.waiting[filename]
+        self.written.append(filename)
+        if self.split.is_sharded:
+            elapsed, done, total = time.monotonic() - self.started, len(self.written), len(self.split.filename_to_tensors)
+            self.progress(f"  wrote {filename} ({done} of {total}), {elapsed:.0f} s, about "
+                          f"{elapsed / done * (total - done):.0f} s left")
+
+    def finish(self) -> list[str]:
+        """The index (when sharded) after every shard; the file names."""
+        unwritten = [name for file, names in self.split.filename_to_tensors.items() if file not in self.written
+                     for name in names if name not in self.waiting.get(file, {})]
+        if unwritten:
+            raise RuntimeError(f"weight mapping bug: tensors that never arrived: {unwritten[:5]}")
+        if self.split.is_sharded:
+            index = {"metadata": dict(self.split.metadata), "weight_map": dict(self.split.tensor_to_filename)}
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return list(self.split.filename_to_tensors)

@@ -29,6 +29,7 @@ from megatron_ext.config.schema import (
     expert_tensor_parallel_size,
 )
 from megatron_ext.distributed import cpu_backend
+from megatron_ext.distributed.store_keys import process_group_namespace
 
 
 def _free_port() -> int:
@@ -48,7 +49,7 @@ def _restarted_world_store(timeout: datetime.timedelta) -> dist.Store | None:
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timeout)
-    return dist.PrefixStore(f"megatron_ext/world_{restart}/", store)
+    return dist.PrefixStore(process_group_namespace(restart), store)
 
 
 def device() -> torch.device:

@@ -36,6 +36,7 @@ from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
+from megatron_ext.distributed.store_keys import rerun_elsewhere_key
 from megatron_ext.errors import EXIT_DIVERGED, EXIT_RERUN_ELSEWHERE, EXIT_STORAGE, EXIT_USER_ERROR, ConfigError
 from megatron_ext.resilience.elastic import RENDEZVOUS_DONE_AT, RESTART_DECIDED_AT, WORKERS_STOPPED_AT
 from megatron_ext.resilience.run_record import node_name
@@ -309,7 +310,7 @@ def _rendezvous_host(worker_group, iteration: int) -> Optional[str]:
     import psutil
     from torch.distributed import DistStoreError
 
-    store, key = worker_group.store, f"rerun_elsewhere/{iteration}/host"
+    store, key = worker_group.store, rerun_elsewhere_key(iteration, "host")
     rendezvous = rendezvous_store(worker_group.spec.rdzv_handler)
     if rendezvous is not None and any(c.status == psutil.CONN_LISTEN and c.laddr.port == rendezvous.port
                                       for c in psutil.Process().net_connections(kind="tcp")):
@@ -335,7 +336,7 @@ def _after_a_fault_recurred(agent, worker_group, processes: ModuleType) -> None:
         agent._remaining_restarts = 0
         return
     nodes = worker_group.group_world_size
-    waiting = agreed(worker_group.store, f"rerun_elsewhere/{pending.iteration}/waiting",
+    waiting = agreed(worker_group.store, rerun_elsewhere_key(pending.iteration, "waiting"),
                      _waiting_nodes(worker_group.spec.rdzv_handler))
 
     def decide(host: Optional[str]) -> AfterFault:

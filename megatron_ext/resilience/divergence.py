@@ -81,6 +81,14 @@ class NonFiniteSteps:
     def can_skip(self) -> bool:
         return self.skipped < self.allowed
 
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The skips spent before (a checkpoint's); the budget never comes back: a rewind to an older checkpoint
+        keeps what was spent since, as a restart keeps what was spent before it."""
+        self.skipped = max(self.skipped, int(state["skipped"]))
+
     def skip_or_raise(self, description: str) -> None:
         if self.skipped < self.allowed:
             self.skipped += 1

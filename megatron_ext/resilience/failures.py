@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import hashlib
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator, Optional
 
+from megatron_ext.distributed.store_keys import failure_key
 from megatron_ext.errors import (
     EXIT_FAILED,
     EXIT_PEER_FAILED,
@@ -133,7 +133,7 @@ def _first_to_say(text: str) -> bool:
     if store is None:
         return True
     try:
-        return store.add("failure/" + hashlib.sha1(text.encode()).hexdigest()[:16], 1) == 1
+        return store.add(failure_key(text), 1) == 1
     except (RuntimeError, OSError):
         return True
 

@@ -14,6 +14,8 @@ import datetime
 import os
 from typing import TYPE_CHECKING, Optional
 
+from megatron_ext.distributed.store_keys import job_namespace
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -39,4 +41,4 @@ def job_store(timeout_s: float = 10.0) -> Optional[dist.Store]:
                               timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError):  # the store's host is gone (the launcher died): nothing left to coordinate
         return None
-    return dist.PrefixStore(f"megatron_ext/{world}", store)  # keys: megatron_ext/<world>/<key>
+    return dist.PrefixStore(job_namespace(world), store)

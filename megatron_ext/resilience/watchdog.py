@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from megatron_ext.config.schema import HANG_MARGIN
+from megatron_ext.distributed.store_keys import heartbeat_key, process_key
 from megatron_ext.errors import EXIT_HUNG
 from megatron_ext.resilience import flight_recorder
 from megatron_ext.resilience.failures import RANK_LOG, rank_log, write_rank_log
@@ -60,7 +61,7 @@ class HangWatchdog:
         self.iteration = iteration
         self._store = job_store(timeout_s=max(self.interval * 2, 5.0))
         if self._store is not None:
-            self._store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+            self._store.set(process_key(self.rank), f"{socket.gethostname()} {os.getpid()}")
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self._thread.start()
 
@@ -99,7 +100,7 @@ class HangWatchdog:
         self._beats += 1
         with contextlib.suppress(RuntimeError, OSError):
             if self._store is not None:
-                self._store.set(f"hb/{self.rank}", f"{self._beats} {self.iteration}")
+                self._store.set(heartbeat_key(self.rank), f"{self._beats} {self.iteration}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -112,8 +113,8 @@ class HangWatchdog:
         beats = {}
         for rank in range(self.world_size):
             with contextlib.suppress(RuntimeError, OSError):
-                if self._store.check([f"hb/{rank}"]):
-                    beats[rank] = self._store.get(f"hb/{rank}").decode()
+                if self._store.check([heartbeat_key(rank)]):
+                    beats[rank] = self._store.get(heartbeat_key(rank)).decode()
         return beats
 
     def _fire(self) -> None:
@@ -148,7 +149,7 @@ class HangWatchdog:
         procs = {}
         for rank in ranks:
             with contextlib.suppress(RuntimeError, OSError, ValueError):
-                host, pid = self._store.get(f"proc/{rank}").decode().split()
+                host, pid = self._store.get(process_key(rank)).decode().split()
                 procs[rank] = (host, int(pid))
         return procs
 

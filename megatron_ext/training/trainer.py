@@ -217,6 +217,7 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(t.skip_nonfinite_steps, self.cfg.optimizer.lr, speak=self.rank == 0)
         self.spikes = LossSpikes(t)
         self.run_state.register("spikes", self.spikes)
+        self.run_state.register("nonfinite_steps", self.nonfinite)
         self.metrics = StepMetrics(self.cfg, self.run_logger, device())
         self.pending = PendingSteps(device())
         self.decide_before_update = decides_before_update(self.cfg)  # such runs settle every step

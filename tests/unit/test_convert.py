@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config.schema import load_config
+from megatron_ext.config.shape import ModelShape
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConversionError
 from recipes import convert
@@ -215,12 +216,16 @@ def test_a_conversion_says_what_it_will_read_write_and_hold_and_refuses_a_disk_t
     from megatron_ext.convert.cost import export_cost
     from megatron_ext.convert.hf_files import shard_size_bytes
 
-    # Llama-3.1-405B's 405.9 B bf16 parameters at transformers' default shard size
-    cost = export_cost(405_853_388_800, 0, 2, shard_size_bytes("5GB"), tmp_path / "out")
+    # Llama-3.1-405B's 405.9 B bf16 parameters at transformers' default shard size, streamed: its embedding and
+    # output layer (2 × 128,256 × 16,384), the final norm, one layer twice (3.19 B each) and two 5 GB shards
+    shape = ModelShape.of(load_config(TINY.parent / "llama3_1_405b_40gpu_bf16.yaml").model)
+    held = 2 * 128_256 * 16_384 + 16_384 + 2 * shape.layer_parameters(0)
+    assert shape.layer_parameters(0) == 3_187_703_808 and shape.num_parameters(128_256) == 405_853_388_800
+    cost = export_cost(405_853_388_800, 0, 2, shard_size_bytes("5GB"), tmp_path / "out", held)
     assert (cost.read_bytes, cost.write_bytes, cost.files) == (811_706_777_600, 811_706_777_600, 163)
     assert cost.describe(10**12) == (
         f"export-hf: reads 811.71 GB, writes 811.71 GB in 163 files to {tmp_path / 'out'} (1,000.0 GB free there); "
-        "this process holds about 1,623.41 GB at its peak")
+        "this process holds about 31.16 GB at its peak")
     cost.check_disk(10**12)
     with pytest.raises(ConversionError) as e:
         cost.check_disk(500 * 10**9)

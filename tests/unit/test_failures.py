@@ -527,9 +527,10 @@ def test_a_spare_the_job_ended_without_is_told_apart_from_a_node_that_failed():
         _Spare(RendezvousConnectionError(), trained=True).run()
 
 
-def test_signal_exit_codes_and_the_rank_log_name_are_written_once():
-    """128 + a signal's number is errors.signal_exit_code's alone, the rank log's name failures.RANK_LOG's: a grep of
-    the code (comments and docstrings aside) finds no second derivation."""
+def test_signal_exit_codes_the_rank_log_name_and_store_keys_are_written_once():
+    """128 + a signal's number is errors.signal_exit_code's alone, the rank log's name failures.RANK_LOG's, every
+    store key distributed/store_keys.py's: a grep of the code (comments and docstrings aside) finds no second
+    derivation."""
     import re
 
     sources = [*(ROOT / "megatron_ext").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]
@@ -541,4 +542,8 @@ def test_signal_exit_codes_and_the_rank_log_name_are_written_once():
             twice.append(f"{path}: 128 + signal")
         if path.name != "failures.py" and re.search(r"rank-(\{[^}]*\}|\*)\.log", code):
             twice.append(f"{path}: the rank log's name")
+        # store keys: distributed/store_keys.py names every one (its namespaces, the watchdog's, the reports', the
+        # agents')
+        if path.name != "store_keys.py" and re.search(r'f?"(megatron_ext/|hb/|proc/|failure/|rerun_elsewhere/)', code):
+            twice.append(f"{path}: a store key")
     assert not twice, twice
