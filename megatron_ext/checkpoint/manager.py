@@ -25,7 +25,7 @@ from megatron_ext.checkpoint.resume import Resumed, StartPoint, newest_checkpoin
 from megatron_ext.checkpoint.run_lock import RunLock
 from megatron_ext.checkpoint.run_state import RunState
 from megatron_ext.config.schema import RecipeConfig
-from megatron_ext.errors import CheckpointError
+from megatron_ext.errors import CheckpointError, CheckpointStorageError
 
 
 class CheckpointManager:
@@ -74,12 +74,13 @@ class CheckpointManager:
             try:
                 lock.acquire()
                 self.lock = lock
-            except CheckpointError as e:
-                refusal = str(e)
+            except CheckpointError as e:  # a storage error (exit 6: requeued elsewhere) stays one on every rank
+                refusal = (isinstance(e, CheckpointStorageError), str(e))
         shared = [refusal]
         dist.broadcast_object_list(shared, src=0)
         if shared[0]:
-            raise CheckpointError(shared[0])
+            storage, message = shared[0]
+            raise (CheckpointStorageError if storage else CheckpointError)(message)
 
     def rewind(self) -> Optional[Resumed]:
         """Collective: back to the newest intact training checkpoint in checkpoint.save (saves in flight finished

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Iterator, Optional
@@ -33,8 +34,24 @@ RANK_LOG = "rank-{rank}.log"  # each rank's log in the run's log directory
 
 
 def rank_log(log_dir: str | Path, rank: int) -> Path:
-    """Where rank `rank` writes its tracebacks and hang stacks."""
-    return Path(log_dir) / RANK_LOG.format(rank=rank)
+    """Where rank `rank` writes its tracebacks and hang stacks: under `log_dir` (logging.log_dir), or where that cannot
+    be written (a read-only mount, a vanished directory) under this machine's temporary directory, in a directory
+    named for it — the same rule for the rank that writes and the launcher that points at it, so a failure's
+    traceback is always kept and found."""
+    return writable_log_dir(log_dir) / RANK_LOG.format(rank=rank)
+
+
+def writable_log_dir(log_dir: str | Path) -> Path:
+    """`log_dir` when this process can write there (made if missing), else its stand-in under the temporary
+    directory (see :func:`rank_log`)."""
+    wanted = Path(log_dir)
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+        if os.access(wanted, os.W_OK):
+            return wanted
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / "megatron_ext-logs" / str(wanted.absolute()).strip("/").replace("/", "_")
 
 
 @contextlib.contextmanager

@@ -421,3 +421,35 @@ def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterr
     for tag in ("train/lm_loss", "train/grad_norm"):
         assert read_scalars(tmp_path / "tb", tag) == read_scalars(tmp_path / "tb_whole", tag), tag
     assert latest_iteration(tmp_path / "ckpt") == 6
+
+
+def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_path):
+    """A real read-only mount (a tmpfs remounted read-only) holding a finished run's checkpoints and logs: the
+    relaunch ends with the storage code 6 (the SLURM template requeues it elsewhere) after one line naming the
+    directory; the traceback sits in a rank log that exists (the temporary directory stands in for the read-only
+    log directory, and both the rank and the launcher point there); no run lock is left, the checkpoints are as
+    they were."""
+    from megatron_ext.errors import EXIT_STORAGE
+
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "none", str(mount)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        ckpt = mount / "ckpt"
+        overrides = [*_overrides(tmp_path, "tb", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2",
+                                 f"logging.log_dir={mount / 'logs'}"), "logging.tensorboard_dir=null"]
+        run_pretrain(1, [*overrides, "train.train_iters=2"])
+        before = {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()}
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        proc = run_pretrain(1, overrides, launcher="recipes.launch", check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == EXIT_STORAGE, out[-3000:]
+        said = [line for line in out.splitlines() if "cannot be written (OSError: Read-only file system)" in line]
+        assert len(said) == 1 and f"checkpoint.save={ckpt} " in said[0], out[-3000:]
+        logs = {Path(path) for path in re.findall(r"(?:traceback|its log): (\S+?)\)?$", out, re.M)}
+        assert logs and all(log.is_file() and "Traceback" in log.read_text() for log in logs), (logs, out[-3000:])
+        assert not (ckpt / RUN_LOCK).exists()
+        assert {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()} == before
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
