@@ -19,6 +19,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports contain; recomputed by both sides
 _FP8_SCALES = "weight_scale_inv"  # DeepSeek-V3's published FP8 checkpoint: one scale per 128x128 weight block
+# OpenAI's MXFP4 checkpoints (GPT-OSS): a stacked expert tensor W [experts, in, out] stored as NAME_blocks [experts,
+# out, in/32, 16] bytes and NAME_scales [experts, out, in/32] E8M0 exponents (the OCP MX format: 32 values per scale)
+MXFP4 = ("_blocks", "_scales")
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by 4-bit code
 
 
 def read_config_json(hf_dir: Path) -> tuple[dict[str, Any], str]:
@@ -197,8 +201,32 @@ class SafetensorsReader:
         return self._handles[self.files[name]].get_tensor(name)
 
     def get_row(self, name: str, row: int) -> torch.Tensor:
-        """``get(name)[row]``, reading that row's bytes only (one expert of a tensor stacking a layer's experts)."""
+        """``get(name)[row]``, reading that row's bytes only (one expert of a tensor stacking a layer's experts); an
+        MXFP4-stored one dequantized (bf16, as transformers dequantizes it)."""
+        if name not in self.files:
+            blocks, scales = (self._handles[self.files[name + suffix]].get_slice(name + suffix)[row] for suffix in MXFP4)
+            return dequantize_mxfp4(blocks, scales).transpose(-1, -2)
         return self._handles[self.files[name]].get_slice(name)[row]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[..., rows, groups, 16] bytes and [..., rows, groups] exponents → [..., rows, groups·32] values: each byte two
+    E2M1 code points (the low nibble first), each group of 32 times 2^(exponent − 127)."""
+    code_points = torch.tensor(_FP4_E2M1, dtype=dtype)
+    values = torch.stack([code_points[(blocks & 0x0F).long()], code_points[(blocks >> 4).long()]], dim=-1)
+    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127).unsqueeze(-1))
+    return values.flatten(-2).to(dtype)
+
+
+def _mxfp4_stand_ins(reader: SafetensorsReader, expected: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The blocks' and scales' shapes for each expected [experts, in, out] tensor the files hold in MXFP4 instead."""
+    shapes = {}
+    for name, dims in expected.items():
+        if name not in reader.files and name + MXFP4[0] in reader.files and len(dims) == 3 and dims[1] % 32 == 0:
+            experts, inputs, outputs = dims
+            shapes[name + MXFP4[0]] = (experts, outputs, inputs // 32, 16)
+            shapes[name + MXFP4[1]] = (experts, outputs, inputs // 32)
+    return shapes
 
 
 def check_tensors(reader: SafetensorsReader, expected: Mapping[str, tuple[int, ...]], copies: Mapping[str, str],
@@ -209,6 +237,8 @@ def check_tensors(reader: SafetensorsReader, expected: Mapping[str, tuple[int, .
     if fp8 is not None:
         raise ConversionError(f"{reader.files[fp8]}: {fp8!r} is a block-FP8 weight's scale: dequantize the checkpoint "
                               "to bfloat16 first (e.g. DeepSeek-V3's inference/fp8_cast_bf16.py)")
+    stand_ins = _mxfp4_stand_ins(reader, expected)
+    expected = {**{name: dims for name, dims in expected.items() if name + MXFP4[0] not in stand_ins}, **stand_ins}
     for name, want in expected.items():
         if name not in reader.files:
             raise ConversionError(f"tensor {name!r} is missing from the safetensors files of {config_path.parent}")

@@ -22,7 +22,8 @@ expert (``local_experts.{e}``, the EP1 name) is row e, transposed to [out, in] a
 kinds of :mod:`weight_mapping`); import reads only that row of the file.
 
 OpenAI publishes the experts MXFP4-quantized (``*_blocks``/``*_scales``, ``quantization_config.quant_method=mxfp4``):
-refused in one line; dequantize to bf16 with transformers first.
+the import dequantizes each expert's row as it reads it (:func:`hf_files.dequantize_mxfp4`, to bf16 as transformers
+does); the export writes bf16.
 """
 
 from __future__ import annotations
@@ -92,12 +93,11 @@ class GptOssShape:
 def shape_from_config(config: dict[str, Any], source: str, model_type: str, tensors: Collection[str]
                       ) -> GptOssShape:
     """Check config.json's fields (read from `source`): a GPT-OSS our model reproduces exactly."""
-    quantization = config.get("quantization_config")
-    if quantization:
-        raise ConversionError(f"{source}: quantization_config={quantization.get('quant_method', quantization)!r}: "
-                              "the experts are stored quantized; dequantize them to bfloat16 first (transformers: "
-                              "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
-                              "save_pretrained)")
+    quantization = config.get("quantization_config") or {}
+    if quantization and quantization.get("quant_method") != "mxfp4":
+        raise ConversionError(f"{source}: quantization_config.quant_method="
+                              f"{quantization.get('quant_method')!r} is not supported (only OpenAI's mxfp4 experts, "
+                              "dequantized on import)")
     if not config.get("attention_bias", True):
         raise ConversionError(f"{source}: attention_bias=false is not supported (GPT-OSS's attention has biases, and "
                               "the recipe's add_bias_linear gives them to every linear layer)")

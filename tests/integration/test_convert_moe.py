@@ -232,3 +232,33 @@ def test_a_kimi_k2_shaped_model_imports_and_exports_bit_identically(megatron, to
                 "first_k_dense_replace", "n_shared_experts", "q_lora_rank", "kv_lora_rank"):
         assert written[key] == config[key], key
 
+
+
+def test_a_gpt_oss_with_mxfp4_experts_imports_as_transformers_dequantizes_it(megatron, models, tokens, tmp_path):
+    """OpenAI's published form: each layer's expert tensors as MXFP4 blocks and scales (random ones here) with
+    quantization_config mxfp4. Imported, its logits are transformers' for the same model with the experts
+    dequantized by transformers' own function."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state, config = safetensors_state(models["gpt_oss"]["hf"]), json.loads(
+        (models["gpt_oss"]["hf"] / "config.json").read_text())
+    generator = torch.Generator().manual_seed(13)
+    dense, quantized = dict(state), dict(state)
+    for name in [name for name in state if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state[name].shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(121, 126, (experts, outputs, inputs // 32), generator=generator, dtype=torch.uint8)
+        dense[name] = convert_moe_packed_tensors(blocks, scales).float()
+        del quantized[name]
+        quantized.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+    for directory, tensors, extra in [("dense", dense, {}),
+                                      ("mxfp4", quantized, {"quantization_config": {"quant_method": "mxfp4"}})]:
+        (tmp_path / directory).mkdir()
+        save_file(tensors, str(tmp_path / directory / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / directory / "config.json").write_text(json.dumps({**config, **extra}))
+    checkpoint = megatron(convert.import_hf, tmp_path / "mxfp4", tmp_path / "ckpt", 1, 1, 2)
+    ours, theirs = megatron(checkpoint_logits, checkpoint, tokens), hf_logits(tmp_path / "dense", tokens)
+    diff = max_diff(ours, theirs)
+    print(f"gpt_oss MXFP4 EP1: max |Δlogit| = {diff:.2e} (max |logit| {theirs.abs().max():.2f})")
+    assert diff <= TOLERANCE and theirs.abs().max() > 1.0

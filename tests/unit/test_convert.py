@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
@@ -233,3 +234,18 @@ def test_a_conversion_says_what_it_will_read_write_and_hold_and_refuses_a_disk_t
                             "choose another --output")
     assert cost.free_bytes() > 0  # the nearest existing ancestor's file system
     assert (shard_size_bytes("100KB"), shard_size_bytes("5GB")) == (100_000, 5_000_000_000)
+
+
+def test_mxfp4_experts_dequantize_as_transformers_does():
+    """OpenAI's MXFP4 expert tensors ([experts, out, in/32, 16] bytes, [experts, out, in/32] exponents), one expert
+    row at a time, equal transformers' dequantization of the whole stack bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from megatron_ext.convert.hf_files import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(118, 136, (3, 8, 2), generator=generator, dtype=torch.uint8)
+    ours = torch.stack([dequantize_mxfp4(blocks[e], scales[e]).transpose(-1, -2) for e in range(3)])
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales)) and ours.shape == (3, 64, 8)
+
