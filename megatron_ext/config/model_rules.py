@@ -1,6 +1,6 @@
 """The model architecture's config rules: which layers are MoE layers and how their experts are routed and laid out,
-multi-latent attention, multi-token prediction, GPT-OSS's attention and GLU. Each broken rule is one ConfigError naming the key and what to do,
-before any process starts (called by :func:`megatron_ext.config.validate.validate_layout`)."""
+multi-latent attention, multi-token prediction, GPT-OSS's attention and GLU. Each broken rule is one ConfigError
+naming the key and what to do, before any process starts (called by :func:`megatron_ext.config.validate.validate_layout`)."""
 
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def validate_attention_and_glu(cfg: RecipeConfig) -> None:
             "model.window_attn_skip_freq", skip, f"must be N >= 2 (every N-th layer full, the others windowed), a 0/1 "
             f"flag for each of the model.num_layers={m.num_layers} layers (1 = windowed), or null (all windowed)")
     if m.softmax_type != "vanilla" or window is not None:
-        what = "attention sinks (model.softmax_type)" if m.softmax_type != "vanilla" else "a sliding window"
+        what = "attention sinks (model.softmax_type)" if m.softmax_type != "vanilla" else "sliding window"
         require(p.context_parallel_size == 1, "parallel.context_parallel_size", p.context_parallel_size,
                 f"the ring attention that splits sequences over CP ranks here has no {what}: set it 1")
     plain_glu = m.activation_func == "silu" and m.activation_func_clamp_value is None and m.glu_linear_offset == 0.0

@@ -197,8 +197,8 @@ class ModelShape:
         return self.num_query_groups * (self.query_key_head_dim + self.value_head_dim)
 
     def attention_parameters(self) -> int:
-        """One layer's attention projection weights (its norms left out; with their biases and sinks). Multi-latent attention: the query's
-        down- and up-projections, the KV down-projection (to the compressed KV and
+        """One layer's attention projection weights (its norms left out), with their biases and the sinks.
+        Multi-latent attention: the query's down- and up-projections, the KV down-projection (to the compressed KV and
         the shared rotary key) and up-projection (to every head's non-rotary key and value), the output projection."""
         h, n = self.hidden_size, self.num_attention_heads
         if not self.multi_latent_attention:  # (and the biases, the sinks)

@@ -60,7 +60,7 @@ def test_biased_experts_are_never_split_over_tensor_parallel_ranks():
      "parallel.context_parallel_size=2 is invalid: the ring attention that splits sequences over CP ranks here has no "
      "attention sinks"),
     (["model.softmax_type=vanilla", "parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=1"],
-     "has no a sliding window"),
+     "has no sliding window"),
     (["model.window_size=[7,1]"], "model.window_size=[7, 1] is invalid: must be [left, 0]"),
     (["model.window_size=[0,0]"], "must be [left, 0]: each query sees the left >= 1 keys"),
     (["model.window_attn_skip_freq=1"], "model.window_attn_skip_freq=1 is invalid: must be N >= 2"),
