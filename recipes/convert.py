@@ -382,7 +382,8 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
 def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Latest checkpoint under `checkpoint` (any layout) → Hugging Face directory at `output`: Llama, or with
     qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE; with multi-latent attention
-    DeepSeek-V3 — in safetensors shards of at most `max_shard_size` (transformers' form), one file when it fits."""
+    DeepSeek-V3; with learnable attention sinks GPT-OSS — in safetensors shards of at most `max_shard_size`
+    (transformers' form, one file when it fits), read and written a layer at a time."""
     from megatron_ext.model.llama import PARAMETER_DTYPES
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
@@ -401,17 +402,16 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
         print(f"warning: data.tokenizer_model={tokenizer} of the saved config does not exist; "
               "exporting without a tokenizer", file=sys.stderr)
         tokenizer = None
-    model_shape = ModelShape.of(cfg.model)
+    model_shape, dtype = ModelShape.of(cfg.model), PARAMETER_DTYPES[cfg.train.precision]
     h, layers = model_shape.hidden_size, model_shape.num_layers + model_shape.mtp_num_layers
     held = (1 if model_shape.tied_embeddings else 2) * shape.vocab_size * h + h + 2 * max(
         map(model_shape.layer_parameters, range(layers)))
     cost = export_cost(model_shape.num_parameters(shape.vocab_size), 2 * model_shape.mtp_num_layers * shape.vocab_size * h,
-                       PARAMETER_DTYPES[cfg.train.precision].itemsize, shard_bytes, output, held)
+                       dtype.itemsize, shard_bytes, output, held)
     free = cost.free_bytes()
     cost.check_disk(free)
     print(cost.describe(free))
     family = families.family_of(shape)
-    dtype = PARAMETER_DTYPES[cfg.train.precision]
     hf_shapes, copies = family.hf_shapes(shape), family.tensor_copies(shape)
     with _staged(output) as staging:
         writer = ShardWriter({name: (dims, dtype) for name, dims in {
