@@ -35,6 +35,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.compat import megatron_optimizers, optimizer_substates
+from megatron_ext.checkpoint.model_class import gpt_parameter_name
 
 DP_RESHARDABLE = "dp_reshardable"
 # Config keys that change the buffers' layout: named in the error as the likely cause.
@@ -42,7 +43,7 @@ _LAYOUT_KEYS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_
                 "parallel.virtual_pipeline_model_parallel_size", "parallel.num_layers_in_first_pipeline_stage",
                 "parallel.num_layers_in_last_pipeline_stage", "parallel.use_distributed_optimizer",
                 "parallel.overlap_grad_reduce", "parallel.ddp_bucket_size",
-                "model.attention_backend", "train.compile")
+                "model.attention_backend", "model.model_class", "train.compile")
 
 
 def optimizer_metadata(optimizer_format: str) -> dict[str, Any]:
@@ -56,10 +57,11 @@ def _rank_key() -> str:
 
 
 def _local_signature(model_chunks) -> str:
-    """Every parameter's name, bucket and offset within its bucket, in every grad buffer of this rank."""
+    """Every parameter's name (as GPTModel names it: model_class.py), bucket and offset within its bucket, in every
+    grad buffer of this rank."""
     entries = []
     for chunk_index, chunk in enumerate(model_chunks):
-        names = {param: name for name, param in chunk.module.named_parameters()}
+        names = {param: gpt_parameter_name(name, chunk.module) for name, param in chunk.module.named_parameters()}
         for buffer_index, buffer in enumerate([*chunk.buffers, *chunk.expert_parallel_buffers]):
             for param, (start, end, bucket_id) in buffer.param_index_map.items():
                 offset = buffer.buckets[bucket_id].offset  # bucket starts move with the DP padding; offsets don't

@@ -32,7 +32,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest
+from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest, model_class
 from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, agreed_failure, signals_ignored
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import (
@@ -392,6 +392,7 @@ def load_training_state(ckpt_dir: Path, common: CommonState, model_chunks, optim
                  f"PP{saved.get('pipeline_model_parallel_size')}: RNG states are not restored")
     state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout,
                            optimizer_format=common.optimizer_format)
+    model_class.read_gpt_checkpoint_into_hybrid(state, ckpt_dir, _bare(model_chunks))
     loaded = compat.load_sharded(state, ckpt_dir)
     compat.load_model_chunks(_bare(model_chunks), loaded)
     problem = master_weights_problem(ckpt_dir, optimizer, loaded["optimizer"])
@@ -429,5 +430,7 @@ def _load_fsdp_training_state(ckpt_dir: Path, common: CommonState, model_chunks,
 def load_weights(ckpt_dir: Path, models: list[torch.nn.Module]) -> None:
     """Collective: the model weights alone of `ckpt_dir` (saved in any layout, without Megatron-FSDP) into unwrapped
     model chunks, each rank its own tensor- and pipeline-parallel part."""
-    compat.load_model_chunks(models, compat.load_sharded(_model_state(models), ckpt_dir))
+    state = _model_state(models)
+    model_class.read_gpt_checkpoint_into_hybrid(state, ckpt_dir, models)
+    compat.load_model_chunks(models, compat.load_sharded(state, ckpt_dir))
 

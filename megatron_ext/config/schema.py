@@ -40,6 +40,7 @@ HANG_TIMEOUT_FLOOR_S = 300.0
 HANG_MARGIN = 2.0  # a silence this many times the longest planned (or seen) stretch between finished steps is a hang
 COLLECTIVE_TIMEOUT_FLOOR_MINUTES = 10
 AttentionBackend = Literal["auto", "te", "local"]
+ModelClass = Literal["gpt", "hybrid"]  # megatron-core's GPTModel, or its successor HybridModel (model/hybrid.py)
 TEAttentionKernel = Literal["auto", "flash", "fused", "unfused"]  # megatron-core's AttnBackend, TE's kernel
 Precision = Literal["fp32", "bf16", "fp16"]
 ShardingStrategy = Literal["optim", "optim_grads", "optim_grads_params"]  # megatron-core's ZeRO-1/2/3 names
@@ -141,6 +142,10 @@ class ModelConfig:
     # dropout on the attention probabilities (local layers: not with ring attention, CP > 1, nor document masking)
     attention_dropout: float = 0.0
     untie_embeddings_and_output_weights: bool = True  # false = the output layer shares the embedding's weights
+    # megatron-core's model class: gpt = GPTModel; hybrid = HybridModel (megatron-core's successor to GPTModel): each
+    # decoder layer becomes an attention and an MLP position of its layer pattern, the same computation, and reads
+    # GPTModel checkpoints. Transitional (issue #61): hybrid becomes the only class once every suite passes on it
+    model_class: ModelClass = "gpt"
     # auto: TransformerEngine when importable; te; local: megatron-core's local layers (SDPA; ring attention
     # under CP)
     attention_backend: AttentionBackend = "auto"

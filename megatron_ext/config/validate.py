@@ -18,6 +18,7 @@ from megatron_ext.config.cuda_graph_rules import validate_cuda_graphs
 from megatron_ext.config.model_rules import (
     validate_attention_and_glu,
     validate_mla,
+    validate_model_class,
     validate_moe,
     validate_moe_layer_freq,
     validate_mtp,
@@ -199,6 +200,7 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
 
     validate_mla(cfg)
     validate_mtp(cfg)
+    validate_model_class(cfg)
     validate_attention_and_glu(cfg)
     _validate_pipeline(cfg)
     for key in ("hidden_dropout", "attention_dropout"):

@@ -268,16 +268,14 @@ def _local_experts(chunks: list[GPTModel]) -> Optional[list[int]]:
     return None
 
 
-def describe_layout(chunks: list[GPTModel]) -> str:
+def describe_layout(chunks: list[GPTModel], layer_numbers: list[list[int]]) -> str:
     """Which global ranks form each TP/CP/DP/PP group (and, for an MoE model, each expert group, with the experts
-    each rank holds) and which layers each pipeline stage holds.
+    each rank holds) and which decoder layers (`layer_numbers`: this rank's, per chunk) each pipeline stage holds.
 
     Collective: every rank must call it; the text is meant for rank 0 to print.
     """
     me = _coordinates()
-    me["layers"] = [
-        [layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks
-    ]
+    me["layers"] = layer_numbers
     me["experts"] = _local_experts(chunks)
     ps = parallel_state
     if me["experts"] is not None or ps.get_expert_model_parallel_world_size() > 1:

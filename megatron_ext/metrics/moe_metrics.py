@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.config.schema import ModelConfig, RecipeConfig
 from megatron_ext.config.shape import ModelShape
+from megatron_ext.model.hybrid import positions_per_layer
 
 log = logging.getLogger("megatron_ext")
 
@@ -84,12 +85,17 @@ class RouterMetrics:
 
     def __init__(self, cfg: RecipeConfig, device: torch.device, model_chunks: list[torch.nn.Module]):
         m, g = cfg.model, cfg.logging
-        self.num_layers, self.log_interval = m.num_layers, g.log_interval
+        # megatron-core numbers routers by layer position: a HybridModel's decoder layer takes two (model/hybrid.py)
+        self.positions = positions_per_layer(cfg)
+        self.decoder_layers, self.log_interval = m.num_layers, g.log_interval
+        self.num_layers = self.positions * m.num_layers  # megatron-core's count
         self.moe = m.num_moe_experts is not None
         self.mtp_layers = m.mtp_num_layers
-        # numbered from 1 (a decoder router's layer_number), multi-token prediction's after the decoder's
+        # numbered from 1 (a decoder layer's number), multi-token prediction's after the decoder's
         shape = ModelShape.of(m)
-        self.moe_layer_pattern = list(shape.moe_layers)  # as megatron-core's tracker takes moe_layer_freq
+        # as megatron-core's tracker takes moe_layer_freq: a flag per position, the MLP's the last of a layer's
+        self.moe_layer_pattern = [flag if position == self.positions - 1 else 0 for flag in shape.moe_layers
+                                  for position in range(self.positions)]
         self.moe_layers = [i + 1 for i in range(shape.num_layers + shape.mtp_num_layers) if shape.is_moe_layer(i)]
         tracked = TRACKED_LOSSES.get(m.moe_router_load_balancing_type)
         self.tracked = [tracked] if self.moe and tracked and m.moe_aux_loss_coeff > 0 else []
@@ -108,7 +114,7 @@ class RouterMetrics:
         if not (router.training and torch.is_grad_enabled()):  # training micro batches only, as the aux loss
             return
         routing_map = output[1]
-        layer = router.layer_number - 1 + (self.num_layers if router.is_mtp_layer else 0)
+        layer = (router.layer_number - 1) // self.positions + (self.decoder_layers if router.is_mtp_layer else 0)
         self.counts[layer] += routing_map.sum(dim=0)
         self.tokens[layer] += routing_map.shape[0]
 

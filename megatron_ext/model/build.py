@@ -14,6 +14,7 @@ from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.distributed.parallel import describe_layout
 from megatron_ext.model import activation_offload
 from megatron_ext.model.document_mask import describe_document_masking
+from megatron_ext.model.hybrid import decoder_layer_numbers
 from megatron_ext.model.llama import (
     build_model_chunks,
     compile_layers,
@@ -57,7 +58,7 @@ def build_model(cfg: RecipeConfig, vocab_size: int, on_gpu: bool
         chunks = [c.cuda() for c in chunks]
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids or cfg.data.eod_mask_loss:
         notes.append(describe_document_masking(cfg.data, on_gpu, cfg.parallel.context_parallel_size, use_te))
-    notes.append(describe_layout(chunks))
+    notes.append(describe_layout(chunks, decoder_layer_numbers(chunks)))
     notes.append(f"{describe_layers(chunks, config, use_te, cfg.train.fp8)}; "
                  f"backend: {'NCCL/GPU' if on_gpu else 'gloo/CPU rehearsal'}")
     if cfg.model.num_moe_experts is not None:

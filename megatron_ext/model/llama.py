@@ -16,9 +16,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
@@ -31,6 +36,14 @@ from megatron_ext.config.shape import ModelShape, moe_layer_pattern, padded_voca
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
 from megatron_ext.model.fused_output import FusedOutputGPTModel
+from megatron_ext.model.hybrid import (
+    attention_layers,
+    build_hybrid_model,
+    is_hybrid,
+    layer_fields,
+    positions_per_layer,
+    stack_spec,
+)
 from megatron_ext.model.mla import mla_local_layer_spec, mla_transformer_config
 from megatron_ext.model.moe import (
     give_biased_experts_their_own_output,
@@ -87,22 +100,37 @@ class RMSNorm(torch.nn.RMSNorm):
 
 def block_spec(config: TransformerConfig, use_te: bool, vp_stage: Optional[int],
                liger: bool = False) -> TransformerBlockSubmodules:
-    """This chunk's decoder layers: TE fused layers, or megatron-core local layers with an SP-capable
+    """This GPTModel chunk's decoder layers: TE fused layers, or megatron-core local layers with an SP-capable
     RMSNorm (liger-kernel's with `liger`) and SDPA core attention (ring attention when the sequence is split
     across CP ranks); an MoE model's MLPs are megatron-core's MoE layers (one GEMM per expert in local layers) where
     ``moe_layer_freq`` says, dense SwiGLUs elsewhere."""
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
-    norm = RMSNorm
-    if liger:
-        from liger_kernel.megatron import LigerMegatronRMSNorm as norm
-    specs = {moe: _local_layer_spec(config, norm, moe) for moe in (False, True)}
+    dense, moe, norm = layer_specs(config, use_te, liger)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers) if config.num_moe_experts else ()
     layers = range(first, first + get_num_layers_to_build(config, vp_stage=vp_stage))
-    return TransformerBlockSubmodules(layer_specs=[specs[bool(pattern and pattern[i])] for i in layers],
+    return TransformerBlockSubmodules(layer_specs=[moe if pattern and pattern[i] else dense for i in layers],
                                       layer_norm=norm)
+
+
+def layer_specs(config: TransformerConfig, use_te: bool, liger: bool = False
+                ) -> tuple[ModuleSpec, Optional[ModuleSpec], type]:
+    """The model's dense decoder layer spec, its MoE layer spec (None for a dense model) and its norm: TE's fused
+    layers and norm, or the local layers of `block_spec`."""
+    if use_te:
+        shape = dict(qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention)
+        dense = get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, **shape)
+        moe = (get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                          moe_grouped_gemm=config.moe_grouped_gemm, **shape)
+               if config.num_moe_experts else None)
+        return dense, moe, TENorm
+    norm = RMSNorm
+    if liger:
+        from liger_kernel.megatron import LigerMegatronRMSNorm as norm
+    moe = _local_layer_spec(config, norm, True) if config.num_moe_experts else None
+    return _local_layer_spec(config, norm, False), moe, norm
 
 
 def _local_layer_spec(config: TransformerConfig, norm: type, moe: bool) -> ModuleSpec:
@@ -166,7 +194,6 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
     vpp = p.virtual_pipeline_model_parallel_size
     mla = mla_transformer_config(cfg)
     config = (MLATransformerConfig if mla else TransformerConfig)(
-        num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
@@ -182,7 +209,6 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         add_qkv_bias=m.add_qkv_bias,
         softmax_type=m.softmax_type,
         window_size=tuple(m.window_size) if m.window_size else None,
-        window_attn_skip_freq=m.window_attn_skip_freq,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -194,8 +220,8 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         context_parallel_size=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
         tp_comm_overlap=p.tp_comm_overlap,  # TE's userbuffers: megatron_ext/distributed/tp_comm_overlap.py
-        num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage,
+        # layers counted as the model class counts them (hybrid.py): decoder layers, or HybridModel's positions
+        **layer_fields(cfg),
         # The interleaved schedule at PP=2 swaps the two stages' tensors when p2p ops are
         # batched (megatron-core 0.19.2, Megatron-LM issues 750/1450): never batch them.
         batch_p2p_comm=vpp is None,
@@ -225,7 +251,8 @@ def transformer_config(cfg: RecipeConfig, on_gpu: bool, use_te: bool) -> Transfo
         cuda_graph_modules=list(t.cuda_graph_modules),
         recompute_granularity=t.recompute_granularity,
         recompute_method="uniform" if t.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if t.recompute_granularity == "full" else None,
+        # one decoder layer per recomputed block (a HybridModel's two positions)
+        recompute_num_layers=positions_per_layer(cfg) if t.recompute_granularity == "full" else None,
         recompute_modules=list(recomputed_modules(cfg)) or None,  # None: megatron-core's default
         cpu_offloading=t.cpu_offloading_num_layers > 0,
         cpu_offloading_num_layers=t.cpu_offloading_num_layers,
@@ -308,7 +335,7 @@ def _attention_and_glu_variants(chunks: list[GPTModel], config: TransformerConfi
     if config.softmax_type != "vanilla":
         parts.append(f", {config.softmax_type} attention sinks")
     if config.window_size:
-        layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+        layers = attention_layers(chunks)
         where = (f"window_attn_skip_freq {config.window_attn_skip_freq}" if use_te else
                  f"on {sum(layer.self_attention.core_attention.window is not None for layer in layers)} of this "
                  f"rank's {len(layers)} layers")
@@ -330,14 +357,12 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallel.tensor_model_parallel_size)
     model_class = FusedOutputGPTModel if cfg.train.fused_linear_cross_entropy else GPTModel
+    stack = stack_spec(*layer_specs(config, use_te, cfg.train.liger_kernels)) if is_hybrid(cfg) else None
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        decoder = block_spec(config, use_te, stage, cfg.train.liger_kernels)
-        chunks.append(model_class(
+        common = dict(
             config=config,
-            transformer_layer_spec=decoder,
-            mtp_block_spec=mtp_block_spec(config, decoder, use_te, stage),
             vocab_size=padded,
             max_sequence_length=cfg.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -346,10 +371,17 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             # (multi-latent attention applies its own RoPE or YaRN: megatron-core builds none here for it)
             position_embedding_type="yarn" if uses_yarn_in_model(cfg) else "rope",
             rotary_base=int(cfg.model.rotary_base),
+            vp_stage=stage)
+        if stack is not None:
+            chunks.append(build_hybrid_model(cfg, stack, **common))
+            continue
+        decoder = block_spec(config, use_te, stage, cfg.train.liger_kernels)
+        chunks.append(model_class(
+            transformer_layer_spec=decoder,
+            mtp_block_spec=mtp_block_spec(config, decoder, use_te, stage),
             rope_scaling=cfg.model.rope_scaling_factor is not None,
             rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,
-            vp_stage=stage,
-        ))
+            **common))
     _give_row_parallel_layers_their_group(chunks)
     reduce_experts_over_expert_data_parallel(chunks)
     # (TransformerEngine's packed-sequence attention has megatron-core restart RoPE at each document itself)

@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config.schema import RecipeConfig, expert_tensor_parallel_size
 from megatron_ext.config.shape import ModelShape, moe_layer_pattern
+from megatron_ext.model.hybrid import decoder_layer_count
 
 
 def moe_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def describe_moe(chunks: list[torch.nn.Module], config: Any) -> str:
     groups = (f" from the best {config.moe_router_group_topk} of {config.moe_router_num_groups} groups"
               if config.moe_router_num_groups else "")
     scaling = config.moe_router_topk_scaling_factor
-    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    pattern = moe_layer_pattern(config.moe_layer_freq, decoder_layer_count(config))
     dispatcher = config.moe_token_dispatcher_type + (
         f" ({config.moe_flex_dispatcher_backend})" if config.moe_token_dispatcher_type == "flex" else "") + (
         " dispatcher, its all-to-alls overlapped with another micro batch's compute"

@@ -1,0 +1,66 @@
+"""Checkpoints that move from megatron-core's GPTModel to its HybridModel (model.model_class; model/hybrid.py).
+
+A GPTModel checkpoint keeps decoder layer i's attention and MLP under ``decoder.layers.i.``, or, for a model whose
+layers are all alike, under ``decoder.layers.`` with the layer as each tensor's first axis (megatron-core's
+homogeneous format); a HybridModel keeps them at positions 2i and 2i + 1 (``decoder.layers.<position>.``) and calls
+the final norm ``final_norm`` where GPTModel has ``final_layernorm``. When a hybrid run reads a checkpoint without
+hybrid keys, its requests (model tensors, and the optimizer state of the fully reshardable formats, whose keys embed
+the model's) are pointed at the GPT keys before dist_checkpointing reads: the indexed format by renaming, the
+homogeneous one by megatron-core's own retargeting (``dist_checkpointing/gpt_checkpoint_interop.py``, which adds the
+layer axis). Nothing on disk is rewritten; the run's next save is in the hybrid layout. The optimizer state of the
+dp_reshardable format (flat buffers, no keys) loads where the parameters sit at the same buffer offsets, which its
+signature checks under the GPTModel names of the parameters (:func:`gpt_parameter_name`): the two classes order the
+same parameters alike, so a checkpoint crosses the move under the layout it was saved in.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+    GPTCompatLayerMaps,
+    retarget_sharded_state_dict_to_gpt_checkpoint,
+)
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+from megatron_ext.model.hybrid import POSITIONS_PER_LAYER
+
+POSITION = re.compile(r"decoder\.layers\.(\d+)\.")
+GPT_FINAL_NORM, HYBRID_FINAL_NORM = "decoder.final_layernorm.", "decoder.final_norm."
+GPT_LAYER_AXIS = re.compile(r"(^|\.)decoder\.layers\.[a-z_]")  # a homogeneous GPT checkpoint's layer tensors
+
+
+def gpt_parameter_name(name: str, chunk: torch.nn.Module) -> str:
+    """`name`, a parameter's name in the model chunk `chunk`, as GPTModel would name it."""
+    if not isinstance(chunk, HybridModel):
+        return name
+    name = POSITION.sub(lambda m: f"decoder.layers.{int(m.group(1)) // POSITIONS_PER_LAYER}.", name)
+    return name.replace(HYBRID_FINAL_NORM, GPT_FINAL_NORM)
+
+
+def read_gpt_checkpoint_into_hybrid(state: dict[str, Any], checkpoint_dir: Path, models: list[torch.nn.Module]
+                                    ) -> bool:
+    """Point `state`'s requests at the GPTModel keys of `checkpoint_dir` where `models` (unwrapped chunks) are
+    HybridModels and the checkpoint is a GPTModel's (written before the move); returns whether it did."""
+    if not all(isinstance(model, HybridModel) for model in models):
+        return False
+    saved = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).keys()
+    if not any(key.startswith(GPT_FINAL_NORM) for key in saved):  # (a hybrid checkpoint's is decoder.final_norm.)
+        return False
+    num_layers = models[0].config.num_layers // POSITIONS_PER_LAYER
+    if any(GPT_LAYER_AXIS.search(key) for key in saved):
+        maps = GPTCompatLayerMaps(
+            attention_to_gpt={POSITIONS_PER_LAYER * i: i for i in range(num_layers)},
+            mlp_to_gpt={POSITIONS_PER_LAYER * i + 1: i for i in range(num_layers)},
+            fresh_init=frozenset(), num_gpt_layers=num_layers)
+        retarget_sharded_state_dict_to_gpt_checkpoint(state, maps)
+        return True
+    for entry in (entry for entry in nested_values(state) if isinstance(entry, ShardedBase)):
+        entry.key = gpt_parameter_name(entry.key, models[0])
+    return True
