@@ -384,6 +384,8 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
     qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE; with multi-latent attention
     DeepSeek-V3; with learnable attention sinks GPT-OSS — in safetensors shards of at most `max_shard_size`
     (transformers' form, one file when it fits), read and written a layer at a time."""
+    from megatron_ext.checkpoint.model_class import gpt_parameter_name
+    from megatron_ext.model.hybrid import is_hybrid
     from megatron_ext.model.llama import PARAMETER_DTYPES
 
     checkpoint, output = Path(checkpoint), Path(output).absolute()
@@ -420,6 +422,8 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
         with model_parallel_world(cfg):
             mappings = list(family.weight_mappings(shape))
             for state in _megatron_state_by_group(cfg, saved):
+                # the mappings name GPTModel's parameters: a HybridModel's renamed (checkpoint/model_class.py)
+                state = {gpt_parameter_name(name, is_hybrid(cfg)): tensor for name, tensor in state.items()}
                 ready = [m for m in mappings if m.megatron in state]
                 for name, tensor in megatron_to_hf(state, ready, shape.vocab_size, family.qkv_codec(shape)).items():
                     writer.add(name, tensor)

@@ -30,7 +30,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import prep
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
 
-from megatron_ext.checkpoint import compat, safe_unpickle
+from megatron_ext.checkpoint import compat, model_class, safe_unpickle
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import COMMON_STATE, DCP_METADATA, DIST_METADATA
 from megatron_ext.distributed.parallel import device
@@ -120,7 +120,10 @@ def load(ckpt_dir: Path, model_chunks: list, optimizer: MegatronOptimizer) -> No
         chunk.synchronize_param_gather()
     state, own = _dtensor_state(model_chunks, optimizer, is_loading=True)
     with safe_unpickle.refusals_named(ckpt_dir):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
+        reader = dcp.FileSystemReader(str(ckpt_dir))
+        state = model_class.gpt_fsdp_state_for_hybrid(state, set(reader.read_metadata().state_dict_metadata),
+                                                       model_chunks[0].config)
+        dcp.load(state, storage_reader=reader)
     model_chunks[0].load_state_dict(own["model"])
     compat.follow_the_configs_schedule(optimizer, own["optimizer"])  # the loaded groups hold the saved schedule
     optimizer.load_state_dict(own["optimizer"])

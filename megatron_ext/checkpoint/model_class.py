@@ -24,10 +24,12 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
     GPTCompatLayerMaps,
+    retarget_fsdp_state_dict_to_gpt_checkpoint,
     retarget_sharded_state_dict_to_gpt_checkpoint,
 )
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.model.hybrid import POSITIONS_PER_LAYER
 
@@ -36,12 +38,29 @@ GPT_FINAL_NORM, HYBRID_FINAL_NORM = "decoder.final_layernorm.", "decoder.final_n
 GPT_LAYER_AXIS = re.compile(r"(^|\.)decoder\.layers\.[a-z_]")  # a homogeneous GPT checkpoint's layer tensors
 
 
-def gpt_parameter_name(name: str, chunk: torch.nn.Module) -> str:
-    """`name`, a parameter's name in the model chunk `chunk`, as GPTModel would name it."""
-    if not isinstance(chunk, HybridModel):
+def gpt_parameter_name(name: str, hybrid: bool) -> str:
+    """`name`, a parameter's (or checkpoint key's) name in a HybridModel where `hybrid`, as GPTModel names it."""
+    if not hybrid:
         return name
     name = POSITION.sub(lambda m: f"decoder.layers.{int(m.group(1)) // POSITIONS_PER_LAYER}.", name)
     return name.replace(HYBRID_FINAL_NORM, GPT_FINAL_NORM)
+
+
+def gpt_fsdp_state_for_hybrid(state: dict[str, Any], stored: set[str], config: TransformerConfig) -> dict[str, Any]:
+    """A Megatron-FSDP (fsdp_dtensor) state to load from a checkpoint whose keys are `stored`: `state` itself, or for
+    a HybridModel (its `config`) and a GPTModel checkpoint, the same tensors under the checkpoint's GPT keys
+    (megatron-core's ``retarget_fsdp_state_dict_to_gpt_checkpoint``), into which the load then reads."""
+    if not config.is_hybrid_model or not any(GPT_FINAL_NORM in key for key in stored):
+        return state
+    return retarget_fsdp_state_dict_to_gpt_checkpoint(state, _layer_maps(config), checkpoint_keys=stored)
+
+
+def _layer_maps(config: TransformerConfig) -> GPTCompatLayerMaps:
+    """Position 2i (attention) and 2i + 1 (MLP) of the hybrid model are GPT layer i."""
+    layers = config.num_layers // POSITIONS_PER_LAYER
+    return GPTCompatLayerMaps(attention_to_gpt={POSITIONS_PER_LAYER * i: i for i in range(layers)},
+                              mlp_to_gpt={POSITIONS_PER_LAYER * i + 1: i for i in range(layers)},
+                              fresh_init=frozenset(), num_gpt_layers=layers)
 
 
 def read_gpt_checkpoint_into_hybrid(state: dict[str, Any], checkpoint_dir: Path, models: list[torch.nn.Module]
@@ -53,14 +72,9 @@ def read_gpt_checkpoint_into_hybrid(state: dict[str, Any], checkpoint_dir: Path,
     saved = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).keys()
     if not any(key.startswith(GPT_FINAL_NORM) for key in saved):  # (a hybrid checkpoint's is decoder.final_norm.)
         return False
-    num_layers = models[0].config.num_layers // POSITIONS_PER_LAYER
     if any(GPT_LAYER_AXIS.search(key) for key in saved):
-        maps = GPTCompatLayerMaps(
-            attention_to_gpt={POSITIONS_PER_LAYER * i: i for i in range(num_layers)},
-            mlp_to_gpt={POSITIONS_PER_LAYER * i + 1: i for i in range(num_layers)},
-            fresh_init=frozenset(), num_gpt_layers=num_layers)
-        retarget_sharded_state_dict_to_gpt_checkpoint(state, maps)
+        retarget_sharded_state_dict_to_gpt_checkpoint(state, _layer_maps(models[0].config))
         return True
     for entry in (entry for entry in nested_values(state) if isinstance(entry, ShardedBase)):
-        entry.key = gpt_parameter_name(entry.key, models[0])
+        entry.key = gpt_parameter_name(entry.key, hybrid=True)
     return True

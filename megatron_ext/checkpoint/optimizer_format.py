@@ -61,7 +61,8 @@ def _local_signature(model_chunks) -> str:
     grad buffer of this rank."""
     entries = []
     for chunk_index, chunk in enumerate(model_chunks):
-        names = {param: gpt_parameter_name(name, chunk.module) for name, param in chunk.module.named_parameters()}
+        hybrid = chunk.module.config.is_hybrid_model
+        names = {param: gpt_parameter_name(name, hybrid) for name, param in chunk.module.named_parameters()}
         for buffer_index, buffer in enumerate([*chunk.buffers, *chunk.expert_parallel_buffers]):
             for param, (start, end, bucket_id) in buffer.param_index_map.items():
                 offset = buffer.buckets[bucket_id].offset  # bucket starts move with the DP padding; offsets don't

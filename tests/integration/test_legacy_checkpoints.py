@@ -60,20 +60,7 @@ def test_a_checkpoint_of_the_previous_stack_continues_its_run(case, tmp_path):
     from recipes.checkpoints import describe
 
     run, ckpt = _copy(case, tmp_path)
-    nproc, layout = RESUMED_UNDER.get(case, (run["nproc"], []))
-    tb = tmp_path / "tb"
-    proc = run_pretrain(nproc, [*run["overrides"], *layout, f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}",
-                                f"logging.tensorboard_dir={tb}"])
-    assert f"resumed from {ckpt} at iteration {run['saved_at']}" in proc.stdout, proc.stdout[-3000:]
-    for tag, tolerance in RESHARD_TOLERANCE.items():
-        expected = {int(step): value for step, value in run[tag].items() if int(step) > run["saved_at"]}
-        resumed = read_scalars(tb, tag)
-        if case in RESUMED_UNDER:
-            worst = max_relative_difference(resumed, expected)
-            assert worst <= tolerance, f"{tag}: {worst:.2e}"
-        else:
-            worst = max_relative_difference(resumed, expected)  # over the same steps
-            assert worst <= SAME_LAYOUT_ULPS * FP32_ULP, f"{tag}: {worst / FP32_ULP:.1f} ulps"
+    tb = _resume_and_compare(case, run, ckpt, tmp_path, [])
     if case in NEW_SCHEDULE_CASES:
         _resumes_under_a_new_schedule(case, run, tmp_path, read_scalars(tb, "train/lr"))
     # the legacy checkpoint and the one this run saved (no common.pt but Megatron-FSDP's) listed alike
@@ -89,6 +76,34 @@ def test_a_checkpoint_of_the_previous_stack_continues_its_run(case, tmp_path):
         with pytest.raises(CheckpointError) as refused:
             read_common(directory)
         assert "\n" not in str(refused.value) and f"{directory}: " in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_checkpoint_of_the_previous_stack_continues_its_run_as_a_hybrid_model(case, tmp_path):
+    """megatron-core's HybridModel (model.model_class=hybrid) resumes GPTModel's checkpoints: each continues the run
+    that wrote it as closely as GPTModel does (checkpoint/model_class.py)."""
+    run, ckpt = _copy(case, tmp_path)
+    _resume_and_compare(case, run, ckpt, tmp_path, ["model.model_class=hybrid"])
+
+
+def _resume_and_compare(case: str, run: dict, ckpt: Path, tmp_path: Path, extra: list[str]) -> Path:
+    """Resume the fixture checkpoint `ckpt` of `case` (under RESUMED_UNDER's layout, else its own) with `extra`
+    overrides and hold its losses and gradient norms to the run that wrote it; the TensorBoard directory."""
+    nproc, layout = RESUMED_UNDER.get(case, (run["nproc"], []))
+    tb = tmp_path / "tb"
+    proc = run_pretrain(nproc, [*run["overrides"], *layout, *extra, f"checkpoint.load={ckpt}",
+                                f"checkpoint.save={ckpt}", f"logging.tensorboard_dir={tb}"])
+    assert f"resumed from {ckpt} at iteration {run['saved_at']}" in proc.stdout, proc.stdout[-3000:]
+    for tag, tolerance in RESHARD_TOLERANCE.items():
+        expected = {int(step): value for step, value in run[tag].items() if int(step) > run["saved_at"]}
+        resumed = read_scalars(tb, tag)
+        if case in RESUMED_UNDER:
+            worst = max_relative_difference(resumed, expected)
+            assert worst <= tolerance, f"{tag}: {worst:.2e}"
+        else:
+            worst = max_relative_difference(resumed, expected)  # over the same steps
+            assert worst <= SAME_LAYOUT_ULPS * FP32_ULP, f"{tag}: {worst / FP32_ULP:.1f} ulps"
+    return tb
 
 
 # the distributed optimizer's param groups, and Megatron-FSDP's per-parameter groups

@@ -54,17 +54,15 @@ def test_megatron_core_counts_positions_and_the_window_is_flagged_per_attention_
 
 
 def test_parameters_are_named_as_gptmodel_names_them():
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
-
     from megatron_ext.checkpoint.model_class import gpt_parameter_name
 
-    hybrid = object.__new__(HybridModel)  # only its class is read
-    assert gpt_parameter_name("decoder.layers.6.self_attention.linear_qkv.weight", hybrid) == \
+    assert gpt_parameter_name("decoder.layers.6.self_attention.linear_qkv.weight", hybrid=True) == \
         "decoder.layers.3.self_attention.linear_qkv.weight"
-    assert gpt_parameter_name("decoder.layers.7.mlp.linear_fc1.weight", hybrid) == "decoder.layers.3.mlp.linear_fc1.weight"
-    assert gpt_parameter_name("optimizer.state.exp_avg.decoder.final_norm.weight", hybrid) == \
+    assert gpt_parameter_name("module.decoder.layers.7.mlp.linear_fc1.weight", hybrid=True) == \
+        "module.decoder.layers.3.mlp.linear_fc1.weight"
+    assert gpt_parameter_name("optimizer.state.exp_avg.decoder.final_norm.weight", hybrid=True) == \
         "optimizer.state.exp_avg.decoder.final_layernorm.weight"
-    assert gpt_parameter_name("decoder.layers.7.mlp.linear_fc1.weight", object()) == \
+    assert gpt_parameter_name("decoder.layers.7.mlp.linear_fc1.weight", hybrid=False) == \
         "decoder.layers.7.mlp.linear_fc1.weight"
 
 

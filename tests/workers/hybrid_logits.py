@@ -24,7 +24,7 @@ def largest_logit_difference(overrides: list[str], vocab: int) -> tuple[float, f
         gpt = build_model(cfg, vocab)
         hybrid = build_model(load_config(TINY, [*overrides, "model.model_class=hybrid"]), vocab)
         weights = gpt.state_dict()
-        hybrid.load_state_dict({name: weights[gpt_parameter_name(name, hybrid)] for name in hybrid.state_dict()})
+        hybrid.load_state_dict({name: weights[gpt_parameter_name(name, hybrid=True)] for name in hybrid.state_dict()})
         tokens = torch.randint(0, vocab, (2, cfg.model.seq_length))
         with torch.no_grad():
             expected, got = gpt(tokens, None, attention_mask=None), hybrid(tokens, None, attention_mask=None)
