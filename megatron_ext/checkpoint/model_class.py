@@ -34,6 +34,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron_ext.model.hybrid import POSITIONS_PER_LAYER
 
 POSITION = re.compile(r"decoder\.layers\.(\d+)\.")
+# a multi-token-prediction depth's layer: GPTModel's one transformer layer, HybridModel's stack of two positions
+MTP_LAYER, GPT_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.)mtp_model_layer\.layers\.\d+\."), r"\1transformer_layer."
 GPT_FINAL_NORM, HYBRID_FINAL_NORM = "decoder.final_layernorm.", "decoder.final_norm."
 GPT_LAYER_AXIS = re.compile(r"(^|\.)decoder\.layers\.[a-z_]")  # a homogeneous GPT checkpoint's layer tensors
 
@@ -43,7 +45,7 @@ def gpt_parameter_name(name: str, hybrid: bool) -> str:
     if not hybrid:
         return name
     name = POSITION.sub(lambda m: f"decoder.layers.{int(m.group(1)) // POSITIONS_PER_LAYER}.", name)
-    return name.replace(HYBRID_FINAL_NORM, GPT_FINAL_NORM)
+    return MTP_LAYER.sub(GPT_MTP_LAYER, name.replace(HYBRID_FINAL_NORM, GPT_FINAL_NORM))
 
 
 def gpt_fsdp_state_for_hybrid(state: dict[str, Any], stored: set[str], config: TransformerConfig) -> dict[str, Any]:
@@ -72,9 +74,9 @@ def read_gpt_checkpoint_into_hybrid(state: dict[str, Any], checkpoint_dir: Path,
     saved = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).keys()
     if not any(key.startswith(GPT_FINAL_NORM) for key in saved):  # (a hybrid checkpoint's is decoder.final_norm.)
         return False
-    if any(GPT_LAYER_AXIS.search(key) for key in saved):
+    homogeneous = any(GPT_LAYER_AXIS.search(key) for key in saved)
+    if homogeneous:  # the decoder layers' keys, by megatron-core; MTP layers index their keys in either format
         retarget_sharded_state_dict_to_gpt_checkpoint(state, _layer_maps(models[0].config))
-        return True
     for entry in (entry for entry in nested_values(state) if isinstance(entry, ShardedBase)):
-        entry.key = gpt_parameter_name(entry.key, hybrid=True)
+        entry.key = MTP_LAYER.sub(GPT_MTP_LAYER, entry.key) if homogeneous else gpt_parameter_name(entry.key, True)
     return True

@@ -205,8 +205,10 @@ def validate_model_class(cfg: RecipeConfig) -> None:
         return
     later = "with model.model_class=hybrid is not wired here yet (issue #61): set model.model_class=gpt"
     for ok, key, value, why in [
-        (not m.multi_latent_attention, "model.multi_latent_attention", True, f"(HybridModel's MLA positions) {later}"),
-        (m.mtp_num_layers is None, "model.mtp_num_layers", m.mtp_num_layers, f"(multi-token prediction) {later}"),
+        # megatron-core numbers each depth's layers from 1 again in a hybrid model: depths would share a router's
+        # metrics slot
+        (m.mtp_num_layers in (None, 1), "model.mtp_num_layers", m.mtp_num_layers,
+         f"(more than one multi-token-prediction depth) {later}"),
         (not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True,
          f"(HybridModel computes its loss in its forward, with no hook for the fused kernel) {later}"),
         (t.cpu_offloading_num_layers == 0, "train.cpu_offloading_num_layers", t.cpu_offloading_num_layers,

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from functools import partial
 from typing import Optional
 
 import torch
@@ -29,6 +31,7 @@ from megatron_ext.model.hybrid import positions_per_layer
 
 log = logging.getLogger("megatron_ext")
 
+MTP_DEPTH = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")  # a module inside multi-token prediction's depth k
 # the tracker name of each load-balancing loss, as megatron-core's router records it
 TRACKED_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
@@ -106,15 +109,21 @@ class RouterMetrics:
         self.tokens = torch.zeros(layers, dtype=torch.int64, device=device)
         self.collapse = CollapseDetector(g.moe_collapse_share, g.moe_collapse_intervals, collapse_remedy(m))
         for chunk in model_chunks if self.moe else []:
-            for module in chunk.modules():
+            for name, module in chunk.named_modules():
                 if isinstance(module, TopKRouter):
-                    module.register_forward_hook(self._count)
+                    module.register_forward_hook(partial(self._count, self._slot(name, module)))
 
-    def _count(self, router: TopKRouter, _args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _slot(self, name: str, router: TopKRouter) -> int:
+        """The router's row in the counts: its decoder layer's, or after them its MTP depth's, read from where the
+        module sits (a HybridModel's MTP stack numbers its positions from 1 and does not flag its MoE layers as MTP's,
+        megatron-core 0.19.2)."""
+        depth = MTP_DEPTH.search(name)
+        return self.decoder_layers + int(depth.group(1)) if depth else (router.layer_number - 1) // self.positions
+
+    def _count(self, layer: int, router: TopKRouter, _args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
         if not (router.training and torch.is_grad_enabled()):  # training micro batches only, as the aux loss
             return
         routing_map = output[1]
-        layer = (router.layer_number - 1) // self.positions + (self.decoder_layers if router.is_mtp_layer else 0)
         self.counts[layer] += routing_map.sum(dim=0)
         self.tokens[layer] += routing_map.shape[0]
 

@@ -1,7 +1,8 @@
 """megatron-core's HybridModel for this project's decoders: the road off GPTModel, which megatron-core is retiring.
 
-A recipe's decoder layer i becomes two positions of HybridModel's layer pattern: its attention at 2i ('*': input
-norm, self-attention, residual add) and its MLP at 2i + 1 ('-' dense, 'E' MoE: pre-MLP norm, MLP, residual add).
+A recipe's decoder layer i becomes two positions of HybridModel's layer pattern: its attention at 2i ('*', or '+'
+for multi-latent attention: input norm, self-attention, residual add) and its MLP at 2i + 1 ('-' dense, 'E' MoE:
+pre-MLP norm, MLP, residual add).
 GPTModel's TransformerLayer computes exactly these two halves in this order, so the same weights give the same
 logits; the halves are the GPT layer specs this package builds (``llama.layer_specs``), split in two. Pipeline
 stages and virtual chunks are the pattern's '|'-separated segments, cut where megatron-core's GPT split cuts
@@ -49,12 +50,16 @@ def positions_per_layer(cfg: RecipeConfig) -> int:
 
 
 def layer_pattern(cfg: RecipeConfig) -> str:
-    """HybridModel's layer pattern for the recipe: '*-' per dense decoder layer, '*E' per MoE layer, '|' between
-    pipeline segments in megatron-core's interleaved order (virtual chunk v of every stage before chunk v + 1), each
-    segment holding the decoder layers megatron-core's GPT split gives that stage and chunk."""
+    """HybridModel's layer pattern for the recipe: '*-' per dense decoder layer, '*E' per MoE layer ('+' for '*' with
+    multi-latent attention), '|' between pipeline segments in megatron-core's interleaved order (virtual chunk v of
+    every stage before chunk v + 1), each segment holding the decoder layers megatron-core's GPT split gives that stage
+    and chunk; then '/' and the layer of each multi-token-prediction depth."""
     m = cfg.model
     moe = moe_layer_pattern(m.moe_layer_freq, m.num_layers) if m.num_moe_experts else (0,) * m.num_layers
-    layers = [Symbols.ATTENTION + (Symbols.MOE if flag else Symbols.MLP) for flag in moe]
+    attention = Symbols.MLA if m.multi_latent_attention else Symbols.ATTENTION
+    layers = [attention + (Symbols.MOE if flag else Symbols.MLP) for flag in moe]
+    # each multi-token-prediction depth: a layer of the last decoder layer's kind, after '/'
+    mtp = (Symbols.MTP_SEPARATOR + layers[-1]) * (m.mtp_num_layers or 0)
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     segments, first = [], 0
     for _chunk in range(chunks):
@@ -62,7 +67,7 @@ def layer_pattern(cfg: RecipeConfig) -> str:
             count = stage_layers // chunks
             segments.append("".join(layers[first:first + count]))
             first += count
-    return Symbols.PIPE.join(segments)
+    return Symbols.PIPE.join(segments) + mtp
 
 
 def layer_fields(cfg: RecipeConfig) -> dict[str, Any]:
@@ -112,10 +117,14 @@ class Decoder(HybridStack):
             self.final_norm = final_norm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
 
 
-def stack_spec(dense_layer: ModuleSpec, moe_layer: Optional[ModuleSpec], norm: type) -> ModuleSpec:
-    """The HybridStack spec whose attention, MLP and MoE positions are the halves of the GPT layer specs."""
+def stack_spec(dense_layer: ModuleSpec, moe_layer: Optional[ModuleSpec], norm: type,
+               mtp_block: Optional[ModuleSpec] = None) -> ModuleSpec:
+    """The HybridStack spec whose attention (multi-latent or not: the layer specs say which), MLP and MoE positions
+    are the halves of the GPT layer specs; `mtp_block`: the multi-token-prediction block around its own stack of
+    those positions (model/mtp.py)."""
+    attention = _half(dense_layer, ATTENTION_HALF)
     return ModuleSpec(module=Decoder, params={"final_norm": norm}, submodules=HybridStackSubmodules(
-        attention_layer=_half(dense_layer, ATTENTION_HALF),
+        attention_layer=attention, mla_layer=attention, mtp_block_spec=mtp_block,
         mlp_layer=_half(dense_layer, MLP_HALF),
         moe_layer=_half(moe_layer, MLP_HALF) if moe_layer is not None else IdentityOp))
 

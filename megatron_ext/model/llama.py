@@ -50,7 +50,7 @@ from megatron_ext.model.moe import (
     moe_transformer_config,
     reduce_experts_over_expert_data_parallel,
 )
-from megatron_ext.model.mtp import mtp_block_spec, mtp_transformer_config
+from megatron_ext.model.mtp import hybrid_mtp_block_spec, mtp_block_spec, mtp_transformer_config
 from megatron_ext.model.ring_attention import RingAttention
 
 
@@ -357,7 +357,10 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallel.tensor_model_parallel_size)
     model_class = FusedOutputGPTModel if cfg.train.fused_linear_cross_entropy else GPTModel
-    stack = stack_spec(*layer_specs(config, use_te, cfg.train.liger_kernels)) if is_hybrid(cfg) else None
+    stack = None
+    if is_hybrid(cfg):
+        dense, moe, norm = layer_specs(config, use_te, cfg.train.liger_kernels)
+        stack = stack_spec(dense, moe, norm, hybrid_mtp_block_spec(config, use_te, norm))
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None

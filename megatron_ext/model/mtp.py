@@ -17,11 +17,17 @@ from typing import Any, Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import moe_layer_pattern
+from megatron_ext.model.hybrid import decoder_layer_count
 
 
 def mtp_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
@@ -34,21 +40,37 @@ def mtp_transformer_config(cfg: RecipeConfig) -> dict[str, Any]:
 
 def mtp_block_spec(config: TransformerConfig, decoder: TransformerBlockSubmodules, use_te: bool,
                    vp_stage: Optional[int]) -> Optional[MultiTokenPredictionBlockSubmodules]:
-    """This chunk's MTP layers (None where it has none), each around the chunk's last decoder layer spec; in local
-    layers their norms are the decoder's (megatron-core's local norm refuses sequence parallelism)."""
+    """This GPTModel chunk's MTP layers (None where it has none), each around the chunk's last decoder layer spec; in
+    local layers their norms are the decoder's (megatron-core's local norm refuses sequence parallelism)."""
     if not config.mtp_num_layers:
         return None
     spec = get_gpt_mtp_block_spec(config, decoder, use_transformer_engine=use_te, vp_stage=vp_stage)
     if spec is not None and not use_te:
         for layer in spec.layer_specs:
-            layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = decoder.layer_norm
+            _norms_of_the_decoder(layer, decoder.layer_norm)
     return spec
+
+
+def hybrid_mtp_block_spec(config: TransformerConfig, use_te: bool, norm: type) -> Optional[ModuleSpec]:
+    """A HybridModel's MTP block (None without MTP): megatron-core's MTP layer around a layer stack that HybridModel
+    builds from the MTP part of its layer pattern (model/hybrid.py); in local layers its norms are the decoder's."""
+    if not config.mtp_num_layers:
+        return None
+    layer = get_mtp_layer_spec(mtp_model_layer_spec=None, use_transformer_engine=use_te)
+    if not use_te:
+        _norms_of_the_decoder(layer, norm)
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))
+
+
+def _norms_of_the_decoder(layer: ModuleSpec, norm: type) -> None:
+    layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = norm
 
 
 def describe_mtp(config: TransformerConfig) -> str:
     """The start-up line for multi-token prediction, from megatron-core's TransformerConfig."""
     n = config.mtp_num_layers
-    moe = config.num_moe_experts and moe_layer_pattern(config.moe_layer_freq, config.num_layers)[-1]
+    moe = config.num_moe_experts and moe_layer_pattern(config.moe_layer_freq, decoder_layer_count(config))[-1]
     return (f"multi-token prediction: {n} layer{'s' if n > 1 else ''} ({'an MoE' if moe else 'a dense'} layer as the "
             f"last decoder layer) on the last pipeline stage, predicting {n + 1} tokens ahead; MTP losses × "
             f"{config.mtp_loss_scaling_factor:g}{f' / {n}' if n > 1 else ''} into the gradients, logged as mtp/loss_k")

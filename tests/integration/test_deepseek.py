@@ -10,7 +10,8 @@ uninterrupted run exactly (its gradients in padded buckets: the save that cut th
 padding, megatron-core 0.19.2's, changes step 4's loss by 1e-2); its checkpoint at STOP goes on
 under TP2 + SP × CP2 × EP2 (the MLA projections and the experts split over TP, the sequence over CP: MLA's keys and
 values of different head sizes through the ring attention, the MTP layer's token shift across the CP ranks) as the one
-process does, within the reshard bounds.
+process does, within the reshard bounds. As megatron-core's HybridModel (model.model_class=hybrid) it trains bit for bit
+as GPTModel does.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ RESHARDED_LAYOUT = ["TP2 × CP2 × DP1 × PP1", "expert layers: world=4 = ETP2 �
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Initial weights (EP1); the 1-process run; EP2×PP2×VPP2 uninterrupted, saving at STOP in the format that
-    reshards; that checkpoint alone resumed at EP2×PP2×VPP2, and continued at TP2+SP × CP2 × EP2."""
+    reshards; that checkpoint alone resumed at EP2×PP2×VPP2, and continued at TP2+SP × CP2 × EP2; the HybridModel at EP2×PP2×VPP2."""
     root = tmp_path_factory.mktemp("deepseek")
     init = root / "init"
     run_pretrain(1, [*parity_overrides(None, root / "unused", 0), *SMALL, *SINGLE, f"checkpoint.save={init}",
@@ -70,6 +71,7 @@ def runs(tmp_path_factory) -> dict:
     shutil.copytree(iteration_dir(root / "saved", STOP), iteration_dir(ckpt, STOP))
     write_tracker(ckpt, STOP)
     run_pretrain(4, [*overrides("resumed"), *INTERLEAVED, f"checkpoint.load={ckpt}"], config=TINY_DEEPSEEK)
+    run_pretrain(4, [*overrides("hybrid"), *INTERLEAVED, "model.model_class=hybrid"], config=TINY_DEEPSEEK)
     resharded = run_pretrain(4, [*overrides("resharded"), f"checkpoint.load={ckpt}",
                                  "parallel.pipeline_model_parallel_size=1", "parallel.tensor_model_parallel_size=2",
                                  "parallel.sequence_parallel=true", "parallel.context_parallel_size=2"],
@@ -90,6 +92,15 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs):
         full, resumed = read_scalars(runs["root"] / "full", tag), read_scalars(runs["root"] / "resumed", tag)
         assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)), tag
         assert {k: resumed[k] for k in range(STOP + 1, STEPS + 1)} == {k: full[k] for k in range(STOP + 1, STEPS + 1)}
+
+
+def test_as_a_hybrid_model_it_trains_bit_for_bit_as_gptmodel(runs):
+    """megatron-core's HybridModel (model.model_class=hybrid: MLA positions, MoE positions, the MTP depth's own stack)
+    from GPTModel's initial weights at EP2 × PP2 × VPP2: every step's losses, aux loss, MTP loss and each MoE layer's
+    routing statistics (the MTP layer's too) are GPTModel's, bit for bit."""
+    tags = ["train/lm_loss", "train/grad_norm", AUX, MTP, *(f"moe/layer{layer}/max_load" for layer in range(2, 6))]
+    for tag in tags:
+        assert read_scalars(runs["root"] / "hybrid", tag) == read_scalars(runs["root"] / "full", tag), tag
 
 
 def test_its_checkpoint_continues_under_tp2_sp_cp2_ep2_as_one_process_does(runs):

@@ -21,6 +21,9 @@ MOE = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_layer_fr
 @pytest.mark.parametrize("overrides, pattern", [
     (ONE_PROCESS, "*-*-*-*-"),
     ([*ONE_PROCESS, *MOE], "*-*E*E*E"),
+    ([*ONE_PROCESS, *MOE, "model.multi_latent_attention=true", "model.num_query_groups=null"], "+-+E+E+E"),
+    # a multi-token-prediction depth: a layer of the last decoder layer's kind
+    ([*MOE, "model.mtp_num_layers=1"], "*-*E|*E*E/*E"),
     # configs/tiny.yaml: PP2; the stages' layers as megatron-core's GPT split gives them
     ([], "*-*-|*-*-"),
     (["parallel.num_layers_in_first_pipeline_stage=1"], "*-|*-*-*-"),
@@ -67,7 +70,7 @@ def test_parameters_are_named_as_gptmodel_names_them():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("model.mtp_num_layers=1", "model.mtp_num_layers"),
+    ("model.mtp_num_layers=2", "model.mtp_num_layers"),
     ("train.cuda_graph_impl=local", "train.cuda_graph_impl"),
     ("train.fused_linear_cross_entropy=true", "train.fused_linear_cross_entropy"),
 ])
@@ -85,7 +88,14 @@ def test_what_hybrid_is_not_built_with_yet_is_refused_in_one_line(override, key)
      "model.window_attn_skip_freq=2", "model.add_bias_linear=true", "model.add_qkv_bias=true",
      "model.activation_func=quick_gelu", "model.activation_func_clamp_value=7", "model.glu_linear_offset=1",
      "model.rope_type=yarn", "model.rotary_scaling_factor=32", "model.correction_range_round_to_int=false"],
-], ids=["llama31_rope_qk_norm", "moe_first_layer_dense", "gpt_oss"])
+    # DeepSeek-V3's attention and routing: multi-latent attention (YaRN inside it), shared experts, grouped sigmoid
+    # routing with the expert bias
+    ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.q_lora_rank=32", "model.kv_lora_rank=24",
+     "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=12", "model.rope_type=yarn",
+     "model.rotary_scaling_factor=40", *MOE, "model.moe_shared_expert_intermediate_size=64",
+     "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+     "model.moe_router_num_groups=2", "model.moe_router_group_topk=1", "model.moe_router_topk_scaling_factor=2.5"],
+], ids=["llama31_rope_qk_norm", "moe_first_layer_dense", "gpt_oss", "deepseek_v3_mla"])
 def test_hybrid_gives_gptmodels_logits_bit_for_bit(megatron, overrides):
     difference, largest = megatron(largest_logit_difference, [*ONE_PROCESS, *overrides], 256)
     assert largest > 0.5 and difference == 0.0, (difference, largest)
