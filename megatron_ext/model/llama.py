@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
-from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
@@ -125,7 +124,7 @@ def layer_specs(config: TransformerConfig, use_te: bool, liger: bool = False
         moe = (get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
                                                           moe_grouped_gemm=config.moe_grouped_gemm, **shape)
                if config.num_moe_experts else None)
-        return dense, moe, TENorm
+        return dense, moe, gpt_layer_specs.TENorm  # the norm megatron-core's own TE block spec builds
     norm = RMSNorm
     if liger:
         from liger_kernel.megatron import LigerMegatronRMSNorm as norm

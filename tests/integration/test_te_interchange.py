@@ -28,6 +28,9 @@ from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_sca
 
 GOLDEN_KEYS = ROOT / "tests" / "golden" / "te_spec_sharded_keys.txt"
 GOLDEN_MOE_KEYS = ROOT / "tests" / "golden" / "te_spec_moe_sharded_keys.txt"
+# the same models as megatron-core's HybridModel (model.model_class=hybrid)
+GOLDEN_HYBRID_KEYS = {"": ROOT / "tests" / "golden" / "te_spec_hybrid_sharded_keys.txt",
+                      "_moe": ROOT / "tests" / "golden" / "te_spec_moe_hybrid_sharded_keys.txt"}
 STEPS, STOP = 6, 3
 TE = ["model.attention_backend=te"]
 # Same math in both specs (the stand-ins fuse nothing numerically), so differences from the single-process run
@@ -73,6 +76,24 @@ def test_moe_layers_save_the_same_keys_under_either_spec():
     assert _keys()["te_moe"] == golden
     te_only = {f"decoder.{norm}._extra_state ShardedObject" for norm in ("final_layernorm", "layers.pre_mlp_layernorm")}
     assert _keys()["local_moe"] == [k for k in golden if k not in te_only]
+
+
+@pytest.mark.parametrize("moe", ["", "_moe"], ids=["dense", "moe"])
+def test_hybrid_model_keys_are_gptmodels_under_the_one_key_table(moe):
+    """The HybridModel's keys under either spec are its golden keys (the TE norms' FP8 metadata apart under the local
+    spec), and the key table of checkpoint/model_class.py turns them into GPTModel's golden keys: position 2i and
+    2i + 1 into layer i (GPTModel's homogeneous keys: the layer index becomes an axis), final_norm into
+    final_layernorm; only HybridModel's empty output-layer _extra_state has no GPT key."""
+    import re
+
+    from megatron_ext.checkpoint.model_class import gpt_parameter_name
+
+    golden = _golden(GOLDEN_HYBRID_KEYS[moe])
+    assert _keys()[f"te{moe}_hybrid"] == golden
+    te_only = re.compile(r"decoder\.(final_norm|layers\.\d+\.pre_mlp_layernorm)\._extra_state ")
+    assert _keys()[f"local{moe}_hybrid"] == [k for k in golden if not te_only.match(k)]
+    as_gpt = {re.sub(r"decoder\.layers\.\d+\.", "decoder.layers.", gpt_parameter_name(k, hybrid=True)) for k in golden}
+    assert as_gpt == {*_golden(GOLDEN_MOE_KEYS if moe else GOLDEN_KEYS), "output_layer._extra_state ShardedObject"}
 
 
 def _run(module: str, layout: tuple[int, list[str]], overrides: list[str]) -> str:
@@ -133,6 +154,18 @@ def test_checkpoints_move_between_layer_specs_both_ways(initial_weights, single_
         if resumed_under == "te":
             assert "FusedAdamStandIn" in log, log[-3000:]
         _assert_continues(tmp_path / name / "tb", single_process_reference, range(STOP + 1, STEPS + 1))
+
+
+def test_hybrid_model_under_te_trains_from_gptmodels_local_checkpoint(initial_weights, single_process_reference,
+                                                                     tmp_path):
+    """megatron-core's HybridModel built from the TE spec (model.model_class=hybrid) starts from the parity matrix's
+    initial weights (a local-spec GPTModel checkpoint: other class, other spec) and trains as the single-process
+    local GPTModel run does."""
+    log = _run("tests.workers.te_standin", ONE_NON_DISTRIBUTED,
+               [*parity_overrides(initial_weights, tmp_path / "tb", STEPS), "checkpoint.save=null", *TE,
+                "model.model_class=hybrid"])
+    assert "layer spec: TransformerEngine" in log, log[-3000:]
+    _assert_continues(tmp_path / "tb", single_process_reference, range(1, STEPS + 1))
 
 
 def test_hugging_face_import_trains_the_same_under_either_spec(tmp_path):

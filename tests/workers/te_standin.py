@@ -286,9 +286,10 @@ def install() -> None:
         module.transformer_engine_available = lambda: True
 
 
-def sharded_keys(use_te: bool, moe: bool = False) -> list[str]:
+def sharded_keys(use_te: bool, moe: bool = False, model_class: str = "gpt") -> list[str]:
     """`key kind` of every entry of a 2-layer TP1 model's sharded_state_dict (one process); with `moe` every layer's
-    MLP 4 experts (grouped GEMM under TE, megatron-core's default there) and a shared expert."""
+    MLP 4 experts (grouped GEMM under TE, megatron-core's default there) and a shared expert; `model_class`:
+    megatron-core's GPTModel or HybridModel (model.model_class)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     from megatron_ext.config.schema import load_config
@@ -300,7 +301,8 @@ def sharded_keys(use_te: bool, moe: bool = False) -> list[str]:
     experts = ["model.num_moe_experts=4", "model.moe_shared_expert_intermediate_size=32",
                f"model.moe_grouped_gemm={use_te}"] if moe else []
     cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-                             "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=128", *experts])
+                             "model.num_query_groups=2", "model.seq_length=32", "model.vocab_size=128", *experts,
+                             f"model.model_class={model_class}"])
     init_distributed(cfg, on_gpu)
     try:
         chunk = build_model_chunks(cfg, 128, transformer_config(cfg, on_gpu, use_te), use_te)[0]
@@ -316,8 +318,9 @@ if __name__ == "__main__":  # guard required: dist_checkpointing's save spawns p
     if sys.argv[1:2] == ["keys"]:
         if "--real-te" not in sys.argv:
             install()
-        print(json.dumps({f"{spec}{'_moe' * moe}": sharded_keys(use_te=spec == "te", moe=moe)
-                          for spec in ("te", "local") for moe in (False, True)}))
+        print(json.dumps({f"{spec}{'_moe' * moe}{'_hybrid' * (cls == 'hybrid')}":
+                          sharded_keys(use_te=spec == "te", moe=moe, model_class=cls)
+                          for spec in ("te", "local") for moe in (False, True) for cls in ("gpt", "hybrid")}))
         sys.exit(0)
     install()
     from recipes.pretrain import entry_point
