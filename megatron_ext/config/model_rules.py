@@ -209,8 +209,6 @@ def validate_model_class(cfg: RecipeConfig) -> None:
         # metrics slot
         (m.mtp_num_layers in (None, 1), "model.mtp_num_layers", m.mtp_num_layers,
          f"(more than one multi-token-prediction depth) {later}"),
-        (not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True,
-         f"(HybridModel computes its loss in its forward, with no hook for the fused kernel) {later}"),
         (t.cpu_offloading_num_layers == 0, "train.cpu_offloading_num_layers", t.cpu_offloading_num_layers,
          "megatron-core's HybridStack has no layer offload (train.offload_modules offloads within layers): set it 0"),
         (t.cuda_graph_impl == "none", "train.cuda_graph_impl", t.cuda_graph_impl,

@@ -138,9 +138,11 @@ def _half(layer: ModuleSpec, fields: tuple[str, ...]) -> ModuleSpec:
         **{field: getattr(kept, field) for field in fields}, sharded_state_dict_keys_map=renames))
 
 
-def build_hybrid_model(cfg: RecipeConfig, stack: ModuleSpec, **model_args: Any) -> HybridModel:
-    """One HybridModel chunk of the recipe (`model_args`: HybridModel's and GPTModel's common arguments)."""
-    model = HybridModel(hybrid_stack_spec=stack, hybrid_layer_pattern=layer_pattern(cfg), **model_args)
+def build_hybrid_model(cfg: RecipeConfig, stack: ModuleSpec, model_class: type[HybridModel],
+                       **model_args: Any) -> HybridModel:
+    """One `model_class` (HybridModel or a subclass) chunk of the recipe (`model_args`: HybridModel's and GPTModel's
+    common arguments)."""
+    model = model_class(hybrid_stack_spec=stack, hybrid_layer_pattern=layer_pattern(cfg), **model_args)
     if cfg.model.rope_scaling_factor is not None:
         scale_rotary_like_llama31(model, cfg.model.rope_scaling_factor)
     return model

@@ -23,6 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
@@ -34,7 +35,7 @@ from megatron_ext.config.schema import YARN_KEYS, RecipeConfig, recomputed_modul
 from megatron_ext.config.shape import ModelShape, moe_layer_pattern, padded_vocab_size
 from megatron_ext.model.attention import SDPAttention
 from megatron_ext.model.document_mask import restart_rotary_at_documents, uses_packed_sequences
-from megatron_ext.model.fused_output import FusedOutputGPTModel
+from megatron_ext.model.fused_output import FusedOutput, FusedOutputGPTModel, FusedOutputHybridModel
 from megatron_ext.model.hybrid import (
     attention_layers,
     build_hybrid_model,
@@ -303,7 +304,7 @@ def describe_layers(chunks: list[GPTModel], config: TransformerConfig, use_te: b
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
     regions = f" of {', '.join(m.name for m in config.cuda_graph_modules)}" if config.cuda_graph_modules else ""
     liger = [] if use_te else _liger_kernels(chunks)
-    fused_output = chunks[0] if isinstance(chunks[0], FusedOutputGPTModel) else None  # every chunk has the class
+    fused_output = chunks[0] if isinstance(chunks[0], FusedOutput) else None  # every chunk has the class
     kernels = [name for name, on in [
         ("sequence parallel", config.sequence_parallel),
         ("fused SwiGLU", config.bias_activation_fusion and "SwiGLU" not in liger),
@@ -355,7 +356,8 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                cfg.parallel.tensor_model_parallel_size)
-    model_class = FusedOutputGPTModel if cfg.train.fused_linear_cross_entropy else GPTModel
+    fused = cfg.train.fused_linear_cross_entropy
+    model_class, hybrid_class = (FusedOutputGPTModel, FusedOutputHybridModel) if fused else (GPTModel, HybridModel)
     stack = None
     if is_hybrid(cfg):
         dense, moe, norm = layer_specs(config, use_te, cfg.train.liger_kernels)
@@ -375,7 +377,7 @@ def build_model_chunks(cfg: RecipeConfig, vocab_size: int, config: TransformerCo
             rotary_base=int(cfg.model.rotary_base),
             vp_stage=stage)
         if stack is not None:
-            chunks.append(build_hybrid_model(cfg, stack, **common))
+            chunks.append(build_hybrid_model(cfg, stack, hybrid_class, **common))
             continue
         decoder = block_spec(config, use_te, stage, cfg.train.liger_kernels)
         chunks.append(model_class(

@@ -1,5 +1,6 @@
-"""train.fused_linear_cross_entropy: the fused-output model trains exactly like megatron-core's GPTModel (CPU, with
-a torch stand-in for liger-kernel's Triton kernel; the kernel itself is compared on a GPU in test_liger.py)."""
+"""train.fused_linear_cross_entropy: the fused-output model trains exactly like megatron-core's GPTModel and HybridModel
+(CPU, with a torch stand-in for liger-kernel's Triton kernel; the kernel itself is compared on a GPU in
+test_liger.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from tests.launch import ROOT
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-6, 1e-5
 
 
-def test_fused_output_reproduces_gptmodel_loss_and_gradients_tied_and_untied():
+def test_fused_output_reproduces_the_models_loss_and_gradients_tied_and_untied():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "tests.workers.fused_output_worker"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=True)
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["untied"] for r in reports] == [False, True], proc.stdout
+    assert [(r["model_class"], r["untied"]) for r in reports] == [
+        ("gpt", False), ("gpt", True), ("hybrid", False), ("hybrid", True)], proc.stdout
     for report in reports:
         print(report)
         assert report["loss_rel_diff"] <= LOSS_TOLERANCE, report

@@ -1,4 +1,5 @@
-"""Subprocess worker: the fused-output model (train.fused_linear_cross_entropy) against megatron-core's GPTModel.
+"""Subprocess worker: the fused-output model (train.fused_linear_cross_entropy) against megatron-core's GPTModel and
+HybridModel (model.model_class).
 
 CPU, world of one, fp32. liger-kernel's kernel is Triton, so the fused model gets a torch stand-in with the same
 contract (hidden [tokens, h], weight [vocab, h], targets with -100 = skip → summed loss); what is checked here is
@@ -44,8 +45,8 @@ if __name__ == "__main__":
     loss_mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.3).float()
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask,
              "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
-    for untied in (False, True):
-        overrides = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+    for model_class, untied in ((c, u) for c in ("gpt", "hybrid") for u in (False, True)):
+        overrides = [f"model.model_class={model_class}", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
                      "model.num_query_groups=2", f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}",
                      "model.make_vocab_size_divisible_by=32", "model.attention_backend=local",
                      f"model.untie_embeddings_and_output_weights={str(untied).lower()}",
@@ -63,7 +64,7 @@ if __name__ == "__main__":
             reference_loss, reference_grads = loss_and_grads(plain, batch)
             fused_loss, fused_grads = loss_and_grads(fused, batch)
             print(json.dumps({
-                "untied": untied, "loss": fused_loss, "reference_loss": reference_loss,
+                "model_class": model_class, "untied": untied, "loss": fused_loss, "reference_loss": reference_loss,
                 "loss_rel_diff": abs(fused_loss - reference_loss) / reference_loss,
                 "max_grad_rel_diff": max(((fused_grads[n] - g).norm() / g.norm()).item()
                                          for n, g in reference_grads.items()),
