@@ -1,4 +1,5 @@
-"""Every file-system path a config names, by key, and the check that each lies inside a container's mounts.
+"""Every file-system path a config names, by key (object-storage paths apart), and the check that each lies inside a
+container's mounts.
 
 Under pyxis (``launch/slurm/common.sh`` with ``CONTAINER_IMAGE``) a path outside the step's mounts is the
 container's own file system: data there is missing, and a checkpoint written there vanishes with the container.
@@ -11,10 +12,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatron_ext.config.schema import RecipeConfig, log_dir, parse_blend, resume_dir
+from megatron_ext.config.schema import RecipeConfig, log_dir, object_storage_cache, parse_blend, resume_dir
 from megatron_ext.errors import ConfigError
 
 CONTAINER_MOUNTS_ENV = "CONTAINER_MOUNTED"  # the step's --container-mounts (src:dst[:flags], comma separated)
+# a path in object storage, read through NVIDIA's multi-storage-client (storage.msc_config): megatron-core's MSC_PREFIX
+# (datasets/object_storage_utils.py; a unit test holds the two equal — this package stays importable without it)
+MSC_PREFIX = "msc://"
+
+
+def is_object_storage(path: str) -> bool:
+    """Whether `path` is an object in object storage (msc://PROFILE/...) rather than a file-system path."""
+    return str(path).startswith(MSC_PREFIX)
 
 
 def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
@@ -29,10 +38,14 @@ def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
 def named_paths(cfg: RecipeConfig) -> list[tuple[str, str, bool]]:
     """(key, path, written) for every path `cfg` reads or writes (`written`: the run writes there)."""
     d, ck, g = cfg.data, cfg.checkpoint, cfg.logging
-    data = [] if d.mock else [*blend_prefixes(cfg), ("data.tokenizer_model", d.tokenizer_model)]
-    read = [*data, ("checkpoint.load", resume_dir(cfg)), ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint)]
+    data = [] if d.mock else [*((k, p) for k, p in blend_prefixes(cfg) if not is_object_storage(p)),
+                              ("data.tokenizer_model", d.tokenizer_model)]
+    read = [*data, ("checkpoint.load", resume_dir(cfg)), ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint),
+            ("storage.msc_config", cfg.storage.msc_config)]
+    remote = not d.mock and any(is_object_storage(p) for _, p in blend_prefixes(cfg))
     written = [(k, p) for k, p in (("checkpoint.save", ck.save), ("logging.tensorboard_dir", g.tensorboard_dir),
-                                   ("logging.log_dir", log_dir(cfg)), ("data.path_to_cache", d.path_to_cache)) if p]
+                                   ("logging.log_dir", log_dir(cfg)), ("data.path_to_cache", d.path_to_cache),
+                                   ("storage.cache", object_storage_cache(cfg) if remote else None)) if p]
     seen = {p for _, p in written}  # checkpoint.load: auto reads what checkpoint.save writes
     return [(k, p, True) for k, p in written] + [(k, p, False) for k, p in read if p and p not in seen]
 

@@ -454,6 +454,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class StorageConfig:
+    # NVIDIA multi-storage-client's configuration file (its profiles: a bucket, its endpoint and credentials), through
+    # which msc://PROFILE/path prefixes in data.*blend are read (megatron-core's object-storage datasets,
+    # docs/data.md); null = local paths only. The run names its own: MSC_CONFIG and ~/.msc_config.yaml are not read
+    msc_config: Optional[str] = None
+    # local directory for the object-storage datasets' index (.idx) files, which megatron-core downloads once and
+    # reads from (the .bin is read in ranges, never copied whole); null = data.path_to_cache's object_storage/, else
+    # runs/<recipe.name>/object_storage
+    cache: Optional[str] = None
+
+
+@dataclass
 class LoggingConfig:
     tensorboard_dir: Optional[str] = None  # TensorBoard event files; null = none
     log_interval: int = 1  # a console line (and scalars) every this many steps
@@ -491,6 +503,7 @@ class RecipeConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -688,6 +701,15 @@ def model_expert_tensor_parallel_size(model: ModelConfig) -> Optional[int]:
 def log_dir(cfg: RecipeConfig) -> str:
     """Where each rank writes its tracebacks and hang stacks."""
     return cfg.logging.log_dir or f"runs/{cfg.recipe.name}/logs"
+
+
+def object_storage_cache(cfg: RecipeConfig) -> str:
+    """Where the object-storage datasets' index files are kept (storage.cache)."""
+    if cfg.storage.cache:
+        return cfg.storage.cache
+    if cfg.data.path_to_cache:
+        return str(Path(cfg.data.path_to_cache) / "object_storage")
+    return f"runs/{cfg.recipe.name}/object_storage"
 
 
 def profile_dir(cfg: RecipeConfig) -> Path:

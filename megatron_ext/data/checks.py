@@ -1,6 +1,6 @@
-"""The data a recipe names, checked before any process starts: each blend prefix's files exist, the split is
-valid, the tokenizer loads, and every token id in the data fits the model's vocabulary (one read of each .bin, then
-remembered per file so a restart pays nothing)."""
+"""The data a recipe names, checked before any process starts: each blend prefix's files exist (in object storage:
+data/object_storage.py), the split is valid, the tokenizer loads, and every token id in the data fits the model's
+vocabulary (one read of each .bin, then remembered per file so a restart pays nothing)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import hashlib
 import json
 import os
 import struct
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.config.paths import blend_prefixes
+from megatron_ext.config.paths import blend_prefixes, is_object_storage
 from megatron_ext.config.schema import RecipeConfig
+from megatron_ext.data import object_storage
 from megatron_ext.data.datasets import max_token_id
 from megatron_ext.data.tokenizer import load_tokenizer
 from megatron_ext.errors import ConfigError, TokenizerError, require
@@ -32,10 +34,13 @@ def validate_data(cfg: RecipeConfig) -> None:
     require(bool(d.blend) or has_split_blends, "data.blend", d.blend,
             "give a dataset prefix list (or data.train_blend/valid_blend)")
     for key, prefix in blend_prefixes(cfg):
+        if is_object_storage(prefix):
+            object_storage.validate_objects(cfg, key, prefix, partial(_check_index_matches_bin, prefix=prefix))
+            continue
         for suffix in (".bin", ".idx"):
             require(Path(prefix + suffix).is_file(), key, prefix,
                     f"{prefix}{suffix} does not exist (a prefix names PREFIX.bin + PREFIX.idx)")
-        _check_index_matches_bin(key, prefix)
+        _check_index_matches_bin(key, prefix + ".idx", os.path.getsize(prefix + ".bin"), prefix)
     try:
         parts = [float(x) for x in d.split.replace("/", ",").split(",")]
     except ValueError:
@@ -53,14 +58,15 @@ def validate_data(cfg: RecipeConfig) -> None:
     _check_token_ids(cfg, cfg.model.vocab_size or vocab)
 
 
-def _check_index_matches_bin(key: str, prefix: str) -> None:
-    """The .idx is one megatron-core can read and the .bin holds every token it describes: a truncated copy or a
-    pair from two different runs is one error here, not a traceback from the first read past the end."""
+def _check_index_matches_bin(key: str, index_path: str, bin_bytes: int, prefix: str) -> None:
+    """The .idx (at `index_path`: the dataset's, or the local copy of an object-storage one) is one megatron-core can
+    read and the .bin (`bin_bytes` long) holds every token it describes: a truncated copy or a pair from two different
+    runs is one error here, not a traceback from the first read past the end."""
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     redo = "re-run data_prep.preprocess for it, or copy both files again"
     try:
-        index = _IndexReader(prefix + ".idx", multimodal=False)
+        index = _IndexReader(index_path, multimodal=False)
     except (AssertionError, ValueError, struct.error) as e:  # megatron-core's own checks are asserts
         raise ConfigError(f"{key}: {prefix}.idx is not a megatron-core index (version 1) it can read: "
                           f"{str(e) or type(e).__name__}; {redo}") from None
@@ -69,7 +75,7 @@ def _check_index_matches_bin(key: str, prefix: str) -> None:
     require(problem is None, key, prefix, f"{prefix}.idx is inconsistent: {problem}; {redo}")
     count = len(index.sequence_lengths)
     described = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if count else 0
-    actual = os.path.getsize(prefix + ".bin")
+    actual = bin_bytes
     require(actual >= described, key, prefix,
             f"{prefix}.bin is {actual:,} bytes, but {prefix}.idx describes {described:,} bytes of tokens "
             f"({count:,} sequences of {index.dtype.__name__}): the .bin is cut short or belongs to another index; "
@@ -105,7 +111,8 @@ def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
         return
     d = cfg.data
     for key, prefix in blend_prefixes(cfg):
-        top = cached_max_token_id(prefix, d.path_to_cache)
+        top = (object_storage.remembered_max_token_id(cfg, prefix, max_token_id) if is_object_storage(prefix)
+               else cached_max_token_id(prefix, d.path_to_cache))
         require(top < vocab, key, prefix,
                 f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
                 f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "

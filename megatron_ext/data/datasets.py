@@ -15,7 +15,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.config.schema import RecipeConfig, parse_blend
+from megatron_ext.config.schema import RecipeConfig, object_storage_cache, parse_blend
+from megatron_ext.data import object_storage
 
 SCAN_CHUNK_TOKENS = 64 * 1024 * 1024  # the max-id scan reads the memmap in pieces, never all at once
 
@@ -24,12 +25,13 @@ def max_token_id(ds: IndexedDataset) -> int:
     """The largest token id in an indexed dataset (-1 when empty): one pass over its .bin."""
     from tqdm import tqdm
 
-    tokens = ds.bin_reader.read(dtype=ds.index.dtype, count=int(ds.sequence_lengths.sum(dtype=np.int64)),
-                                offset=0)
-    if tokens.size == 0:
+    count, itemsize = int(ds.sequence_lengths.sum(dtype=np.int64)), np.dtype(ds.index.dtype).itemsize
+    if count == 0:
         return -1
-    return max(int(tokens[i:i + SCAN_CHUNK_TOKENS].max())
-               for i in tqdm(range(0, tokens.size, SCAN_CHUNK_TOKENS), desc="scan ids", disable=None, leave=False))
+    # a piece at a time: an object-storage reader returns what it reads in memory (a local one maps the file)
+    return max(int(ds.bin_reader.read(dtype=ds.index.dtype, count=min(SCAN_CHUNK_TOKENS, count - first),
+                                      offset=first * itemsize).max())
+               for first in tqdm(range(0, count, SCAN_CHUNK_TOKENS), desc="scan ids", disable=None, leave=False))
 
 
 def build_datasets(cfg: RecipeConfig, tokenizer: object
@@ -42,6 +44,7 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object
     split_blends = [parse_blend(b, f"data.{k}") for k, b in
                     (("train_blend", d.train_blend), ("valid_blend", d.valid_blend), ("test_blend", d.test_blend))]
     per_split = any(split_blends) and not d.mock
+    remote = object_storage.enable(cfg) is not None
     config = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
@@ -55,7 +58,9 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object
         eod_mask_loss=d.eod_mask_loss,
         # no [s, s] mask: document masking reads document ids (microbatch_iterator), causal attention needs nothing
         create_attention_mask=False,
-        mmap_bin_files=True,
+        # megatron-core reads object-storage data in ranges, without memory mapping (data/object_storage.py)
+        mmap_bin_files=not remote,
+        object_storage_cache_path=object_storage_cache(cfg) if remote else None,
     )
     dataset_class = MockGPTDataset if d.mock else GPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()

@@ -1,0 +1,95 @@
+"""Token data in object storage: msc://PROFILE/prefix blends read through NVIDIA's multi-storage-client (MSC).
+
+megatron-core reads such a dataset itself (``datasets/object_storage_utils.py``, ``indexed_dataset.py``): rank 0
+downloads the index (.idx) into a local cache, every rank reads the tokens (.bin) in byte ranges, without memory
+mapping. What this module adds: the run's own MSC configuration (``storage.msc_config``, set for every process before
+the client first reads its configuration), and the checks made before any rank starts, each refused in one line
+naming the key — the configuration and its profile, both objects present, the index one megatron-core can read and
+describing no more tokens than the .bin holds, and every token id below the vocabulary (one ranged pass over the
+.bin, remembered in the cache under the objects' sizes and entity tags, as local data is under its content stamp).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron.core.datasets.object_storage_utils import get_index_cache_path
+from megatron.core.msc_utils import MultiStorageClientFeature
+
+from megatron_ext.config.paths import blend_prefixes, is_object_storage
+from megatron_ext.config.schema import RecipeConfig, object_storage_cache
+from megatron_ext.errors import ConfigError, require
+
+MSC_CONFIG_ENV = "MSC_CONFIG"  # where multi-storage-client reads its configuration file
+
+
+def uses_object_storage(cfg: RecipeConfig) -> bool:
+    """Whether any of the recipe's blends reads from object storage."""
+    return not cfg.data.mock and any(is_object_storage(prefix) for _, prefix in blend_prefixes(cfg))
+
+
+def enable(cfg: RecipeConfig) -> Any:
+    """Point multi-storage-client at storage.msc_config and turn on megatron-core's MSC paths, in this process (a
+    no-op without object-storage data); multi-storage-client's module, or None."""
+    if not uses_object_storage(cfg):
+        return None
+    os.environ[MSC_CONFIG_ENV] = str(Path(cfg.storage.msc_config).absolute())
+    MultiStorageClientFeature.enable()
+    return MultiStorageClientFeature.import_package()
+
+
+def index_cache_path(cfg: RecipeConfig, prefix: str) -> Path:
+    """Where megatron-core keeps the downloaded index of the object-storage dataset `prefix`."""
+    from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
+
+    return Path(get_index_cache_path(prefix + ".idx", ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg))))
+
+
+def validate_objects(cfg: RecipeConfig, key: str, prefix: str, check_index: Any) -> int:
+    """The object-storage dataset `prefix` (named by `key`): its configuration, both objects, and its index checked
+    by `check_index(key, index_path, bin_bytes)`; the .bin's size in bytes."""
+    require(cfg.storage.msc_config is not None, "storage.msc_config", None,
+            f"{key} names {prefix} in object storage: name multi-storage-client's configuration file (its profiles)")
+    require(Path(cfg.storage.msc_config).is_file(), "storage.msc_config", cfg.storage.msc_config, "does not exist")
+    msc = enable(cfg)
+    sizes = {}
+    for suffix in (".bin", ".idx"):
+        try:
+            sizes[suffix] = msc.info(prefix + suffix).content_length
+        except FileNotFoundError:
+            raise ConfigError(f"{key}={prefix} is invalid: {prefix}{suffix} does not exist in object storage (a prefix "
+                              "names PREFIX.bin + PREFIX.idx)") from None
+        except (ValueError, OSError, RuntimeError) as e:  # an unknown profile, an unreachable endpoint, a refusal
+            raise ConfigError(f"{key}={prefix} is invalid: multi-storage-client cannot read {prefix}{suffix} with "
+                              f"storage.msc_config={cfg.storage.msc_config}: {str(e).splitlines()[0]}") from None
+    index = index_cache_path(cfg, prefix)
+    index.parent.mkdir(parents=True, exist_ok=True)
+    msc.download_file(prefix + ".idx", str(index))
+    check_index(key, str(index), sizes[".bin"])
+    return sizes[".bin"]
+
+
+def remembered_max_token_id(cfg: RecipeConfig, prefix: str, compute: Any) -> int:
+    """The largest token id of the object-storage dataset `prefix`: remembered in the cache while both objects keep
+    the sizes and entity tags they had, else `compute(dataset)` over megatron-core's object-storage dataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
+
+    msc = enable(cfg)
+    stamp = {suffix: [(info := msc.info(prefix + suffix)).content_length, info.etag]
+             for suffix in (".bin", ".idx")}
+    cache = index_cache_path(cfg, prefix).with_suffix(".max_token_id.json")
+    try:
+        saved = json.loads(cache.read_text())
+        if saved["objects"] == stamp:
+            return int(saved["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    dataset = IndexedDataset(prefix, mmap=False,
+                             object_storage_config=ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg)))
+    top = compute(dataset)
+    cache.write_text(json.dumps({"prefix": prefix, "objects": stamp, "max_token_id": top}))
+    return top
