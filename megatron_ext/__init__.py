@@ -41,8 +41,8 @@ for _logger, _fragment in (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
     # every DDP build with the distributed optimizer: DDP computes the layout itself, as the caller would
     ("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"),
-    # the first save of every rank, synchronous ones included (its synchronous save is the asynchronous one, waited
-    # for): megatron-core's writer is the one chosen (checkpoint/save_load.py)
+    # the first synchronous save of every rank: megatron-core's synchronous save is its own (deprecated) asynchronous
+    # one, waited for; the asynchronous saves run NVRx's writer (checkpoint/async_save.py)
     ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated"),
     # every save with the distributed optimizer at DP > 1, from each DP rank but the first: its optimizer state carries
     # an empty entry (``param_state: None``, seen 2026-11-26) that rank 0's, the common state saved, does not (resumes

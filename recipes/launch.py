@@ -198,7 +198,11 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
         if hasattr(e, "left"):
             print(e.left.describe(), file=sys.stderr, flush=True)
             write_node_end(log_dir(cfg), NodeRecord(node, "left", EXIT_RERUN_ELSEWHERE))
-            return EXIT_RERUN_ELSEWHERE
+            # leaving, the agent keeps the rendezvous open to the others: torch's keep-alive and store threads still
+            # run, and the interpreter's teardown under them aborts (SIGABRT, "terminate called without an active
+            # exception", seen in the suite): the node's end is recorded, so end the process here
+            sys.stdout.flush()
+            os._exit(EXIT_RERUN_ELSEWHERE)
         received = getattr(e, "received", e.sigval)
         print(_stopped_by(received, cfg.checkpoint.save, timeouts.stop_s), file=sys.stderr, flush=True)
         write_node_end(log_dir(cfg), NodeRecord(node, "signalled", signal_exit_code(received)))

@@ -1,4 +1,7 @@
-"""Asynchronous checkpoint writes through megatron-core's ``AsyncCallsQueue`` (a writer process per rank).
+"""Asynchronous checkpoint writes through NVRx's ``AsyncCallsQueue`` (a writer process per rank): nvidia-resiliency-ext's
+async checkpoint writer, megatron-core 0.19's default (its own is deprecated for it), taken through megatron-core's
+``get_async_strategy`` so that the queue, the request and the writer that fills it are one strategy's
+(:func:`writer_modules`).
 
 Training goes on while the shards are written; the save's finalisation (metadata, manifest, tracker, retention)
 runs on every rank once every rank's writer has finished, from :meth:`AsyncCheckpointSaver.finalize` — called
@@ -9,21 +12,31 @@ signal or ``train.exit_interval`` still leaves a complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+ASYNC_STRATEGY = "nvrx"  # megatron-core's name for NVRx's async writer
+
+
+@functools.cache
+def writer_modules() -> dict[str, Any]:
+    """The async strategy's pieces, by megatron-core's names (AsyncCallsQueue, AsyncRequest, FileSystemWriterAsync,
+    save_state_dict_async_plan/_finalize, get_write_results_queue, ...)."""
+    return get_async_strategy(ASYNC_STRATEGY)[1]
 
 
 @contextlib.contextmanager
@@ -66,13 +79,13 @@ def _nothing() -> None:
 
 
 class AsyncCheckpointSaver:
-    """The queue of this rank's checkpoint writes in flight (megatron-core's persistent async caller)."""
+    """The queue of this rank's checkpoint writes in flight (NVRx's persistent async caller)."""
 
     def __init__(self) -> None:
-        # On GPUs, megatron-core's persistent writer process (it stages the shards device-to-host while training
-        # waits, then writes). On CPU it cannot start (it selects a CUDA device); there the writer is a process
-        # forked per save, whose copy-on-write memory is the snapshot of the state being saved.
-        self.queue = AsyncCallsQueue(persistent=torch.cuda.is_available())
+        # On GPUs, NVRx's persistent writer process (it stages the shards device-to-host while training waits, then
+        # writes). On CPU it cannot start (it selects a CUDA device); there the writer is a process forked per save,
+        # whose copy-on-write memory is the snapshot of the state being saved.
+        self.queue = writer_modules()["AsyncCallsQueue"](persistent=torch.cuda.is_available())
         self.in_flight: list[tuple[Optional[Path], float]] = []
         if self.queue.persistent:
             self._start_writer()
@@ -81,10 +94,11 @@ class AsyncCheckpointSaver:
         """Spawn the persistent writer now, with an empty request, rather than in the first save: starting it
         held an H100 run's first save up 20.9 s, against 0.5 s for the next one."""
         with signals_ignored():
-            self.queue.schedule_async_request(AsyncRequest(async_fn=_nothing, async_fn_args=(), finalize_fns=[]))
+            self.queue.schedule_async_request(
+                writer_modules()["AsyncRequest"](async_fn=_nothing, async_fn_args=(), finalize_fns=[]))
         self.in_flight.append((None, time.perf_counter()))
 
-    def schedule(self, request: AsyncRequest, target: Path, finish: Callable[[], None]) -> None:
+    def schedule(self, request: Any, target: Path, finish: Callable[[], None]) -> None:
         """Collective: start writing `target`; `finish` runs on every rank when every rank's write is done."""
         request.add_finalize_fn(finish)
         with signals_ignored():  # the first call spawns the writer process

@@ -20,17 +20,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-)
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
 
 from megatron_ext.checkpoint import compat, model_class, safe_unpickle
+from megatron_ext.checkpoint.async_save import writer_modules
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import COMMON_STATE, DCP_METADATA, DIST_METADATA
 from megatron_ext.distributed.parallel import device
@@ -96,7 +91,7 @@ def _agree_on_step_counts(optimizer_state: dict[str, Any]) -> None:
 
 
 def save(model_chunks: list, optimizer: MegatronOptimizer, target: Path, common: CommonState,
-         asynchronous: bool) -> Optional[AsyncRequest]:
+         asynchronous: bool) -> Optional[Any]:
     """Collective: write the checkpoint into `target` (rank 0 writes `common`); with `asynchronous` only plan it
     and return the request that writes it (megatron-core's async DCP writer, as torch_dist's async save)."""
     state, own = _dtensor_state(model_chunks, optimizer, is_loading=False)
@@ -106,10 +101,12 @@ def save(model_chunks: list, optimizer: MegatronOptimizer, target: Path, common:
     if not asynchronous:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target)))
         return None
-    writer = FileSystemWriterAsync(str(target))
-    planned = save_state_dict_async_plan(state, writer, None, 0, planner=dcp.DefaultSavePlanner())[0]
+    writer_module = writer_modules()  # NVRx's, as the torch_dist format's async writes
+    writer = writer_module["FileSystemWriterAsync"](str(target))
+    planned = writer_module["save_state_dict_async_plan"](state, writer, None, 0, planner=dcp.DefaultSavePlanner())
     save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-    return AsyncRequest(save_fn, save_args, [lambda: save_state_dict_async_finalize(*planned)], preload_fn=preload_fn)
+    finalize = writer_module["save_state_dict_async_finalize"]
+    return writer_module["AsyncRequest"](save_fn, save_args, [lambda: finalize(*planned)], preload_fn=preload_fn)
 
 
 def load(ckpt_dir: Path, model_chunks: list, optimizer: MegatronOptimizer) -> None:

@@ -19,6 +19,7 @@ import multiprocessing.managers
 import re
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,14 +27,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest, model_class
-from megatron_ext.checkpoint.async_save import AsyncCheckpointSaver, agreed_failure, signals_ignored
+from megatron_ext.checkpoint.async_save import (
+    ASYNC_STRATEGY,
+    AsyncCheckpointSaver,
+    agreed_failure,
+    signals_ignored,
+    writer_modules,
+)
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import (
     TRACKER,
@@ -59,10 +65,6 @@ from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_stat
 from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError, SaveHelperDiedError
 
 log = logging.getLogger(__name__)
-
-# megatron-core's own writer (AsyncCallsQueue, :mod:`.async_save`), not its default since 0.19, NVRx's: the one the
-# suite runs (megatron-core's synchronous save goes through the same code); NVRx's is not yet run on a GPU here.
-ASYNC_STRATEGY = "mcore"
 
 
 class _RankZeroWrite:
@@ -171,12 +173,17 @@ def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> No
     global _save_helper
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is not None:
+    writers = [sys.modules[writer_modules()["FileSystemWriterAsync"].__module__], filesystem_async]
+    if all(writer._results_queue is not None for writer in writers):
         return
     with signals_ignored():
         _save_helper = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("fork"))
         _save_helper.start(initializer)
-        filesystem_async._results_queue = _save_helper.Queue()  # what _get_write_results_queue would create
+        # what get_write_results_queue would create: for the async writer (NVRx's), and for megatron-core's own,
+        # through which its synchronous save writes
+        results = _save_helper.Queue()
+        for writer in writers:
+            writer._results_queue = results
 
 
 def helper_death() -> Optional[str]:
@@ -290,7 +297,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                              scheduler=scheduler.state_dict(), rng=_from_every_rank(local_rng_state()),
                              run_state=run_state)
 
-        def write(asynchronous: bool) -> Optional[AsyncRequest]:
+        def write(asynchronous: bool) -> Optional[Any]:
             return fsdp_dtensor.save(model_chunks, optimizer, target, common, asynchronous)
     else:
         state = _sharded_state(model_chunks, optimizer, scheduler, is_loading=False, with_rng=True,
@@ -299,7 +306,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
                                  buffer_layouts=buffer_layouts(model_chunks) if optimizer_format == DP_RESHARDABLE
                                  else None, run_state=run_state).saved())
 
-        def write(asynchronous: bool) -> Optional[AsyncRequest]:
+        def write(asynchronous: bool) -> Optional[Any]:
             return dist_checkpointing.save(state, str(target), _save_strategy(), async_sharded_save=asynchronous,
                                            async_strategy=ASYNC_STRATEGY)
 

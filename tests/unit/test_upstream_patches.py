@@ -43,10 +43,13 @@ PATCHED = [
     # one-layer virtual stages refused with activation offload (the offload margin empties a chunk)
     Patched("megatron.core.pipeline_parallel.fine_grained_activation_offload.PipelineOffloadManager."
             "post_warmup_callback", "fcd891e4c53934fd", "config/validate.py"),
-    # the save's helper process started by the recipe (signals ignored, ends with its rank)
+    # the save's helper process started by the recipe (signals ignored, ends with its rank): for NVRx's async writer
+    # and for megatron-core's own, which its synchronous save runs
     Patched("megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue",
             "e395fb0e86a062e2", "checkpoint/save_load.py"),
-    # megatron-core's own async writer chosen, its deprecation message filtered
+    Patched("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async.get_write_results_queue",
+            "e395fb0e86a062e2", "checkpoint/save_load.py"),
+    # megatron-core's synchronous save runs its own (deprecated) async writer and waits: the deprecation filtered
     Patched("megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy.async_save",
             "76a4d55fe07edb88", "checkpoint/save_load.py"),
     # torch Adam's state on load: empty state asserted on, one shared step tensor, KeyError 'step'
