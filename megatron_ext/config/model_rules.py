@@ -205,10 +205,6 @@ def validate_model_class(cfg: RecipeConfig) -> None:
         return
     later = "with model.model_class=hybrid is not wired here yet (issue #61): set model.model_class=gpt"
     for ok, key, value, why in [
-        # megatron-core numbers each depth's layers from 1 again in a hybrid model: depths would share a router's
-        # metrics slot
-        (m.mtp_num_layers in (None, 1), "model.mtp_num_layers", m.mtp_num_layers,
-         f"(more than one multi-token-prediction depth) {later}"),
         (t.cpu_offloading_num_layers == 0, "train.cpu_offloading_num_layers", t.cpu_offloading_num_layers,
          "megatron-core's HybridStack has no layer offload (train.offload_modules offloads within layers): set it 0"),
         (t.cuda_graph_impl == "none", "train.cuda_graph_impl", t.cuda_graph_impl,

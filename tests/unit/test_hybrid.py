@@ -70,7 +70,6 @@ def test_parameters_are_named_as_gptmodel_names_them():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("model.mtp_num_layers=2", "model.mtp_num_layers"),
     ("train.cuda_graph_impl=local", "train.cuda_graph_impl"),
 ])
 def test_what_hybrid_is_not_built_with_yet_is_refused_in_one_line(override, key):
