@@ -6,8 +6,10 @@ Under NVIDIA Resiliency Extension's ft_launcher the same step boundaries (and th
 also its rank monitor's heartbeats (:mod:`.nvrx`).
 
 Armed after the first step (start-up, compilation and communicator set-up are bounded by
-``parallel.distributed_timeout_minutes``) and suspended while a checkpoint is written, so a long save is not
-taken for a hang. A thread per rank bumps a heartbeat counter in the job's store every interval: a rank that is
+``parallel.distributed_timeout_minutes``). While a checkpoint is written (or loaded for a rewind) the step timeout
+does not apply, so a long save is not taken for a hang; the save is timed against the ceiling instead (the collective
+timeout less its margin, which the planner sets above its checkpoint write time), and one that outlasts it (a
+stopped or dead save helper, a file system that does not answer) is the hang, named as the save. A thread per rank bumps a heartbeat counter in the job's store every interval: a rank that is
 stopped, dead or stuck outside Python stops bumping it, while ranks merely waiting for it in a collective do not.
 """
 
@@ -34,9 +36,11 @@ from megatron_ext.resilience.nvrx import RankMonitorHeartbeats
 
 
 class HangWatchdog:
-    """One per rank; `step_done` after every step, `suspended()` around checkpoint saves, `close` at the end.
+    """One per rank; `step_done` after every step, `timed(what)` around checkpoint saves and loads, `close` at the end.
 
-    The timeout widens to ``HANG_MARGIN`` times the longest stretch between finished steps seen so far (a run
+    A save or load is not a step: while one runs the step timeout does not apply, but it may not last beyond the
+    ceiling (the collective timeout less its margin, longer than any planned save) before the watchdog ends the job
+    naming it. The timeout widens to ``HANG_MARGIN`` times the longest stretch between finished steps seen so far (a run
     slower than planned is not taken for hung), never beyond `ceiling_s` (below the collective timeout, so that the
     watchdog still speaks first)."""
 
@@ -48,7 +52,7 @@ class HangWatchdog:
         self.interval = min(max((timeout_s or 0) / 10, 1.0), 10.0)  # >= 1 s: a loaded host still beats in time
         self.iteration = 0
         self._last_progress: Optional[float] = None  # None until the first step: not armed
-        self._suspended = 0
+        self._phase: Optional[tuple[str, float]] = None  # (what, its start) while a save or load runs
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._store = None
@@ -67,7 +71,7 @@ class HangWatchdog:
 
     def step_done(self, iteration: int) -> None:
         now = time.monotonic()
-        if self.timeout_s and self._last_progress is not None and not self._suspended:
+        if self.timeout_s and self._last_progress is not None and self._phase is None:
             self._widen(now - self._last_progress)
         self.iteration, self._last_progress = iteration, now
         self._launcher_heartbeats.beat()
@@ -78,12 +82,14 @@ class HangWatchdog:
             self.timeout_s = min(max(self.timeout_s, HANG_MARGIN * stretch_s), self.ceiling_s)
 
     @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        self._suspended += 1
+    def timed(self, what: str) -> Iterator[None]:
+        """Around `what` (a checkpoint save or load, named for the hang line): timed against the ceiling, not the
+        step timeout."""
+        self._phase = (what, time.monotonic())
         try:
             yield
         finally:
-            self._suspended -= 1
+            self._phase = None
             if self._last_progress is not None:
                 self._last_progress = time.monotonic()
             self._launcher_heartbeats.beat()
@@ -105,8 +111,11 @@ class HangWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._beat()
-            last = self._last_progress
-            if last is not None and not self._suspended and time.monotonic() - last > self.timeout_s:
+            last, phase = self._last_progress, self._phase
+            if phase is not None:
+                if time.monotonic() - phase[1] > self.ceiling_s:
+                    self._fire(phase[0])
+            elif last is not None and time.monotonic() - last > self.timeout_s:
                 self._fire()
 
     def _heartbeats(self) -> dict[int, str]:
@@ -117,11 +126,12 @@ class HangWatchdog:
                     beats[rank] = self._store.get(heartbeat_key(rank)).decode()
         return beats
 
-    def _fire(self) -> None:
-        where = f"iteration {self.iteration + 1}"
-        write_rank_log(self.log_dir, self.rank, where, f"hang watchdog: no step finished for {self.timeout_s:g} s "
-                                                       f"(the longest stretch before: {self.longest_stretch_s:.1f} s); "
-                                                       "Python stacks of every thread follow")
+    def _fire(self, phase: Optional[str] = None) -> None:
+        where = phase or f"iteration {self.iteration + 1}"
+        silence = (f"{phase} has not finished in {self.ceiling_s:g} s" if phase else
+                   f"no step finished for {self.timeout_s:g} s (the longest stretch before: "
+                   f"{self.longest_stretch_s:.1f} s)")
+        write_rank_log(self.log_dir, self.rank, where, f"hang watchdog: {silence}; Python stacks of every thread follow")
         with contextlib.suppress(OSError), open(rank_log(self.log_dir, self.rank), "a") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
         flight_recorder.dump(self.log_dir, self.rank)
@@ -140,7 +150,7 @@ class HangWatchdog:
             self._kill_local(procs)
         live = [r for r in range(self.world_size) if r not in stopped]
         if self.rank == min(live):
-            print(self._message(where, stopped, behind, procs), file=sys.stderr, flush=True)
+            print(self._message(where, stopped, behind, procs, phase), file=sys.stderr, flush=True)
         self._beat()  # a last bump: a peer still sampling must not take this exit for a stopped rank
         os._exit(EXIT_HUNG)
 
@@ -162,14 +172,21 @@ class HangWatchdog:
                     os.kill(pid, signal.SIGKILL)
 
     def _message(self, where: str, stopped: list[int], behind: dict[int, int],
-                 procs: dict[int, tuple[str, int]]) -> str:
-        lines = [f"[rank {self.rank}, {where}] hang: no training step finished for {self.timeout_s:g} s "
-                 f"(train.hang_timeout_s) after iteration {self.iteration}"]
+                 procs: dict[int, tuple[str, int]], phase: Optional[str] = None) -> str:
+        lines = [f"[rank {self.rank}, {where}] hang: " + (
+            f"{phase} has not finished in {self.ceiling_s:g} s (its limit: the collective timeout, "
+            "parallel.distributed_timeout_minutes, less its margin; longer than the planned checkpoint write)"
+            if phase else f"no training step finished for {self.timeout_s:g} s (train.hang_timeout_s) after "
+                          f"iteration {self.iteration}")]
         if stopped:
             named = [f"rank {r} (host {procs[r][0]}, pid {procs[r][1]})" if r in procs else f"rank {r}"
                      for r in stopped]
             lines.append(f"  heartbeat stopped on {', '.join(named)}: that process is stopped, dead or stuck "
                          "outside Python; the other ranks wait for it")
+        elif phase:
+            lines.append("  every rank's heartbeat is alive: a rank's save waits on its writer (a stopped or dead "
+                         "checkpoint save helper, a file system that does not answer) while the others wait for it; "
+                         "the stacks show where")
         else:
             lines.append("  every rank's heartbeat is alive: they all wait in a collective that never completes "
                          "(a stuck device or network); the stacks show where")

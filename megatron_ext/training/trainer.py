@@ -374,7 +374,7 @@ class Trainer:
         if not self.checkpointer.due(self.iteration, stopping, clock_due):
             return None
         self.where = f"checkpoint save at iteration {self.iteration}"
-        with self.watchdog.suspended():
+        with self.watchdog.timed(f"the checkpoint save of iteration {self.iteration}"):
             path, stall = self.checkpointer.save(self.iteration, self.consumed_samples)
         self.goodput.spent("checkpoint")
         self.goodput.write()  # as current as the checkpoint a restart resumes
@@ -448,7 +448,7 @@ class Trainer:
         recorded for restarts (:mod:`megatron_ext.checkpoint.data_skips`)."""
         self.where = f"rewind after the loss spike at iteration {spike.iteration}"
         self.goodput.step_done(self.iteration)
-        with self.watchdog.suspended():
+        with self.watchdog.timed(f"the checkpoint load of the rewind after iteration {spike.iteration}"):
             resumed = self._load_state(self.checkpointer.rewind)
         self.goodput.spent("startup")  # the reload is recovery
         if resumed is not None:

@@ -453,3 +453,26 @@ def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_p
         assert {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()} == before
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_save_that_never_finishes_is_named_by_the_hang_watchdog(tmp_path):
+    """Rank 1's save of iteration 4 never returns (its writer stuck: the fault worker's HANG_MARKER) while rank 0
+    waits for it in the save's collectives: the watchdog, whose step timeout does not apply during a save, ends the
+    job when the save outlasts its limit (the collective timeout, 1 minute here, less its margin: 30 s), naming the
+    save — not "a stuck device or network" after the collective timeout — with every rank's stacks in its log and
+    the tracker still at iteration 2."""
+    from megatron_ext.errors import EXIT_HUNG
+
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    env = {"FAIL_ITERATION": "4", "FAIL_RANK": "1", "HANG_MARKER": str(tmp_path / "saving")}
+    proc = run_pretrain(2, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6",
+                            f"checkpoint.save={ckpt}", "checkpoint.save_interval=2", "train.hang_timeout_s=10",
+                            "parallel.distributed_timeout_minutes=1", f"logging.log_dir={logs}",
+                            "logging.tensorboard_dir=null"],
+                        module="tests.workers.checkpoint_fault_worker", check=False, env=env, timeout=300)
+    assert f"exitcode : {EXIT_HUNG}" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("[rank 0, the checkpoint save of iteration 4] hang: the checkpoint save of iteration 4 has not finished "
+            "in 30 s") in proc.stderr, proc.stderr[-3000:]
+    assert "a stuck device or network" not in proc.stderr
+    assert "checkpoint_fault_worker.py" in (logs / "rank-1.log").read_text()  # where rank 1 waits
+    assert latest_iteration(ckpt) == 2
