@@ -213,19 +213,16 @@ class ModelShape:
     def num_parameters(self, vocab_size: int, active: bool = False) -> int:
         """Parameters with a `vocab_size`-row embedding (unpadded: as published model cards count them); `active`:
         those one token goes through (an MoE model's top-k experts only)."""
-        h = self.hidden_size
-        layers = self.num_layers + self.mtp_num_layers
-        per_layer = self.attention_parameters() + self._norm_parameters_per_layer()
-        mlps = sum(self.mlp_parameters(active, self.is_moe_layer(layer)) for layer in range(layers))
-        embeddings = vocab_size * h * (1 if self.tied_embeddings else 2)
-        return layers * per_layer + mlps + embeddings + h + self.mtp_num_layers * self.mtp_projection_parameters()
+        layers = sum(self.layer_parameters(layer, active) for layer in range(self.num_layers + self.mtp_num_layers))
+        embeddings = vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return layers + embeddings + self.hidden_size  # (the final norm)
 
-    def layer_parameters(self, layer: int) -> int:
+    def layer_parameters(self, layer: int, active: bool = False) -> int:
         """Decoder layer `layer`'s parameters (from 0; num_layers + k: the k-th MTP layer's, its projection and norms
-        included)."""
+        included); `active`: those one token goes through (an MoE layer's top-k experts only)."""
         mtp = self.mtp_projection_parameters() if layer >= self.num_layers else 0
         return (self.attention_parameters() + self._norm_parameters_per_layer()
-                + self.mlp_parameters(moe=self.is_moe_layer(layer)) + mtp)
+                + self.mlp_parameters(active, moe=self.is_moe_layer(layer)) + mtp)
 
     def matrix_parameters(self, vocab_size: int) -> int:
         """The parameters in 2-D weights other than the embedding and the output layer: what megatron-core's Muon
