@@ -36,3 +36,20 @@ def built_model_facts(overrides: list[str], vocab: int) -> dict:
                 "windows": [layer.self_attention.core_attention.window for layer in layers],
                 "softmax_scale": layers[0].self_attention.core_attention.softmax_scale,
                 "loss": loss.item(), "all_have_gradients": all(p.grad is not None for p in model.parameters())}
+
+
+def assert_the_planner_counts_what_was_built(built: dict, cfg, vocab: int) -> None:
+    """`built` (:func:`built_model_facts`) held to the shape's and the planner's counts of `cfg`: the parameters,
+    each layer's (experts apart), every parameter but the experts' in the order megatron-core's buffers lay them out
+    (the MTP layers' too), and one training pass at initialisation (every parameter with a gradient, loss ≈ ln V)."""
+    import math
+
+    from megatron_ext.config.shape import ModelShape
+    from megatron_ext.planner.layout import RankShape
+    from megatron_ext.planner.static_memory import chunk_params
+
+    shape, rank = ModelShape.of(cfg.model), RankShape.of(cfg, vocab)
+    assert built["parameters"] == shape.num_parameters(vocab)
+    assert built["layers"] == [rank.layer_params(shape.is_moe_layer(layer)) for layer in range(shape.num_layers)]
+    assert built["named"] == [n for n, _ in chunk_params(rank, 1, range(shape.num_layers), True, True)]
+    assert built["all_have_gradients"] and abs(built["loss"] - math.log(vocab)) < 0.8, built["loss"]
