@@ -20,14 +20,16 @@ import argparse
 import contextlib
 import copy
 import json
+import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -379,32 +381,21 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
     return tokenizer.bos, tokenizer.eos
 
 
-def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, workers: int = 1) -> Path:
     """Latest checkpoint under `checkpoint` (any layout) → Hugging Face directory at `output`: Llama, or with
     qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE; with multi-latent attention
     DeepSeek-V3; with learnable attention sinks GPT-OSS — in safetensors shards of at most `max_shard_size`
-    (transformers' form, one file when it fits), read and written a layer at a time."""
-    from megatron_ext.checkpoint.model_class import gpt_parameter_name
-    from megatron_ext.model.hybrid import is_hybrid
-    from megatron_ext.model.llama import PARAMETER_DTYPES
-
+    (transformers' form, one file when it fits), read and written a layer at a time; by `workers` processes, each
+    writing every `workers`-th shard (reading the layers those need)."""
     checkpoint, output = Path(checkpoint), Path(output).absolute()
     shard_bytes = shard_size_bytes(max_shard_size)
-    saved = read_checkpoint(checkpoint)
-    cfg = layout_config(saved)
-    try:
-        shape = families.shape_from_recipe(cfg, saved.vocab_size)
-    except ConversionError as e:
-        raise ConversionError(f"{saved.iteration_dir}: {e}") from None
-    if saved.vocab_size > saved.padded_vocab:
-        raise ConversionError(f"{saved.iteration_dir}: vocabulary {saved.vocab_size} exceeds the "
-                              f"{saved.padded_vocab} embedding rows")
+    saved, cfg, shape, dtype = _exported(checkpoint)
     tokenizer = Path(cfg.data.tokenizer_model) if cfg.data.tokenizer_model else None
     if tokenizer is not None and not tokenizer.exists():
         print(f"warning: data.tokenizer_model={tokenizer} of the saved config does not exist; "
               "exporting without a tokenizer", file=sys.stderr)
         tokenizer = None
-    model_shape, dtype = ModelShape.of(cfg.model), PARAMETER_DTYPES[cfg.train.precision]
+    model_shape = ModelShape.of(cfg.model)
     h, layers = model_shape.hidden_size, model_shape.num_layers + model_shape.mtp_num_layers
     held = (1 if model_shape.tied_embeddings else 2) * shape.vocab_size * h + h + 2 * max(
         map(model_shape.layer_parameters, range(layers)))
@@ -412,25 +403,17 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
                        dtype.itemsize, shard_bytes, output, held)
     free = cost.free_bytes()
     cost.check_disk(free)
-    print(cost.describe(free))
+    print(cost.describe(free) + (f"; {workers} processes, each writing every {workers}th shard" if workers > 1 else ""))
     family = families.family_of(shape)
-    hf_shapes, copies = family.hf_shapes(shape), family.tensor_copies(shape)
     with _staged(output) as staging:
-        writer = ShardWriter({name: (dims, dtype) for name, dims in {
-            **hf_shapes, **{duplicate: hf_shapes[source] for duplicate, source in copies.items()}}.items()}, staging,
-            max_shard_size)
-        with model_parallel_world(cfg):
-            mappings = list(family.weight_mappings(shape))
-            for state in _megatron_state_by_group(cfg, saved):
-                # the mappings name GPTModel's parameters: a HybridModel's renamed (checkpoint/model_class.py)
-                state = {gpt_parameter_name(name, is_hybrid(cfg)): tensor for name, tensor in state.items()}
-                ready = [m for m in mappings if m.megatron in state]
-                for name, tensor in megatron_to_hf(state, ready, shape.vocab_size, family.qkv_codec(shape)).items():
-                    writer.add(name, tensor)
-                    for duplicate in (duplicate for duplicate, source in copies.items() if source == name):
-                        writer.add(duplicate, tensor.clone())
-                del state
-        writer.finish()
+        if workers == 1:
+            _export_share(checkpoint, staging, max_shard_size, 0, 1)
+        else:  # spawned: each builds a model in a world of its own, which patches torch on CPU for its process
+            from recipes.convert import _export_share as share  # by its module's name, also when run as __main__
+
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                list(pool.map(share, *zip(*[(checkpoint, staging, max_shard_size, w, workers) for w in range(workers)])))
+            _shard_writer(family, shape, dtype, staging, max_shard_size).write_index()
         bos = eos = None
         if tokenizer is not None and tokenizer.is_dir():
             bos, eos = _copy_hf_tokenizer(tokenizer, staging)
@@ -441,10 +424,67 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
     return output
 
 
-def _megatron_state_by_group(cfg: RecipeConfig, saved: SavedCheckpoint) -> Iterator[dict[str, torch.Tensor]]:
+def _exported(checkpoint: Path) -> tuple[SavedCheckpoint, RecipeConfig, Any, torch.dtype]:
+    """The checkpoint to export, its config as one process builds it, the Hugging Face shape and the dtype."""
+    from megatron_ext.model.llama import PARAMETER_DTYPES
+
+    saved = read_checkpoint(checkpoint)
+    cfg = layout_config(saved)
+    try:
+        shape = families.shape_from_recipe(cfg, saved.vocab_size)
+    except ConversionError as e:
+        raise ConversionError(f"{saved.iteration_dir}: {e}") from None
+    if saved.vocab_size > saved.padded_vocab:
+        raise ConversionError(f"{saved.iteration_dir}: vocabulary {saved.vocab_size} exceeds the "
+                              f"{saved.padded_vocab} embedding rows")
+    return saved, cfg, shape, PARAMETER_DTYPES[cfg.train.precision]
+
+
+def _shard_writer(family: Any, shape: Any, dtype: torch.dtype, staging: Path, max_shard_size: str,
+                  share: tuple[int, int] = (0, 1)) -> ShardWriter:
+    """The Hugging Face files' writer, its shards planned from every tensor's name, shape and dtype."""
+    hf_shapes, copies = family.hf_shapes(shape), family.tensor_copies(shape)
+    return ShardWriter({name: (dims, dtype) for name, dims in {
+        **hf_shapes, **{duplicate: hf_shapes[source] for duplicate, source in copies.items()}}.items()}, staging,
+        max_shard_size, share=share)
+
+
+def _export_share(checkpoint: Path, staging: Path, max_shard_size: str, worker: int, workers: int) -> None:
+    """Write the `worker`-th of `workers` shares of the Hugging Face shards into `staging`, reading only the groups
+    of weights (:func:`_megatron_state_by_group`) that feed them."""
+    from megatron_ext.checkpoint.model_class import gpt_parameter_name
+    from megatron_ext.model.hybrid import is_hybrid
+
+    saved, cfg, shape, dtype = _exported(checkpoint)
+    family = families.family_of(shape)
+    copies = family.tensor_copies(shape)
+    writer = _shard_writer(family, shape, dtype, staging, max_shard_size, (worker, workers))
+    with model_parallel_world(cfg):
+        mappings = list(family.weight_mappings(shape))
+        # the mappings name GPTModel's parameters: a HybridModel's renamed (checkpoint/model_class.py)
+        outputs = {m.megatron: [*m.hf, *(d for d, source in copies.items() if source in m.hf)] for m in mappings}
+
+        def wanted(names: list[str]) -> bool:
+            return any(writer.wants(hf) for name in names for hf in outputs.get(gpt_parameter_name(name, is_hybrid(cfg)),
+                                                                                  ()))
+
+        for state in _megatron_state_by_group(cfg, saved, wanted):
+            state = {gpt_parameter_name(name, is_hybrid(cfg)): tensor for name, tensor in state.items()}
+            ready = [m for m in mappings if m.megatron in state]
+            for name, tensor in megatron_to_hf(state, ready, shape.vocab_size, family.qkv_codec(shape)).items():
+                writer.add(name, tensor)
+                for duplicate in (duplicate for duplicate, source in copies.items() if source == name):
+                    writer.add(duplicate, tensor.clone())
+            del state
+    writer.finish()
+
+
+def _megatron_state_by_group(cfg: RecipeConfig, saved: SavedCheckpoint, wanted: Callable[[list[str]], bool]
+                             ) -> Iterator[dict[str, torch.Tensor]]:
     """The saved weights as the one-process model holds them, a group at a time (the embedding, output layer and
-    final norm, then each layer: :mod:`megatron_ext.convert.streaming`) — or all at once from a Megatron-FSDP
-    checkpoint, or one whose keys the model no longer names (read by the full load's repairs)."""
+    final norm, then each layer: :mod:`megatron_ext.convert.streaming`), the groups whose names are `wanted` — or
+    all at once from a Megatron-FSDP checkpoint, or one whose keys the model no longer names (read by the full load's
+    repairs)."""
     from megatron_ext.checkpoint import fsdp_dtensor, safe_unpickle
     from megatron_ext.convert import streaming
 
@@ -463,7 +503,8 @@ def _megatron_state_by_group(cfg: RecipeConfig, saved: SavedCheckpoint) -> Itera
         return
     print(f"reading {saved.iteration_dir} a group at a time: {streaming.GLOBALS}, then {len(grouped) - 1} layers")
     for names in grouped.values():
-        yield _guarded(streaming.read_group, saved, sharded, names)
+        if wanted(names):
+            yield _guarded(streaming.read_group, saved, sharded, names)
 
 
 def _guarded(read, saved: SavedCheckpoint, *args):
@@ -496,6 +537,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                      help="largest safetensors file, in transformers' size strings (5GB, 100KB; default "
                           f"{DEFAULT_MAX_SHARD_SIZE}): model-0000k-of-0000n.safetensors with an index beyond it")
+    exp.add_argument("--workers", type=int, default=1,
+                     help="processes converting at once, each writing every Nth shard (default 1)")
     return parser
 
 
@@ -515,7 +558,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
                   f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:
-            out = export_hf(args.checkpoint, args.output, args.max_shard_size)
+            if args.workers < 1:
+                raise ConversionError(f"--workers={args.workers} must be >= 1")
+            out = export_hf(args.checkpoint, args.output, args.max_shard_size, args.workers)
             print(f"exported {args.checkpoint} → {out}")
     except RecipeError as e:  # a conversion, checkpoint, config or tokenizer error: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

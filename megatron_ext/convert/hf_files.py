@@ -280,25 +280,36 @@ def shard_size_bytes(max_shard_size: str) -> int:
 class ShardWriter:
     """A model's tensors written as Hugging Face writes a model, as they arrive in any order: one
     ``model.safetensors`` when they fit in `max_shard_size`, else ``model-0000k-of-0000n.safetensors`` shards of at
-    most that size (a larger tensor alone in its shard) with ``model.safetensors.index.json``. The split is planned
+    most that size (a larger tensor alone in its shard) with ``model.safetensors.index.json``; with `share` (i, n)
+    only every n-th shard from the i-th (the i-th of n writers, each in its own process). The split is planned
     up front from the names, shapes and dtype (`planned`, in order) by huggingface_hub's
     ``split_torch_state_dict_into_shards``, as transformers' save_pretrained splits; a shard is written (and its
     tensors let go) as soon as its last tensor arrives, with a line and the time left."""
 
     def __init__(self, planned: Mapping[str, tuple[tuple[int, ...], torch.dtype]], directory: Path,
-                 max_shard_size: str, progress: Callable[[str], None] = print):
+                 max_shard_size: str, progress: Callable[[str], None] = print, share: tuple[int, int] = (0, 1)):
         from huggingface_hub import split_torch_state_dict_into_shards
 
         meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in planned.items()}
         self.split = split_torch_state_dict_into_shards(meta, max_shard_size=shard_size_bytes(max_shard_size))
         self.directory, self.progress = directory, progress
+        # this writer's share of the files, (i, n): every n-th from the i-th (a worker of n writes its share)
+        worker, workers = share
+        self.owned = [file for k, file in enumerate(self.split.filename_to_tensors) if k % workers == worker]
         self.waiting: dict[str, dict[str, torch.Tensor]] = {}  # a shard's arrived tensors, by file
         self.written: list[str] = []
         self.started = time.monotonic()
 
+    def wants(self, name: str) -> bool:
+        """Whether tensor `name` goes into a file of this writer's share."""
+        return self.split.tensor_to_filename[name] in self.owned
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """`name` arrived (left alone when it belongs to another writer's share)."""
         from safetensors.torch import save_file
 
+        if not self.wants(name):
+            return
         filename = self.split.tensor_to_filename[name]
         arrived = self.waiting.setdefault(filename, {})
         arrived[name] = tensor.contiguous()
@@ -309,17 +320,23 @@ class ShardWriter:
         del self.waiting[filename]
         self.written.append(filename)
         if self.split.is_sharded:
-            elapsed, done, total = time.monotonic() - self.started, len(self.written), len(self.split.filename_to_tensors)
+            elapsed, done, total = time.monotonic() - self.started, len(self.written), len(self.owned)
             self.progress(f"  wrote {filename} ({done} of {total}), {elapsed:.0f} s, about "
                           f"{elapsed / done * (total - done):.0f} s left")
 
     def finish(self) -> list[str]:
-        """The index (when sharded) after every shard; the file names."""
-        unwritten = [name for file, names in self.split.filename_to_tensors.items() if file not in self.written
-                     for name in names if name not in self.waiting.get(file, {})]
+        """Checks that every file of this writer's share was written; the index too (when sharded) where the share is
+        all of them; the file names."""
+        unwritten = [name for file in self.owned if file not in self.written
+                     for name in self.split.filename_to_tensors[file] if name not in self.waiting.get(file, {})]
         if unwritten:
             raise RuntimeError(f"weight mapping bug: tensors that never arrived: {unwritten[:5]}")
+        if len(self.owned) == len(self.split.filename_to_tensors):
+            self.write_index()
+        return list(self.split.filename_to_tensors)
+
+    def write_index(self) -> None:
+        """``model.safetensors.index.json`` (when sharded), once every share is written."""
         if self.split.is_sharded:
             index = {"metadata": dict(self.split.metadata), "weight_map": dict(self.split.tensor_to_filename)}
             (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return list(self.split.filename_to_tensors)
