@@ -52,6 +52,16 @@ PATCHED = [
     # megatron-core's synchronous save runs its own (deprecated) async writer and waits: the deprecation filtered
     Patched("megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy.async_save",
             "76a4d55fe07edb88", "checkpoint/save_load.py"),
+    # HybridModel (model/hybrid.py): its stack's TE-only final norm replaced, Llama 3.1's RoPE scaling applied with
+    # megatron-core's private scaling after the build, the fused output run through its forward as a middle stage's
+    # (model/fused_output.py), GPT checkpoints read through its retargeting with this project's layer maps
+    Patched("megatron.core.models.hybrid.hybrid_block.HybridStack.__init__", "8f31e2dfaa3491fa", "model/hybrid.py"),
+    Patched("megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding._apply_scaling",
+            "d0a18429087cc321", "model/hybrid.py"),
+    Patched("megatron.core.models.hybrid.hybrid_model.HybridModel.forward", "5115982845f77289",
+            "model/fused_output.py"),
+    Patched("megatron.core.dist_checkpointing.gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint",
+            "4bebb4f65786c057", "checkpoint/model_class.py"),
     # torch Adam's state on load: empty state asserted on, one shared step tensor, KeyError 'step'
     Patched("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict", "fe621ae6a622b587",
             "checkpoint/compat.py"),
