@@ -459,17 +459,17 @@ def _export_share(checkpoint: Path, staging: Path, max_shard_size: str, worker: 
     family = families.family_of(shape)
     copies = family.tensor_copies(shape)
     writer = _shard_writer(family, shape, dtype, staging, max_shard_size, (worker, workers))
+    hybrid = is_hybrid(cfg)
     with model_parallel_world(cfg):
         mappings = list(family.weight_mappings(shape))
         # the mappings name GPTModel's parameters: a HybridModel's renamed (checkpoint/model_class.py)
         outputs = {m.megatron: [*m.hf, *(d for d, source in copies.items() if source in m.hf)] for m in mappings}
 
         def wanted(names: list[str]) -> bool:
-            return any(writer.wants(hf) for name in names for hf in outputs.get(gpt_parameter_name(name, is_hybrid(cfg)),
-                                                                                  ()))
+            return any(writer.wants(hf) for name in names for hf in outputs.get(gpt_parameter_name(name, hybrid), ()))
 
         for state in _megatron_state_by_group(cfg, saved, wanted):
-            state = {gpt_parameter_name(name, is_hybrid(cfg)): tensor for name, tensor in state.items()}
+            state = {gpt_parameter_name(name, hybrid): tensor for name, tensor in state.items()}
             ready = [m for m in mappings if m.megatron in state]
             for name, tensor in megatron_to_hf(state, ready, shape.vocab_size, family.qkv_codec(shape)).items():
                 writer.add(name, tensor)
