@@ -10,7 +10,7 @@ import os
 import struct
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -111,8 +111,12 @@ def _check_token_ids(cfg: RecipeConfig, vocab: int) -> None:
         return
     d = cfg.data
     for key, prefix in blend_prefixes(cfg):
-        top = (object_storage.remembered_max_token_id(cfg, prefix, max_token_id) if is_object_storage(prefix)
-               else cached_max_token_id(prefix, d.path_to_cache))
+        if is_object_storage(prefix):  # remembered beside the downloaded index, under both objects' sizes and etags
+            top = _remembered_max_token_id(object_storage.index_cache_path(cfg, prefix).with_suffix(".max_token_id.json"),
+                                           object_storage.objects_stamp(cfg, prefix),
+                                           partial(object_storage.dataset, cfg, prefix), prefix)
+        else:
+            top = cached_max_token_id(prefix, d.path_to_cache)
         require(top < vocab, key, prefix,
                 f"{prefix}.bin holds token id {top}, but the model's vocabulary is {vocab} "
                 f"(data.tokenizer_model={d.tokenizer_model}): the data was written with another tokenizer — "
@@ -150,21 +154,26 @@ def content_stamp(prefix: str) -> dict[str, Any]:
 
 def cached_max_token_id(prefix: str, cache_root: Optional[str] = None) -> int:
     """The largest token id of the dataset at `prefix`: read from the cache while the files match the
-    :func:`content_stamp` they had when it was computed, else computed (one pass over the .bin) and remembered.
-    A cache that cannot be written (a read-only data directory) only costs the pass again next time."""
-    stamp = content_stamp(prefix)
-    cache = _cache_file(prefix, cache_root)
+    :func:`content_stamp` they had when it was computed, else computed (one pass over the .bin) and remembered."""
+    return _remembered_max_token_id(_cache_file(prefix, cache_root), content_stamp(prefix),
+                                    lambda: IndexedDataset(prefix), str(Path(prefix).resolve()))
+
+
+def _remembered_max_token_id(cache: Path, stamp: Any, dataset: Callable[[], IndexedDataset], name: str) -> int:
+    """The largest token id remembered in `cache` under `stamp` (what the data's files or objects were when it was
+    computed), else one pass over `dataset()`, remembered. A cache that cannot be written (a read-only data directory)
+    only costs the pass again next time."""
     try:
         saved = json.loads(cache.read_text())
         if saved["files"] == stamp:
             return int(saved["max_token_id"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    top = max_token_id(IndexedDataset(prefix))
+    top = max_token_id(dataset())
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"prefix": str(Path(prefix).resolve()), "files": stamp, "max_token_id": top}))
+        tmp.write_text(json.dumps({"prefix": name, "files": stamp, "max_token_id": top}))
         os.replace(tmp, cache)
     except OSError:
         pass

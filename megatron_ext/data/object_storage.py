@@ -11,10 +11,9 @@ describing no more tokens than the .bin holds, and every token id below the voca
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron.core.datasets.object_storage_utils import get_index_cache_path
 from megatron.core.msc_utils import MultiStorageClientFeature
@@ -48,9 +47,9 @@ def index_cache_path(cfg: RecipeConfig, prefix: str) -> Path:
     return Path(get_index_cache_path(prefix + ".idx", ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg))))
 
 
-def validate_objects(cfg: RecipeConfig, key: str, prefix: str, check_index: Any) -> int:
+def validate_objects(cfg: RecipeConfig, key: str, prefix: str, check_index: Callable[[str, str, int], None]) -> None:
     """The object-storage dataset `prefix` (named by `key`): its configuration, both objects, and its index checked
-    by `check_index(key, index_path, bin_bytes)`; the .bin's size in bytes."""
+    by `check_index(key, index_path, bin_bytes)`."""
     require(cfg.storage.msc_config is not None, "storage.msc_config", None,
             f"{key} names {prefix} in object storage: name multi-storage-client's configuration file (its profiles)")
     require(Path(cfg.storage.msc_config).is_file(), "storage.msc_config", cfg.storage.msc_config, "does not exist")
@@ -69,27 +68,20 @@ def validate_objects(cfg: RecipeConfig, key: str, prefix: str, check_index: Any)
     index.parent.mkdir(parents=True, exist_ok=True)
     msc.download_file(prefix + ".idx", str(index))
     check_index(key, str(index), sizes[".bin"])
-    return sizes[".bin"]
 
 
-def remembered_max_token_id(cfg: RecipeConfig, prefix: str, compute: Any) -> int:
-    """The largest token id of the object-storage dataset `prefix`: remembered in the cache while both objects keep
-    the sizes and entity tags they had, else `compute(dataset)` over megatron-core's object-storage dataset."""
+def objects_stamp(cfg: RecipeConfig, prefix: str) -> dict[str, list[Any]]:
+    """What the remembered largest token id of `prefix` is tied to: both objects' sizes and entity tags."""
+    msc = enable(cfg)
+    return {suffix: [(info := msc.info(prefix + suffix)).content_length, info.etag] for suffix in (".bin", ".idx")}
+
+
+def dataset(cfg: RecipeConfig, prefix: str) -> Any:
+    """megatron-core's indexed dataset of the object-storage `prefix` (its index from the cache, the tokens in
+    ranges)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
 
-    msc = enable(cfg)
-    stamp = {suffix: [(info := msc.info(prefix + suffix)).content_length, info.etag]
-             for suffix in (".bin", ".idx")}
-    cache = index_cache_path(cfg, prefix).with_suffix(".max_token_id.json")
-    try:
-        saved = json.loads(cache.read_text())
-        if saved["objects"] == stamp:
-            return int(saved["max_token_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    dataset = IndexedDataset(prefix, mmap=False,
-                             object_storage_config=ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg)))
-    top = compute(dataset)
-    cache.write_text(json.dumps({"prefix": prefix, "objects": stamp, "max_token_id": top}))
-    return top
+    enable(cfg)
+    return IndexedDataset(prefix, mmap=False,
+                          object_storage_config=ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg)))
