@@ -1,17 +1,19 @@
-"""Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints in and out of the recipe's
+"""Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3 (Kimi K2) and GPT-OSS checkpoints in and out of the recipe's
 dist_checkpointing format.
 
-    python -m recipes.convert import-hf --hf-dir DIR --output CKPT_DIR \\
+    python -m recipes.convert import-hf --hf-dir DIR --output CKPT_DIR [--workers N] \\
         [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M] [--expert-model-parallel-size E]
-    python -m recipes.convert export-hf --checkpoint CKPT_DIR --output DIR
+    python -m recipes.convert export-hf --checkpoint CKPT_DIR --output DIR [--workers N] [--max-shard-size 5GB]
 
 import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``, a continued-pretraining
 recipe that starts from those weights (``checkpoint.pretrained_checkpoint``) and resumes from its own
 ``checkpoint.save`` when relaunched; train it with ``--config CKPT_DIR/recipe.yaml data.blend=[PREFIX]`` under any
 TP/PP/EP layout. export-hf reads a checkpoint saved under any layout (imported or trained) and writes
 config.json + model.safetensors (+ the tokenizer: tokenizer.model, or a Hugging Face tokenizer.json +
-tokenizer_config.json) for ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``.
-Both build the model in this one process (a gloo world of one) and let dist_checkpointing reshard.
+tokenizer_config.json) for ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer``, in shards of at most
+``--max-shard-size`` with an index, as transformers writes them.
+Both convert a group at a time (the embedding, output layer and final norm, then each layer): a model far larger
+than this machine's memory converts; ``--workers N`` runs N processes, each converting its share of the groups.
 """
 
 from __future__ import annotations
@@ -25,22 +27,36 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_ext.config.schema import RecipeConfig, config_defaults, without_retired_keys
+from megatron_ext.config.schema import RecipeConfig
 from megatron_ext.config.shape import ModelShape, padded_vocab_size
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.convert import families
-from megatron_ext.convert.cost import export_cost, import_cost
-from megatron_ext.convert.hf_files import DEFAULT_MAX_SHARD_SIZE, ShardWriter, check_tensors, shard_size_bytes
+from megatron_ext.convert.cost import export_cost, import_cost, streamed_parameters
+from megatron_ext.convert.hf_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    ShardWriter,
+    check_tensors,
+    progress_line,
+    shard_size_bytes,
+)
 from megatron_ext.convert.weight_mapping import hf_to_megatron, megatron_to_hf, vocab_padding
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
+from recipes.saved_model import (
+    SavedCheckpoint,
+    build_model,
+    layout_config,
+    model_parallel_world,
+    read_checkpoint,
+    weights_by_group,
+)
 
 _PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # What an imported recipe trains with: continued pretraining of an already trained model, so a peak LR a tenth of
@@ -52,142 +68,6 @@ CONTINUED_PRETRAINING = {
     "optimizer.lr_warmup_iters": 100, "optimizer.lr_decay_style": "cosine",
     "checkpoint.save_interval": 500, "checkpoint.keep_last": 2,
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# In-process model
-
-
-@contextlib.contextmanager
-def model_parallel_world(cfg: RecipeConfig) -> Iterator[None]:
-    """megatron-core's groups for `cfg`'s layout: under torchrun its world, else a gloo world of one."""
-    from megatron.core import parallel_state
-
-    from megatron_ext.distributed import cpu_backend
-    from megatron_ext.distributed.parallel import destroy_distributed, init_distributed
-
-    own_world = "RANK" not in os.environ
-    saved_env = dict(os.environ)  # init_distributed sets RANK/WORLD_SIZE/MASTER_* for a world of one
-    cpu_backend.install()
-    init_distributed(cfg, on_gpu=False)
-    try:
-        yield
-    finally:
-        if own_world:
-            destroy_distributed()
-            os.environ.clear()
-            os.environ.update(saved_env)
-        else:  # torchrun's process group stays for the caller's next layout
-            parallel_state.destroy_model_parallel()
-
-
-def build_model(cfg: RecipeConfig, vocab_size: int, initialize: bool = True):
-    """This rank's GPTModel (one chunk, local layer spec, CPU) for `cfg`; inside model_parallel_world."""
-    from megatron_ext.model.llama import build_model_chunks, transformer_config
-
-    config = transformer_config(cfg, on_gpu=False, use_te=False)
-    config.perform_initialization = initialize  # random init is wasted time when weights are copied in
-    (model,) = build_model_chunks(cfg, vocab_size, config, use_te=False)
-    return model.eval()
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints of the recipe
-
-
-@dataclass
-class SavedCheckpoint:
-    """What export (or a logits check) needs to rebuild the model of a saved checkpoint."""
-
-    iteration_dir: Path
-    cfg: RecipeConfig  # the run config saved with it
-    vocab_size: int  # unpadded
-    padded_vocab: int  # the embedding rows in the checkpoint
-    content: str
-
-
-def read_checkpoint(root: Path) -> SavedCheckpoint:
-    """The latest checkpoint under `root`: its saved config, vocabulary and padded embedding rows."""
-    from megatron.core import dist_checkpointing
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from megatron_ext.checkpoint import fsdp_dtensor, layout, safe_unpickle
-    from megatron_ext.checkpoint.common_state import read_common
-    from megatron_ext.errors import CheckpointError
-
-    iteration = layout.latest_iteration(root)
-    if iteration is None:
-        raise ConversionError(f"{root / layout.TRACKER} not found: {root} is not a checkpoint "
-                              "directory of this recipe")
-    directory = layout.iteration_dir(root, iteration)
-    if not directory.is_dir():
-        raise ConversionError(f"{directory} not found (named by {root / layout.TRACKER})")
-    try:
-        common = read_common(directory)
-    except CheckpointError as e:
-        raise ConversionError(str(e)) from None
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(config_defaults(), without_retired_keys(common.config)))
-    except OmegaConfBaseException as e:
-        raise ConversionError(f"{directory}: saved config: {e.full_key}: {e.msg}") from None
-    if fsdp_dtensor.holds_format(directory):
-        rows = fsdp_dtensor.embedding_rows(directory)
-    else:
-        with safe_unpickle.refusals_named(directory):
-            embedding = dist_checkpointing.load_tensors_metadata(str(directory)).get("embedding.word_embeddings.weight")
-        if embedding is None:
-            raise ConversionError(f"{directory}: no embedding.word_embeddings.weight tensor in the checkpoint")
-        rows = int(embedding.global_shape[0])
-    vocab = cfg.model.vocab_size
-    if vocab is None:  # the run used its tokenizer's vocabulary
-        path = cfg.data.tokenizer_model
-        if not path or not Path(path).exists():
-            raise ConversionError(f"{directory}: model.vocab_size is not in the saved config and its "
-                                  f"data.tokenizer_model={path!r} does not exist: the unpadded vocabulary "
-                                  "is unknown")
-        from megatron_ext.data.tokenizer import load_tokenizer
-
-        vocab = load_tokenizer(path, cfg.data.tokenizer_type).vocab_size
-    return SavedCheckpoint(directory, cfg, vocab, rows, common.content)
-
-
-def layout_config(saved: SavedCheckpoint, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                  sequence_parallel: bool = False, expert_parallel: int = 1) -> RecipeConfig:
-    """The saved run config under another layout, padding the vocabulary to the checkpoint's rows."""
-    if saved.padded_vocab % tensor_parallel:
-        raise ConversionError(f"{saved.iteration_dir}: {saved.padded_vocab} embedding rows cannot be split "
-                              f"over tensor_model_parallel_size={tensor_parallel}")
-    cfg = copy.deepcopy(saved.cfg)
-    cfg.model.make_vocab_size_divisible_by = saved.padded_vocab // tensor_parallel
-    cfg.model.attention_backend = "local"
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tensor_parallel, pipeline_parallel
-    p.sequence_parallel = sequence_parallel
-    p.expert_model_parallel_size, p.expert_tensor_parallel_size = expert_parallel, None
-    p.use_megatron_fsdp = False
-    p.virtual_pipeline_model_parallel_size = None
-    p.context_parallel_size = 1
-    p.num_layers_in_first_pipeline_stage = p.num_layers_in_last_pipeline_stage = None
-    cfg.train.recompute_granularity = None
-    return cfg
-
-
-def load_weights(model, saved: SavedCheckpoint) -> None:
-    """The saved weights into `model`, resharded by dist_checkpointing (or DCP) to the current layout."""
-    from megatron.core import dist_checkpointing, parallel_state
-
-    from megatron_ext.checkpoint import fsdp_dtensor, safe_unpickle
-
-    if fsdp_dtensor.holds_format(saved.iteration_dir):
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            raise ConversionError(f"{saved.iteration_dir} is a Megatron-FSDP checkpoint: it loads here at "
-                                  "tensor_model_parallel_size=1 only")
-        fsdp_dtensor.load_weights_into(model, saved.iteration_dir)
-        return
-    with safe_unpickle.refusals_named(saved.iteration_dir):
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(saved.iteration_dir))
-    model.load_state_dict(loaded["model"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,9 +108,10 @@ def _sentencepiece_vocab(path: Path) -> int:
 
 
 def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-              expert_parallel: int = 1) -> Path:
-    """Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 directory → weights-only dist checkpoint + recipe.yaml at
-    `output` (its layout: TP × PP, and for MoE models EP, over TP·PP·EP GPUs)."""
+              expert_parallel: int = 1, workers: int = 1) -> Path:
+    """Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3 or GPT-OSS directory → weights-only dist checkpoint +
+    recipe.yaml at `output` (its layout: TP × PP, and for MoE models EP, over TP·PP·EP GPUs), converted and written a
+    layer at a time; by `workers` processes, each converting every `workers`-th layer."""
     hf_dir, output = Path(hf_dir), Path(output).absolute()
     if not hf_dir.is_dir():
         raise ConversionError(f"{hf_dir} is not a directory")
@@ -290,15 +171,16 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     except ConfigError as e:
         raise ConversionError(f"--tensor/pipeline/expert-model-parallel-size for this model: {e}") from None
 
-    cost = import_cost(reader.files.values(), ModelShape.of(cfg.model).num_parameters(shape.vocab_size),
-                       dtype.itemsize, output)
+    model_shape = ModelShape.of(cfg.model)
+    cost = import_cost(reader.files.values(), model_shape.num_parameters(shape.vocab_size),
+                       *streamed_parameters(model_shape, shape.vocab_size),
+                       model_shape.num_layers + model_shape.mtp_num_layers, dtype.itemsize, output)
     free = cost.free_bytes()
     cost.check_disk(free)
-    print(cost.describe(free))
+    print(cost.describe(free) + "; converted and written a layer at a time" +
+          (f" by {workers} processes, each converting one layer in {workers}" if workers > 1 else ""))
 
     from omegaconf import OmegaConf  # after the checks: bad inputs fail in a second
-
-    from megatron_ext.checkpoint import save_load
 
     # Built at TP1/PP1 with the padded rows the recipe will build at `tensor_parallel`.
     build_cfg = copy.deepcopy(cfg)
@@ -307,20 +189,17 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
                        if padded_vocab_size(shape.vocab_size, divisor, tp) == padded})
     build_cfg.model.make_vocab_size_divisible_by = padded
     build_cfg.parallel = type(cfg.parallel)()
-    with _staged(output) as staging, model_parallel_world(build_cfg):
-        model = build_model(build_cfg, shape.vocab_size, initialize=False)
-        state = model.state_dict()
-        pending = {k for k in state if not k.endswith("._extra_state")}
-        with torch.no_grad():
-            for name, tensor in hf_to_megatron(reader.get, family.weight_mappings(shape), padded,
-                                                 family.qkv_codec(shape), reader.get_row):
-                if name not in pending or state[name].shape != tensor.shape:
-                    raise RuntimeError(f"weight mapping bug: {name} {tuple(tensor.shape)} does not fit")
-                state[name].copy_(tensor)
-                pending.discard(name)
-        if pending:
-            raise RuntimeError(f"weight mapping bug: model weights left unset: {sorted(pending)}")
-        save_load.save_weights_only(staging, model, cfg.to_dict())
+    with _staged(output) as staging:
+        if workers == 1:
+            _import_share(hf_dir, staging, build_cfg, cfg.to_dict(), 0, 1)
+        else:  # spawned, in a gloo world of their own: megatron-core's save gathers every process's plan
+            from megatron_ext.distributed.parallel import free_port
+            from recipes.convert import _import_share as share  # by its module's name, also when run as __main__
+
+            world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(workers)}
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                list(pool.map(share, *zip(*[(hf_dir, staging, build_cfg, cfg.to_dict(), w, workers, world)
+                                            for w in range(workers)])))
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.model")
         elif tokenizer == hf_dir:
@@ -340,6 +219,63 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
 
 # ---------------------------------------------------------------------------------------------
 # export-hf
+
+
+def _import_share(hf_dir: Path, staging: Path, build_cfg: RecipeConfig, run_config: dict[str, Any], worker: int,
+                  workers: int, world: Optional[dict[str, str]] = None) -> None:
+    """Write the `worker`-th of `workers` shares of the imported checkpoint into `staging` (every `workers`-th group:
+    the embedding, output layer and final norm, then each layer), converting each tensor from the Hugging Face files
+    when torch's checkpoint writer reaches it (:class:`megatron_ext.convert.streaming.StreamingSave`); `world`: the
+    rendezvous of the `workers` processes."""
+    from megatron_ext.checkpoint import save_load
+    from megatron_ext.convert import streaming
+
+    shape, reader = families.read_hf_dir(hf_dir)
+    family = families.family_of(shape)
+    mappings = {m.megatron: m for m in family.weight_mappings(shape)}
+    padded = build_cfg.model.make_vocab_size_divisible_by
+    if world is not None:
+        os.environ.update(world, RANK=str(worker), LOCAL_RANK=str(worker))
+    with model_parallel_world(build_cfg):
+        with torch.device("meta"):
+            meta = build_model(build_cfg, shape.vocab_size, initialize=False)
+        sharded = meta.sharded_state_dict()
+        grouped = streaming.groups(sharded)
+        unmapped = set().union(*grouped.values()) ^ set(mappings)
+        if unmapped:
+            raise RuntimeError(f"weight mapping bug: the model's and the mappings' weights differ: {sorted(unmapped)}")
+        mine = [name for number, names in enumerate(grouped.values()) if number % workers == worker for name in names]
+        share = {name: item for name, item in sharded.items() if name not in mappings}  # megatron-core's own objects
+        for name in mine:
+            share[name] = copy.copy(sharded[name])
+            share[name].replica_id = 0  # this process alone writes it
+
+        reading, done, started = "", 0, time.monotonic()
+
+        def group_done() -> None:  # its pages of the Hugging Face files let go, and a line of progress
+            nonlocal done
+            reader.release()
+            done += 1
+            print(progress_line(f"converted {reading}", done, len(range(worker, len(grouped), workers)), started),
+                  flush=True)
+
+        def converted(name: str) -> torch.Tensor:
+            nonlocal reading
+            if streaming.group_of(name) != reading:
+                if reading:
+                    group_done()
+                reading = streaming.group_of(name)
+            expected = sharded[name].data
+            ((_, tensor),) = hf_to_megatron(reader.get, [mappings[name]], padded, family.qkv_codec(shape),
+                                            reader.get_row)
+            if tensor.shape != expected.shape:
+                raise RuntimeError(f"weight mapping bug: {name} {tuple(tensor.shape)} does not fit "
+                                   f"{tuple(expected.shape)}")
+            return tensor.to(expected.dtype)
+
+        save_load.save_weights_only(staging, share, run_config,
+                                    streaming.StreamingSave(streaming.TensorSource(sharded, mine, converted)))
+        group_done()
 
 
 def _write_tokenizer(source: Path, output: Path, seq_length: int) -> tuple[Optional[int], Optional[int]]:
@@ -396,14 +332,12 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
               "exporting without a tokenizer", file=sys.stderr)
         tokenizer = None
     model_shape = ModelShape.of(cfg.model)
-    h, layers = model_shape.hidden_size, model_shape.num_layers + model_shape.mtp_num_layers
-    held = (1 if model_shape.tied_embeddings else 2) * shape.vocab_size * h + h + 2 * max(
-        map(model_shape.layer_parameters, range(layers)))
-    cost = export_cost(model_shape.num_parameters(shape.vocab_size), 2 * model_shape.mtp_num_layers * shape.vocab_size * h,
-                       dtype.itemsize, shard_bytes, output, held)
+    copied = 2 * model_shape.mtp_num_layers * shape.vocab_size * model_shape.hidden_size
+    cost = export_cost(model_shape.num_parameters(shape.vocab_size), copied, dtype.itemsize, shard_bytes, output,
+                       *streamed_parameters(model_shape, shape.vocab_size))
     free = cost.free_bytes()
     cost.check_disk(free)
-    print(cost.describe(free) + (f"; {workers} processes, each writing every {workers}th shard" if workers > 1 else ""))
+    print(cost.describe(free) + (f"; {workers} processes, each writing one shard in {workers}" if workers > 1 else ""))
     family = families.family_of(shape)
     with _staged(output) as staging:
         if workers == 1:
@@ -468,7 +402,7 @@ def _export_share(checkpoint: Path, staging: Path, max_shard_size: str, worker: 
         def wanted(names: list[str]) -> bool:
             return any(writer.wants(hf) for name in names for hf in outputs.get(gpt_parameter_name(name, hybrid), ()))
 
-        for state in _megatron_state_by_group(cfg, saved, wanted):
+        for state in weights_by_group(cfg, saved, wanted):
             state = {gpt_parameter_name(name, hybrid): tensor for name, tensor in state.items()}
             ready = [m for m in mappings if m.megatron in state]
             for name, tensor in megatron_to_hf(state, ready, shape.vocab_size, family.qkv_codec(shape)).items():
@@ -477,42 +411,6 @@ def _export_share(checkpoint: Path, staging: Path, max_shard_size: str, worker: 
                     writer.add(duplicate, tensor.clone())
             del state
     writer.finish()
-
-
-def _megatron_state_by_group(cfg: RecipeConfig, saved: SavedCheckpoint, wanted: Callable[[list[str]], bool]
-                             ) -> Iterator[dict[str, torch.Tensor]]:
-    """The saved weights as the one-process model holds them, a group at a time (the embedding, output layer and
-    final norm, then each layer: :mod:`megatron_ext.convert.streaming`), the groups whose names are `wanted` — or
-    all at once from a Megatron-FSDP checkpoint, or one whose keys the model no longer names (read by the full load's
-    repairs)."""
-    from megatron_ext.checkpoint import fsdp_dtensor, safe_unpickle
-    from megatron_ext.convert import streaming
-
-    with torch.device("meta"):
-        meta = build_model(cfg, saved.vocab_size, initialize=False)
-    sharded = meta.sharded_state_dict()
-    grouped = streaming.groups(sharded)
-    safe_unpickle.install()  # torch's reader unpickles the metadata: only what a checkpoint of this recipe holds
-    if fsdp_dtensor.holds_format(saved.iteration_dir) or not streaming.keys_of(sharded) <= _guarded(
-            streaming.stored_keys, saved):
-        print(f"reading {saved.iteration_dir} whole (a Megatron-FSDP checkpoint, or keys of an older layout): the "
-              "model's weights are held at once")
-        model = build_model(cfg, saved.vocab_size, initialize=False)
-        load_weights(model, saved)
-        yield model.state_dict()
-        return
-    print(f"reading {saved.iteration_dir} a group at a time: {streaming.GLOBALS}, then {len(grouped) - 1} layers")
-    for names in grouped.values():
-        if wanted(names):
-            yield _guarded(streaming.read_group, saved, sharded, names)
-
-
-def _guarded(read, saved: SavedCheckpoint, *args):
-    """`read(*args, iteration_dir)` with a refused unpickling said as one CheckpointError naming the checkpoint."""
-    from megatron_ext.checkpoint import safe_unpickle
-
-    with safe_unpickle.refusals_named(saved.iteration_dir):
-        return read(*args, saved.iteration_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,6 +428,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP of recipe.yaml")
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP of recipe.yaml")
     imp.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP of recipe.yaml (MoE models)")
+    imp.add_argument("--workers", type=int, default=1,
+                     help="processes converting at once, each writing every Nth layer (default 1)")
     exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama, Qwen3, Mixtral or "
                                                    "Qwen3-MoE directory")
     exp.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
@@ -550,11 +450,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write its own copy
             raise ConversionError("run `python -m recipes.convert` as one process, not under torchrun")
         if args.command == "import-hf":
-            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                         "workers"):
                 if getattr(args, flag) < 1:
                     raise ConversionError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
             out = import_hf(args.hf_dir, args.output, args.tensor_model_parallel_size,
-                            args.pipeline_model_parallel_size, args.expert_model_parallel_size)
+                            args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.workers)
             print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
                   f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:

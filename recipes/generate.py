@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron_ext.errors import ConversionError, RecipeError, TokenizerError
 from megatron_ext.model.generation import Sampling, generate
-from recipes.convert import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
+from recipes.saved_model import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:

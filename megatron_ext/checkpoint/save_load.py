@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
@@ -263,13 +264,15 @@ def _commit(root: Path, iteration: int, before_commit: Optional[Callable[[], Non
                    "moving the tracker")
 
 
-def save_weights_only(root: str | Path, model: torch.nn.Module, run_config: dict[str, Any]) -> Path:
-    """Collective: `model`'s weights (a bare GPTModel) as a complete iteration-0 checkpoint of content weights_only,
-    written, verified and committed like a training run's (``recipes.convert import-hf``)."""
+def save_weights_only(root: str | Path, model_state: dict[str, Any], run_config: dict[str, Any],
+                      strategy: Optional[TorchDistSaveShardedStrategy] = None) -> Path:
+    """Collective: a bare model's weights (its sharded state dict; written by `strategy`, by default the training's) as
+    a complete iteration-0 checkpoint of content weights_only, written, verified and committed like a training run's
+    (``recipes.convert import-hf``)."""
     root = Path(root)
     target = _new_iteration_dir(root, 0)
-    state = {"model": model.sharded_state_dict(), **CommonState(0, 0, run_config, WEIGHTS_ONLY).saved()}
-    _on_every_rank(lambda: dist_checkpointing.save(state, str(target), _save_strategy()), target,
+    state = {"model": model_state, **CommonState(0, 0, run_config, WEIGHTS_ONLY).saved()}
+    _on_every_rank(lambda: dist_checkpointing.save(state, str(target), strategy or _save_strategy()), target,
                    "writing the shards")
     _commit(root, 0)
     return target

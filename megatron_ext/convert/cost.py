@@ -1,8 +1,9 @@
 """What a conversion will read, write and hold, said before it starts, and refused in one line where the output's
-disk cannot take what it will write. Export streams (a layer's tensors at a time, each shard written as it fills):
-its peak is the embedding and output layer, one layer twice (read and converted) and two shards' tensors (the one
-filling and the last, which holds the output layer). Import still builds the whole model in one process: its peak
-is the model once (it reads one tensor at a time)."""
+disk cannot take what it will write. Both stream a group at a time (:mod:`megatron_ext.convert.streaming`: the
+embedding, output layer and final norm, then each layer). Export's peak is the embedding and output layer, one layer
+twice (read and converted) and two shards' tensors (the one filling and the last, which holds the output layer).
+Import writes each group's file as it converts it: its peak is the larger of that first group and one layer twice
+(converted, and the tensor being split into its saved parts)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
 
+from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import ConversionError
 
 GB = 1e9
@@ -48,19 +50,29 @@ class ConversionCost:
                                   f"{needed / GB:,.2f} GB: free space there or choose another --output")
 
 
+def streamed_parameters(shape: ModelShape, vocab_size: int) -> tuple[int, int]:
+    """The parameters of a streamed conversion's groups: (the embedding, output layer and final norm; the largest
+    decoder or MTP layer)."""
+    h = shape.hidden_size
+    first = (1 if shape.tied_embeddings else 2) * vocab_size * h + h
+    return first, max(map(shape.layer_parameters, range(shape.num_layers + shape.mtp_num_layers)))
+
+
 def export_cost(parameters: int, copied: int, bytes_per_value: int, shard_bytes: int, output: Path,
-                held_parameters: int) -> ConversionCost:
+                first_group: int, largest_layer: int) -> ConversionCost:
     """export-hf of a model of `parameters` (and `copied` more written twice, as DeepSeek-V3's MTP layer repeats the
-    embedding and output layer) in `bytes_per_value`, sharded at `shard_bytes`, streaming: `held_parameters` at once
-    (the embedding and output layer, one layer twice) beside two shards."""
+    embedding and output layer) in `bytes_per_value`, sharded at `shard_bytes`, streaming: the first group and the
+    largest layer twice held at once (:func:`streamed_parameters`) beside two shards."""
     written = (parameters + copied) * bytes_per_value
-    peak = held_parameters * bytes_per_value + min(2 * shard_bytes, written)
+    peak = (first_group + 2 * largest_layer) * bytes_per_value + min(2 * shard_bytes, written)
     return ConversionCost("export-hf", parameters * bytes_per_value, written, peak,
                           max(1, math.ceil(written / shard_bytes)), output)
 
 
-def import_cost(files: Iterable[Path], parameters: int, bytes_per_value: int, output: Path) -> ConversionCost:
-    """import-hf of the safetensors `files` into a weights-only checkpoint of `parameters` in `bytes_per_value`."""
+def import_cost(files: Iterable[Path], parameters: int, first_group: int, largest_layer: int, layers: int,
+                bytes_per_value: int, output: Path) -> ConversionCost:
+    """import-hf of the safetensors `files` into a weights-only checkpoint of `parameters` in `bytes_per_value`,
+    a file per group (the first, then each of `layers`), each written as it is converted."""
     read = sum(path.stat().st_size for path in set(files))
-    written = parameters * bytes_per_value
-    return ConversionCost("import-hf", read, written, written, 1, output)
+    return ConversionCost("import-hf", read, parameters * bytes_per_value,
+                          max(first_group, 2 * largest_layer) * bytes_per_value, layers + 1, output)

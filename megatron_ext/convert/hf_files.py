@@ -152,11 +152,13 @@ def yarn_rope(config: dict[str, Any], source: str, unrounded_allowed: bool = Fal
 
 
 class SafetensorsReader:
-    """Tensors of a Hugging Face directory (one model.safetensors, or shards + index), read one at a time."""
+    """Tensors of a Hugging Face directory (one model.safetensors, or shards + index), read one at a time.
+
+    safetensors maps each file into memory, and every page a read touched stays in this process's resident set while
+    the file is open: :meth:`release` closes them (reopened when next read), so a conversion reading a layer at a
+    time holds one layer's pages, not the model's."""
 
     def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
-
         index = hf_dir / "model.safetensors.index.json"
         single = hf_dir / "model.safetensors"
         if index.is_file():
@@ -177,36 +179,47 @@ class SafetensorsReader:
         for path in sorted(set(files.values())) if files is not None else [single]:
             if not path.is_file():
                 raise ConversionError(f"{path} not found (listed in {index.name})")
-            try:
-                self._handles[path] = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
-        for path, handle in self._handles.items():
-            for name in handle.keys():
+            for name in self._handle(path).keys():
                 if files is not None and files.get(name) != path:
                     continue  # the index decides which shard owns a name
                 self.files[name] = path
+        self.release()
         if files is not None:
             for name, path in files.items():
                 if name not in self.files:
                     raise ConversionError(f"{path}: tensor {name!r} listed in {index.name} is missing")
 
+    def _handle(self, path: Path) -> Any:
+        from safetensors import safe_open
+
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._handles[path]
+
+    def release(self) -> None:
+        """Close every file (their pages leave this process's resident set)."""
+        self._handles.clear()
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.files[name]].get_slice(name).get_shape())
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
     def dtype(self, name: str) -> Optional[torch.dtype]:
-        return _SAFETENSORS_DTYPES.get(self._handles[self.files[name]].get_slice(name).get_dtype())
+        return _SAFETENSORS_DTYPES.get(self._handle(self.files[name]).get_slice(name).get_dtype())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.files[name]].get_tensor(name)
+        return self._handle(self.files[name]).get_tensor(name)
 
     def get_row(self, name: str, row: int) -> torch.Tensor:
         """``get(name)[row]``, reading that row's bytes only (one expert of a tensor stacking a layer's experts); an
         MXFP4-stored one dequantized (bf16, as transformers dequantizes it)."""
         if name not in self.files:
-            blocks, scales = (self._handles[self.files[name + suffix]].get_slice(name + suffix)[row] for suffix in MXFP4)
+            blocks, scales = (self._handle(self.files[name + suffix]).get_slice(name + suffix)[row]
+                              for suffix in MXFP4)
             return dequantize_mxfp4(blocks, scales).transpose(-1, -2)
-        return self._handles[self.files[name]].get_slice(name)[row]
+        return self._handle(self.files[name]).get_slice(name)[row]
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -277,6 +290,13 @@ def shard_size_bytes(max_shard_size: str) -> int:
         raise ConversionError(f"--max-shard-size={max_shard_size!r}: {e}") from None
 
 
+def progress_line(done_what: str, done: int, total: int, started: float) -> str:
+    """One line of a long conversion's progress: what was just done, how far, the time so far and the time left
+    (`started`: time.monotonic() at the start)."""
+    elapsed = time.monotonic() - started
+    return f"  {done_what} ({done} of {total}), {elapsed:.0f} s, about {elapsed / done * (total - done):.0f} s left"
+
+
 class ShardWriter:
     """A model's tensors written as Hugging Face writes a model, as they arrive in any order: one
     ``model.safetensors`` when they fit in `max_shard_size`, else ``model-0000k-of-0000n.safetensors`` shards of at
@@ -320,9 +340,7 @@ class ShardWriter:
         del self.waiting[filename]
         self.written.append(filename)
         if self.split.is_sharded:
-            elapsed, done, total = time.monotonic() - self.started, len(self.written), len(self.owned)
-            self.progress(f"  wrote {filename} ({done} of {total}), {elapsed:.0f} s, about "
-                          f"{elapsed / done * (total - done):.0f} s left")
+            self.progress(progress_line(f"wrote {filename}", len(self.written), len(self.owned), self.started))
 
     def finish(self) -> list[str]:
         """Checks that every file of this writer's share was written; the index too (when sharded) where the share is

@@ -32,7 +32,7 @@ from megatron_ext.distributed import cpu_backend
 from megatron_ext.distributed.store_keys import process_group_namespace
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,7 +76,7 @@ def init_distributed(cfg: RecipeConfig, on_gpu: bool, use_te: bool = False) -> N
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:  # plain `python -m recipes.pretrain`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     if not dist.is_initialized():
         backend = "nccl" if on_gpu else "gloo"
         store = _restarted_world_store(timeout)

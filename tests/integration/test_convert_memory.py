@@ -1,10 +1,12 @@
-"""export-hf in bounded memory: the converting process's peak resident set does not grow with the model's depth.
+"""import-hf and export-hf in bounded memory: the converting process's peak resident set does not grow with the
+model's depth.
 
 Two random bf16 Llamas of width 1024, 4 and 16 layers (the issue's measurement: 1.06 GB and 1.74 GB peaks before,
-memory growing with the model), are imported, then exported by `python -m recipes.convert export-hf` in processes of
-their own, each reporting its peak resident set (the kernel's VmHWM) at exit. Reading the checkpoint a layer at a time and
-writing each 40 MB shard as it fills, the 16-layer export must peak within 10 % of the 4-layer one. With
-``--workers 2`` (two processes, each writing every other shard) the files are the same, byte for byte.
+memory growing with the model), are imported, then exported, by `python -m recipes.convert` in processes of their
+own, each reporting its peak resident set (the kernel's VmHWM) at exit. Converting and writing the checkpoint a layer
+at a time (import), reading it a layer at a time and writing each 40 MB shard as it fills (export), the 16-layer
+conversions must peak within 10 % of the 4-layer ones. With ``--workers 2`` (two processes, each converting every
+other layer or writing every other shard) the results are the same, byte for byte.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from recipes import convert
 from tests.launch import ROOT, run_env
 
 SHARD = "40MB"
@@ -40,32 +41,51 @@ def _llama(path: Path, layers: int) -> Path:
     return path
 
 
-def _export_peak_gib(checkpoint: Path, output: Path, workers: int = 1) -> tuple[float, float]:
-    """The converting process's peak resident set (GiB; its workers' apart) and the export's wall time (s)."""
+def _peak_gib(*argv: str) -> tuple[float, float]:
+    """The converting process's peak resident set (GiB; its workers' apart) and its wall time (s)."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", PEAK, "export-hf", "--checkpoint", str(checkpoint), "--output",
-                           str(output), "--max-shard-size", SHARD, "--workers", str(workers)], cwd=ROOT,
-                          env=run_env({}), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PEAK, *argv], cwd=ROOT, env=run_env({}), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "a group at a time" in proc.stdout or workers > 1, proc.stdout[-2000:]
+    assert "a layer at a time" in proc.stdout or "a group at a time" in proc.stdout, proc.stdout[-2000:]
     return int(proc.stdout.split("PEAK_KIB")[-1]) / 2**20, time.monotonic() - started
 
 
-def test_export_memory_does_not_grow_with_the_layers(megatron, tmp_path):
-    peaks, seconds = {}, {}
+def _import(hf: Path, checkpoint: Path, workers: int = 1) -> tuple[float, float]:
+    return _peak_gib("import-hf", "--hf-dir", str(hf), "--output", str(checkpoint), "--workers", str(workers))
+
+
+def _export(checkpoint: Path, output: Path, workers: int = 1) -> tuple[float, float]:
+    return _peak_gib("export-hf", "--checkpoint", str(checkpoint), "--output", str(output), "--max-shard-size", SHARD,
+                     "--workers", str(workers))
+
+
+def _same_files(one: Path, other: Path) -> bool:
+    names = sorted(p.name for p in one.iterdir())
+    return names == sorted(p.name for p in other.iterdir()) and all(
+        (one / n).read_bytes() == (other / n).read_bytes() for n in names)
+
+
+def test_conversion_memory_does_not_grow_with_the_layers(tmp_path):
+    peaks: dict[tuple[str, int], float] = {}
+    seconds: dict[tuple[str, int], float] = {}
     for layers in (4, 16):
         hf = _llama(tmp_path / f"hf{layers}", layers)
-        checkpoint = megatron(convert.import_hf, hf, tmp_path / f"ckpt{layers}")
-        peaks[layers], seconds[layers] = _export_peak_gib(checkpoint, tmp_path / f"out{layers}")
+        checkpoint = tmp_path / f"ckpt{layers}"
+        peaks["import", layers], seconds["import", layers] = _import(hf, checkpoint)
+        peaks["export", layers], seconds["export", layers] = _export(checkpoint, tmp_path / f"out{layers}")
         index = json.loads((tmp_path / f"out{layers}" / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1  # written in shards as they filled
-    print(f"export-hf peak resident set: 4 layers {peaks[4]:.2f} GiB, 16 layers {peaks[16]:.2f} GiB "
-          f"(model {16 * 12.6e6 * 2 / 2**30:.2f} GiB at 16 layers)")
-    assert peaks[16] <= 1.10 * peaks[4], peaks
-    # two worker processes, each writing every other shard: the same files, byte for byte (wall time said, not held:
-    # on the 2-core CI VM the two processes' start-up is most of it)
-    _, two = _export_peak_gib(tmp_path / "ckpt16", tmp_path / "out16_two", workers=2)
-    one_files = sorted(p.name for p in (tmp_path / "out16").iterdir())
-    assert one_files == sorted(p.name for p in (tmp_path / "out16_two").iterdir())
-    assert all((tmp_path / "out16" / n).read_bytes() == (tmp_path / "out16_two" / n).read_bytes() for n in one_files)
-    print(f"export-hf of 16 layers: {seconds[16]:.1f} s in one process, {two:.1f} s with --workers 2")
+    model_gib = 16 * 12.6e6 * 2 / 2**30
+    for command in ("import", "export"):
+        print(f"{command}-hf peak resident set: 4 layers {peaks[command, 4]:.2f} GiB, 16 layers "
+              f"{peaks[command, 16]:.2f} GiB (model {model_gib:.2f} GiB at 16 layers)")
+    assert peaks["import", 16] <= 1.10 * peaks["import", 4], peaks
+    assert peaks["export", 16] <= 1.10 * peaks["export", 4], peaks
+    # two worker processes, each converting every other layer or writing every other shard: the same result, byte
+    # for byte (wall time said, not held: on the 2-core CI VM the two processes' start-up is most of it)
+    _, two_import = _import(tmp_path / "hf16", tmp_path / "ckpt16_two", workers=2)
+    _, two_export = _export(tmp_path / "ckpt16_two", tmp_path / "out16_two", workers=2)
+    assert _same_files(tmp_path / "out16", tmp_path / "out16_two")
+    print(f"16 layers: import-hf {seconds['import', 16]:.1f} s in one process, {two_import:.1f} s with --workers 2; "
+          f"export-hf {seconds['export', 16]:.1f} s, {two_export:.1f} s")

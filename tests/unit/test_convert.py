@@ -11,16 +11,16 @@ from megatron_ext.config.schema import load_config
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.errors import ConversionError
-from recipes import convert
+from recipes import saved_model
 from tests.launch import TINY
 
 
 def test_the_layout_a_checkpoint_is_loaded_under_is_a_valid_recipe():
     """export-hf and the logit checks rebuild the saved run under another layout: that config passes validation."""
-    saved = convert.SavedCheckpoint(Path("ckpt/iter_0000001"), load_config(TINY, ["data.mock=true",
+    saved = saved_model.SavedCheckpoint(Path("ckpt/iter_0000001"), load_config(TINY, ["data.mock=true",
                                     "model.vocab_size=1000"]), 1000, 1024, "training_state")
     for tp, pp in [(1, 1), (2, 2)]:
-        validate_layout(convert.layout_config(saved, tp, pp), world_size=tp * pp)
+        validate_layout(saved_model.layout_config(saved, tp, pp), world_size=tp * pp)
 
 
 
@@ -214,19 +214,27 @@ def test_a_deepseek_recipe_exports_as_deepseek_v3_and_what_it_cannot_hold_is_one
 
 
 def test_a_conversion_says_what_it_will_read_write_and_hold_and_refuses_a_disk_too_small(tmp_path):
-    from megatron_ext.convert.cost import export_cost
+    from megatron_ext.convert.cost import export_cost, import_cost, streamed_parameters
     from megatron_ext.convert.hf_files import shard_size_bytes
 
     # Llama-3.1-405B's 405.9 B bf16 parameters at transformers' default shard size, streamed: its embedding and
     # output layer (2 × 128,256 × 16,384), the final norm, one layer twice (3.19 B each) and two 5 GB shards
     shape = ModelShape.of(load_config(TINY.parent / "llama3_1_405b_40gpu_bf16.yaml").model)
-    held = 2 * 128_256 * 16_384 + 16_384 + 2 * shape.layer_parameters(0)
-    assert shape.layer_parameters(0) == 3_187_703_808 and shape.num_parameters(128_256) == 405_853_388_800
-    cost = export_cost(405_853_388_800, 0, 2, shard_size_bytes("5GB"), tmp_path / "out", held)
+    first, layer = streamed_parameters(shape, 128_256)
+    assert (first, layer) == (2 * 128_256 * 16_384 + 16_384, 3_187_703_808)
+    assert shape.num_parameters(128_256) == 405_853_388_800
+    cost = export_cost(405_853_388_800, 0, 2, shard_size_bytes("5GB"), tmp_path / "out", first, layer)
     assert (cost.read_bytes, cost.write_bytes, cost.files) == (811_706_777_600, 811_706_777_600, 163)
     assert cost.describe(10**12) == (
         f"export-hf: reads 811.71 GB, writes 811.71 GB in 163 files to {tmp_path / 'out'} (1,000.0 GB free there); "
         "this process holds about 31.16 GB at its peak")
+    # its import writes a file per group (the first, then 126 layers) as it converts it: a layer twice is the peak
+    hf = tmp_path / "model.safetensors"
+    hf.write_bytes(b"0" * 1000)
+    imported = import_cost([hf], 405_853_388_800, first, layer, 126, 2, tmp_path / "ckpt")
+    assert imported.describe(10**12) == (
+        f"import-hf: reads 0.00 GB, writes 811.71 GB in 127 files to {tmp_path / 'ckpt'} (1,000.0 GB free there); "
+        "this process holds about 12.75 GB at its peak")
     cost.check_disk(10**12)
     with pytest.raises(ConversionError) as e:
         cost.check_disk(500 * 10**9)

@@ -113,7 +113,7 @@ def _built_muon_state(overrides: list[str]) -> dict:
     from megatron_ext.distributed.parallel import wrap_with_ddp
     from megatron_ext.model.llama import transformer_config
     from megatron_ext.training.optimizer import build_optimizer
-    from recipes.convert import build_model, model_parallel_world
+    from recipes.saved_model import build_model, model_parallel_world
 
     cfg = load_config(TINY, overrides)
     with model_parallel_world(cfg):
@@ -145,7 +145,7 @@ def _logits_after_clip(overrides: list[str], clip: bool) -> dict:
     from megatron.core import tensor_parallel
 
     from megatron_ext.training import qk_clip
-    from recipes.convert import build_model, model_parallel_world
+    from recipes.saved_model import build_model, model_parallel_world
 
     cfg = load_config(TINY, overrides)
     with model_parallel_world(cfg):

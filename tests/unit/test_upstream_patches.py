@@ -107,6 +107,19 @@ PATCHED = [
             "checkpoint/safe_unpickle.py"),
     Patched("megatron_ext.checkpoint.safe_unpickle.REPLACED_LOAD_BYTES", "666701f9808c4bc2",
             "checkpoint/safe_unpickle.py"),
+    # import-hf's streaming save (convert/streaming.py): megatron-core's torch_dist translation, then torch's writer
+    # with a file per group (its write_data regrouped, its _write_data reused) resolving each tensor when it writes
+    # it, and holding a file's tensors until the file is closed
+    Patched("megatron.core.dist_checkpointing.strategies.torch.TorchDistSaveShardedStrategy.save", "e3bb2e822ccbabc8",
+            "convert/streaming.py"),
+    Patched("megatron.core.dist_checkpointing.strategies.torch._replace_state_dict_keys_with_sharded_keys",
+            "36691fcc7c6ff384", "convert/streaming.py"),
+    Patched("torch.distributed.checkpoint.filesystem._FileSystemWriter.write_data", "ff3210965b793f60",
+            "convert/streaming.py"),
+    Patched("torch.distributed.checkpoint.filesystem._FileSystemWriter._write_data", "a16804371a37b032",
+            "convert/streaming.py"),
+    Patched("torch.distributed.checkpoint.filesystem._write_files_from_queue", "f25c2a0692a7507e",
+            "convert/streaming.py"),
     # rank 0 writes metadata.json then every rank meets in a barrier: its failure is kept until after the barrier
     Patched("megatron.core.dist_checkpointing.serialization.save", "e9626ecdf679a001", "checkpoint/save_load.py"),
     # the dataset index cache is memory-mapped, so it cannot unpickle objects (tests/unit/test_dataset_cache_safety.py)

@@ -16,7 +16,7 @@ def built_model_facts(overrides: list[str], vocab: int) -> dict:
     forward/backward pass's loss and whether every parameter got a gradient."""
     from megatron.core import tensor_parallel
 
-    from recipes.convert import build_model, model_parallel_world
+    from recipes.saved_model import build_model, model_parallel_world
 
     cfg = load_config(TINY, overrides)
     with model_parallel_world(cfg):

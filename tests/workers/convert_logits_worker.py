@@ -51,7 +51,7 @@ def checkpoint_logits(checkpoint: Path, tokens: torch.Tensor, tp: int = 1, pp: i
     """Unpadded logits [b, s, V] of `checkpoint`'s latest checkpoint at this layout; None off the holder."""
     from megatron.core import parallel_state
 
-    from recipes.convert import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
+    from recipes.saved_model import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
 
     saved = read_checkpoint(Path(checkpoint))
     cfg = layout_config(saved, tp, pp, sp, ep)
@@ -67,7 +67,7 @@ def checkpoint_logits(checkpoint: Path, tokens: torch.Tensor, tp: int = 1, pp: i
 def checkpoint_greedy(checkpoint: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The tokens `checkpoint`'s model writes greedily after `prompt` (recipes.generate's loop, one process)."""
     from megatron_ext.model.generation import Sampling, generate
-    from recipes.convert import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
+    from recipes.saved_model import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
 
     saved = read_checkpoint(Path(checkpoint))
     cfg = layout_config(saved)

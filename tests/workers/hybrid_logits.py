@@ -14,7 +14,7 @@ def largest_logit_difference(overrides: list[str], vocab: int) -> tuple[float, f
 
     from megatron_ext.checkpoint.model_class import gpt_parameter_name
     from megatron_ext.config.schema import load_config
-    from recipes.convert import build_model, model_parallel_world
+    from recipes.saved_model import build_model, model_parallel_world
     from tests.launch import TINY
 
     cfg = load_config(TINY, overrides)
