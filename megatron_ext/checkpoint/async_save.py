@@ -11,20 +11,19 @@ signal or ``train.exit_interval`` still leaves a complete checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import shutil
-import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_ext.checkpoint.save_helper import raise_if_a_helper_died, signals_ignored
 from megatron_ext.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -37,22 +36,6 @@ def writer_modules() -> dict[str, Any]:
     """The async strategy's pieces, by megatron-core's names (AsyncCallsQueue, AsyncRequest, FileSystemWriterAsync,
     save_state_dict_async_plan/_finalize, get_write_results_queue, ...)."""
     return get_async_strategy(ASYNC_STRATEGY)[1]
-
-
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    """SIGTERM/SIGUSR1 ignored while checkpoint helper processes are spawned.
-
-    A spawned child starts with the default action for every signal its parent handles, and SLURM
-    (scancel --signal, pre-emption) and torchrun (killpg) signal a rank's whole process tree: a helper would
-    die, and the checkpoint the signal asked for would fail. An ignored signal stays ignored through spawn.
-    """
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def agreed_failure(exc: Optional[BaseException]) -> Optional[str]:
@@ -120,6 +103,7 @@ class AsyncCheckpointSaver:
             causes = agreed_failure(e)
             if target is not None and dist.get_rank() == 0:
                 shutil.rmtree(target, ignore_errors=True)
+            raise_if_a_helper_died(f"while {target} was written in the background", f"removed {target}")
             raise CheckpointError(f"the asynchronous save of {target} failed ({causes}); removed it, the tracker "
                                   "and older checkpoints are untouched") from None
         finished = self.in_flight[:len(done)]

@@ -14,11 +14,8 @@ TransformerEngine + TE FusedAdam): see :mod:`megatron_ext.checkpoint.compat`.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.managers
 import re
 import shutil
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -33,14 +30,8 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest, model_class
-from megatron_ext.checkpoint.async_save import (
-    ASYNC_STRATEGY,
-    AsyncCheckpointSaver,
-    agreed_failure,
-    signals_ignored,
-    writer_modules,
-)
+from megatron_ext.checkpoint import compat, fsdp_dtensor, manifest, model_class, save_helper
+from megatron_ext.checkpoint.async_save import ASYNC_STRATEGY, AsyncCheckpointSaver, agreed_failure, writer_modules
 from megatron_ext.checkpoint.common_state import CommonState
 from megatron_ext.checkpoint.layout import (
     TRACKER,
@@ -63,7 +54,7 @@ from megatron_ext.checkpoint.optimizer_format import (
 )
 from megatron_ext.checkpoint.retention import apply_retention
 from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_state
-from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError, SaveHelperDiedError
+from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError
 
 log = logging.getLogger(__name__)
 
@@ -155,56 +146,24 @@ def _save_strategy() -> FullyParallelSaveStrategyWrapper:
                                             parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
-_save_helper = None  # the Manager process below, for the life of the rank
-
-
 def start_save_helpers(initializer: Optional[Callable[[], object]] = None) -> None:
-    """Start dist_checkpointing's long-lived helper process now, with SIGTERM/SIGUSR1 ignored, running
-    `initializer` first; call it before process groups exist.
+    """Start the rank's checkpoint save helper (:mod:`save_helper`) now, running `initializer` first, as the results
+    queue of both writers; call it before process groups exist.
 
-    The torch_dist save spawns a multiprocessing Manager on its first call (megatron-core 0.19.2,
-    strategies/filesystem_async.py, ``get_write_results_queue``) and keeps it for the life of the rank; started
-    later, a pre-emption signal to the rank's process tree would kill it and fail the checkpoint the signal asked
-    for. Started here (megatron-core's own takes no initializer), `initializer` can make it end with its rank:
-    otherwise a rank killed with SIGKILL leaves it, and its resource tracker, running for good. It is forked, not
-    spawned as megatron-core's is: the write results it queues unpickle into torch's classes, which a spawned helper
-    imports first (with the rank's entry point: 2.5-4 s of CPU per rank, on 2 cores a 4-rank run's start-up or
-    first save 3.5-4 s longer); forked before the process groups start their threads, it has them already.
+    The torch_dist save starts its Manager on its first call (megatron-core 0.19.2, strategies/filesystem_async.py,
+    ``get_write_results_queue``) and keeps it for the life of the rank; started then, a pre-emption signal to the
+    rank's process tree would kill it and fail the checkpoint the signal asked for.
     """
-    global _save_helper
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     writers = [sys.modules[writer_modules()["FileSystemWriterAsync"].__module__], filesystem_async]
     if all(writer._results_queue is not None for writer in writers):
         return
-    with signals_ignored():
-        _save_helper = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("fork"))
-        _save_helper.start(initializer)
-        # what get_write_results_queue would create: for the async writer (NVRx's), and for megatron-core's own,
-        # through which its synchronous save writes
-        results = _save_helper.Queue()
-        for writer in writers:
-            writer._results_queue = results
-
-
-def helper_death() -> Optional[str]:
-    """How this rank's save helper process ended, if it has (None while it runs, or when none was started)."""
-    process = getattr(_save_helper, "_process", None)  # multiprocessing's BaseManager keeps its server process there
-    if process is None or process.is_alive():
-        return None
-    code = process.exitcode
-    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited ({code})"
-    return f"rank {dist.get_rank()}'s checkpoint save helper process (pid {process.pid}) {how}"
-
-
-def _refuse_without_helpers(iteration: int) -> None:
-    """Collective, before a save starts: every rank raises the same one line when any rank's save helper is gone,
-    instead of the save waiting on it (or the ranks meeting in different collectives) until the collective timeout."""
-    deaths = [death for death in _from_every_rank(helper_death()) if death]
-    if deaths:
-        raise SaveHelperDiedError(f"{'; '.join(deaths)}, before the checkpoint of iteration {iteration} was written: "
-                                  "nothing was saved; the run resumes from its last complete checkpoint when its "
-                                  "workers are restarted (recipes.launch --max-restarts, or the SLURM requeue)")
+    # what get_write_results_queue would create: for the async writer (NVRx's), and for megatron-core's own, through
+    # which its synchronous save writes
+    results = save_helper.start(initializer)
+    for writer in writers:
+        writer._results_queue = results
 
 
 def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
@@ -231,6 +190,7 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
     if dist.get_rank() == 0:
         shutil.rmtree(target, ignore_errors=True)
     dist.barrier()
+    save_helper.raise_if_a_helper_died(f"while {target} was written", f"removed the partial {target.name}")
     previous = latest_iteration(target.parent)
     storage = any(int(n) in STORAGE_ERRNOS for n in re.findall(r"\[Errno (\d+)\]", causes))
     raise (CheckpointStorageError if storage else CheckpointError)(
@@ -289,7 +249,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     written in the background and the rest happens when the saver finalizes it. `before_commit` may raise to
     leave the shards without a manifest (a resume ignores them): a rank whose launcher died must not commit."""
     root = Path(root)
-    _refuse_without_helpers(iteration)
+    save_helper.raise_if_a_helper_died(f"before the checkpoint of iteration {iteration} was written",
+                                       "nothing was saved")
     ahead = latest_iteration(root)
     if ahead is not None and ahead > iteration:
         raise CheckpointError(f"{root} already holds iteration {ahead}, ahead of this save at {iteration}: "

@@ -396,15 +396,20 @@ def test_a_dp_reshardable_save_whose_last_padding_runs_past_its_bucket_is_writte
         assert sorted(resumed) == [3, 4] and resumed == {step: full[step] for step in (3, 4)}, tag
 
 
-def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterrupted_run(initial_weights, tmp_path):
-    """Rank 1's save helper killed (SIGKILL) during iteration 3 of a DP2 run saving every 2 steps: the save at 4 stops
-    every rank at once with one line naming the rank, the helper's pid and the signal (before: the save waited on the
-    dead helper until the collective timeout, the hang watchdog paused), exit 1, which the agent restarts; the workers
-    resume at 2 and end as the uninterrupted run, step for step."""
+@pytest.mark.parametrize("when", ["before a save", "while an async save writes"])
+def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterrupted_run(initial_weights, tmp_path,
+                                                                                        when):
+    """Rank 1's save helper killed (SIGKILL) in a DP2 run saving every 2 steps — during iteration 3 (synchronous
+    saves), or right after the asynchronous save of iteration 4 was scheduled, its shards being written: the save of
+    4 stops every rank at once with one line naming the rank, the helper's pid and the signal (before: the save
+    waited on the dead helper until the collective timeout, the hang watchdog paused; asynchronously, the ranks met
+    in mismatched collectives and hung), exit 1, which the agent restarts; the half-written iter_0000004 is removed,
+    the workers resume at 2 and end as the uninterrupted run, step for step."""
     from tests.conftest import parity_overrides
 
+    writing = when == "while an async save writes"
     dp2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
-           "parallel.sequence_parallel=false", "checkpoint.save_interval=2", "checkpoint.async_save=false"]
+           "parallel.sequence_parallel=false", "checkpoint.save_interval=2", f"checkpoint.async_save={writing}"]
     run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "tb_whole"), *dp2,
                      f"checkpoint.save={tmp_path / 'whole'}"])
     cmd = pretrain_command(2, [*parity_overrides(initial_weights, tmp_path / "tb"), *dp2,
@@ -412,11 +417,14 @@ def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterr
                            launcher="recipes.launch", launch_options=("--max-restarts=1",))
     cmd[cmd.index("recipes.launch")] = "tests.workers.helper_killed_worker"  # recipes.launch, its ranks' kill injected
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=run_env(
-        {"KILL_HELPER_AT": "3", "KILL_HELPER_RANK": "1", "KILLED_MARKER": str(tmp_path / "killed")}))
+        {"KILL_HELPER_AT": "4" if writing else "3", "KILL_HELPER_RANK": "1", "KILLED_MARKER": str(tmp_path / "killed"),
+         **({"KILL_HELPER_IN_SAVE": "1"} if writing else {})}))
     assert proc.returncode == 0 and (tmp_path / "killed").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "'s checkpoint save helper process" in line]
-    assert said and all(re.search(r"rank 1's checkpoint save helper process \(pid \d+\) was killed by SIGKILL, before "
-                                  r"the checkpoint of iteration 4 was written", line) for line in said), said
+    happened = (f"while {tmp_path / 'ckpt' / 'iter_0000004'} was written in the background: removed" if writing else
+                "before the checkpoint of iteration 4 was written: nothing was saved")
+    assert said and all(re.search(r"rank 1's checkpoint save helper process \(pid \d+\) was killed by SIGKILL, "
+                                  + re.escape(happened), line) for line in said), said
     assert f"resumed from {tmp_path / 'ckpt'} at iteration 2" in proc.stdout, proc.stdout[-3000:]
     for tag in ("train/lm_loss", "train/grad_norm"):
         assert read_scalars(tmp_path / "tb", tag) == read_scalars(tmp_path / "tb_whole", tag), tag
