@@ -2,8 +2,9 @@
 layout as in one process (CPU, gloo), resumes exactly and into another DP size from its layer-wise distributed
 optimizer's checkpoint, and QK-clip acts inside the loop.
 
-fp32 without the distributed optimizer: TP2×PP2 with sequence parallelism against one process, within the parity
-matrix's fp32 bounds (test_parallel_parity.TOLERANCE) — measured 1.1e-7 (loss) and 6.1e-6 (grad norm), with
+fp32 without the distributed optimizer: TP2×PP2 with sequence parallelism against one process, then resumed from its
+step-4 checkpoint at CP2×PP2×VPP2, within the parity matrix's fp32 bounds (test_parallel_parity.TOLERANCE) —
+measured 1.1e-7 (loss) and 6.1e-6 (grad norm) at TP2×PP2, with
 Newton-Schulz in full fp32 (optimizer.muon_fp32_matmul_prec=highest; at megatron-core's default `medium` the
 layouts differ by 1e-4) and whole matrices orthogonalized (muon_tp_mode=duplicated; the default blockwise
 orthogonalizes each TP shard on its own, another optimizer by design: 6e-3 apart at TP2).
@@ -44,11 +45,21 @@ def _assert_reproduces(reference: Path, tb: Path, tolerance: dict[str, float]) -
         assert difference <= bound, (tag, difference)
 
 
-def test_tp2_pp2_with_sequence_parallelism_reproduces_one_process(initial_weights, tmp_path):
+def test_tp2_pp2_and_cp2_pp2_vpp2_reproduce_one_process_through_a_resharded_resume(initial_weights, tmp_path):
+    """TP2×PP2 with sequence parallelism for 4 steps, saved, then resumed at CP2×PP2 with two virtual stages each (TP1:
+    each layer's momentum gathered whole from its TP shards, the layers regrouped into virtual stages) to the end:
+    every step within the matrix's fp32 bounds of one process."""
     reference = _reference(initial_weights, tmp_path / "reference", FP32_MUON)
-    proc = run_pretrain(4, [*parity_overrides(initial_weights, tmp_path / "tb"), *FP32_MUON])
+    checkpoint = [f"checkpoint.save={tmp_path / 'ckpt'}"]
+    proc = run_pretrain(4, [*parity_overrides(initial_weights, tmp_path / "tp2_pp2", steps=4), *FP32_MUON, *checkpoint])
     assert "TP2 × CP1 × DP1 × PP2" in proc.stdout and "Muon on" in proc.stdout, proc.stdout[-2000:]
-    _assert_reproduces(reference, tmp_path / "tb", TOLERANCE)
+    proc = run_pretrain(4, [*parity_overrides(None, tmp_path / "cp2_vpp2"), *FP32_MUON, *checkpoint,
+                            "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
+                            "parallel.context_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"])
+    assert "TP1 × CP2 × DP1 × PP2 (VPP2)" in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-2000:]
+    assert sorted(read_scalars(tmp_path / "cp2_vpp2", "train/lm_loss"))[0] == 5
+    for tb in ("tp2_pp2", "cp2_vpp2"):
+        _assert_reproduces(reference, tmp_path / tb, TOLERANCE)
 
 
 def test_layer_wise_dp2_reproduces_one_process_and_resumes_into_it(initial_weights, tmp_path):
