@@ -1,4 +1,5 @@
-"""List a checkpoint directory: ``python -m recipes.checkpoints DIR [--verify] [--config YAML [overrides ...]]``.
+"""List a checkpoint directory: ``python -m recipes.checkpoints DIR [--verify] [--config YAML [overrides ...]]``
+(DIR in object storage, ``msc://PROFILE/prefix``, with ``--msc-config FILE``: the run's storage.msc_config).
 
 One line per ``iter_XXXXXXX``: complete (manifest present; with ``--verify``, every file's size and CRC32
 checked), partial or set aside as corrupt, its size, the layout, precision and distributed-optimizer format
@@ -28,6 +29,7 @@ from megatron_ext.checkpoint.layout import (
 )
 from megatron_ext.config.schema import load_config
 from megatron_ext.errors import CheckpointError, ConfigError
+from megatron_ext.storage import files
 
 
 def _layout(common: CommonState) -> str:
@@ -84,16 +86,24 @@ def _readable_layout(path: Path) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.checkpoints", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directory", type=Path, help="a checkpoint.save directory")
+    parser.add_argument("directory", help="a checkpoint.save directory (local, or msc://PROFILE/prefix)")
+    parser.add_argument("--msc-config", help="multi-storage-client's configuration (the run's storage.msc_config), for "
+                                             "a directory in object storage")
     parser.add_argument("--verify", action="store_true", help="check every file against its manifest (reads it all)")
     parser.add_argument("--config", help="compare the newest checkpoint's config with this recipe YAML")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides of --config")
     args = parser.parse_intermixed_args(argv)
     try:
-        if not args.directory.is_dir():
+        if files.is_remote(args.directory):
+            if not args.msc_config:
+                raise ConfigError(f"{args.directory} is in object storage: name multi-storage-client's configuration "
+                                  "with --msc-config (the run's storage.msc_config)")
+            files.enable(args.msc_config)
+        directory = files.at(args.directory)
+        if not directory.is_dir():
             raise CheckpointError(f"{args.directory} is not a directory")
-        lines, newest = describe(args.directory, args.verify)
-        print(f"{args.directory} (tracker {args.directory / TRACKER}: {latest_iteration(args.directory)})")
+        lines, newest = describe(directory, args.verify)
+        print(f"{args.directory} (tracker {directory / TRACKER}: {latest_iteration(directory)})")
         print("\n".join(lines) if lines else "  no iter_XXXXXXX directories")
         if args.config and newest is not None:
             from megatron_ext.checkpoint.resume import config_differences, shape_changes

@@ -150,6 +150,7 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
     imported here."""
     cfg = load_config(config, overrides)
     _skip_wandb_unless_logging_to_it(cfg)
+    from megatron_ext.checkpoint.storage_checks import validate_checkpoint_storage
     from megatron_ext.data.checks import validate_data
 
     if cfg.parallel.auto:
@@ -158,6 +159,7 @@ def load_and_validate(config: str, overrides: list[str], world_size: int, gpus_p
     world = fitting_world(cfg, world_size)
     refuse_unmounted_paths(cfg)  # under pyxis: before the data checks, which would only say "does not exist"
     validate_data(cfg)
+    validate_checkpoint_storage(cfg)
     timeouts = run_timeouts(cfg, world.size, gpus_per_node, say_timeouts)
     if AUTO in (cfg.train.hang_timeout_s, cfg.parallel.distributed_timeout_minutes):
         cfg = load_config(config, [*overrides, *timeouts.overrides()])

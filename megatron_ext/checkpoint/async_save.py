@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.checkpoint.save_helper import raise_if_a_helper_died, signals_ignored
 from megatron_ext.errors import CheckpointError
+from megatron_ext.storage import files
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class AsyncCheckpointSaver:
             target, _ = self.in_flight.pop(0)
             causes = agreed_failure(e)
             if target is not None and dist.get_rank() == 0:
-                shutil.rmtree(target, ignore_errors=True)
+                files.remove_tree(target)
             raise_if_a_helper_died(f"while {target} was written in the background", f"removed {target}")
             raise CheckpointError(f"the asynchronous save of {target} failed ({causes}); removed it, the tracker "
                                   "and older checkpoints are untouched") from None

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import CheckpointError
+from megatron_ext.storage import files
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class DataSkips:
     """The data skips of the run saving into `root` (None: it saves nothing, so none are kept)."""
 
     def __init__(self, root: Optional[str | Path]):
-        self.path = Path(root) / layout.DATA_SKIPS if root else None
+        self.path = files.at(root) / layout.DATA_SKIPS if root else None
         self.entries: list[DataSkip] = []
         if self.path is not None and self.path.is_file():
             try:
@@ -76,5 +77,5 @@ class DataSkips:
         self.entries = [s for s in self.entries if (s.iteration, s.from_sample) != (skip.iteration, skip.from_sample)]
         self.entries.append(skip)
         if dist.get_rank() == 0:
-            layout.write_atomically(self.path, json.dumps([asdict(s) for s in self.entries], indent=1) + "\n")
+            files.write_atomically(self.path, json.dumps([asdict(s) for s in self.entries], indent=1) + "\n")
         dist.barrier()

@@ -2,17 +2,18 @@
 file naming the newest complete one, ``iter_XXXXXXX.corrupt`` for one set aside, and the files inside
 (``common.pt`` where a format keeps its common state apart, dist_checkpointing's ``metadata.json``, our
 ``manifest.json``), and the lock of the run writing into it. Everything that reads or writes
-a checkpoint (training, retention, the converter, ``recipes.checkpoints``) goes through these names."""
+a checkpoint (training, retention, the converter, ``recipes.checkpoints``) goes through these names. A root may be
+local or in object storage (``msc://PROFILE/...``): the paths are :func:`megatron_ext.storage.files.at`'s."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 from megatron_ext.errors import CheckpointError
+from megatron_ext.storage import files
+from megatron_ext.storage.files import AnyPath
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name: the newest complete iteration, as text
 CORRUPT_SUFFIX = ".corrupt"
@@ -33,32 +34,32 @@ WEIGHTS_ONLY = "weights_only"
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(" + re.escape(CORRUPT_SUFFIX) + r")?")
 
 
-def progress_path(root: Optional[str | Path]) -> Optional[Path]:
+def progress_path(root: Optional[str | AnyPath]) -> Optional[AnyPath]:
     """Where the run training into checkpoint directory `root` records its progress (None: no checkpoint.save)."""
-    return Path(root) / PROGRESS if root else None
+    return files.at(root) / PROGRESS if root else None
 
 
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
+def iteration_dir(root: str | AnyPath, iteration: int) -> AnyPath:
+    return files.at(root) / f"iter_{iteration:07d}"
 
 
 class IterationDir(NamedTuple):
     iteration: int
-    path: Path
+    path: AnyPath
     set_aside: bool  # renamed to .corrupt when found unusable
 
 
-def iteration_dirs(root: str | Path) -> list[IterationDir]:
+def iteration_dirs(root: str | AnyPath) -> list[IterationDir]:
     """Every ``iter_XXXXXXX`` (and ``.corrupt``) directory in `root`, by iteration."""
     found = []
-    for path in Path(root).glob("iter_*"):
-        match = _ITERATION_DIR.fullmatch(path.name)
+    for path in files.at(root).iterdir() if files.at(root).is_dir() else ():
+        match = _ITERATION_DIR.fullmatch(path.name.rstrip("/"))
         if match and path.is_dir():
             found.append(IterationDir(int(match.group(1)), path, match.group(2) is not None))
     return sorted(found)
 
 
-def has_manifest(ckpt_dir: Path) -> bool:
+def has_manifest(ckpt_dir: AnyPath) -> bool:
     """The manifest is written last: a directory with one is a complete checkpoint."""
     return (ckpt_dir / MANIFEST).is_file()
 
@@ -68,18 +69,17 @@ def complete_iterations(root: str | Path) -> list[int]:
     return [d.iteration for d in iteration_dirs(root) if not d.set_aside and has_manifest(d.path)]
 
 
-def set_aside(ckpt_dir: Path) -> Path:
+def set_aside(ckpt_dir: AnyPath) -> AnyPath:
     """Rename an unusable checkpoint to ``iter_XXXXXXX.corrupt`` (replacing an older one set aside)."""
     aside = ckpt_dir.with_name(ckpt_dir.name + CORRUPT_SUFFIX)
-    if aside.is_dir():
-        shutil.rmtree(aside, ignore_errors=True)
-    ckpt_dir.rename(aside)
+    files.remove_tree(aside)
+    files.rename_tree(ckpt_dir, aside)
     return aside
 
 
 def latest_iteration(root: str | Path) -> Optional[int]:
     """The iteration recorded in `root`'s tracker file, or None when there is no complete checkpoint."""
-    tracker = Path(root) / TRACKER
+    tracker = files.at(root) / TRACKER
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
@@ -102,13 +102,6 @@ def resumable_iteration(root: str | Path) -> Optional[int]:
     return complete[-1] if complete else None
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path`'s content with `text` atomically (temp file, then rename): a crash leaves the old one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_tracker(root: Path, iteration: int) -> None:
+def write_tracker(root: str | AnyPath, iteration: int) -> None:
     """Point the tracker at `iteration` (atomically)."""
-    write_atomically(root / TRACKER, f"{iteration}\n")
+    files.write_atomically(files.at(root) / TRACKER, f"{iteration}\n")

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 import zlib
-from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_ext.checkpoint.layout import MANIFEST, has_manifest, write_atomically
+from megatron_ext.checkpoint.layout import MANIFEST, has_manifest
+from megatron_ext.storage.files import AnyPath, write_atomically
 
 _CHUNK = 8 << 20
 
 
-def _crc32(path: Path) -> int:
+def _crc32(path: AnyPath) -> int:
     crc = 0
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -27,7 +27,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _data_files(ckpt_dir: Path) -> list[str]:
+def _data_files(ckpt_dir: AnyPath) -> list[str]:
     return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
@@ -57,7 +57,7 @@ def _from_rank0(value: object) -> object:
     return box[0]
 
 
-def write_manifest(ckpt_dir: Path) -> None:
+def write_manifest(ckpt_dir: AnyPath) -> None:
     """Collective, after every rank's data is on disk: rank 0 writes ``manifest.json`` (temp file, then rename)."""
     names = _from_rank0(_data_files(ckpt_dir) if _rank_and_world()[0] == 0 else None)
     mine = {name: {"bytes": (ckpt_dir / name).stat().st_size, "crc32": _crc32(ckpt_dir / name)}
@@ -68,7 +68,7 @@ def write_manifest(ckpt_dir: Path) -> None:
         write_atomically(ckpt_dir / MANIFEST, json.dumps({"files": dict(sorted(files.items()))}, indent=1))
 
 
-def _problem(ckpt_dir: Path, name: str, expected: dict, read: bool = True) -> Optional[str]:
+def _problem(ckpt_dir: AnyPath, name: str, expected: dict, read: bool = True) -> Optional[str]:
     """What is wrong with one file: missing, another size, and (with `read`) another CRC32."""
     path = ckpt_dir / name
     if not path.is_file():
@@ -81,7 +81,7 @@ def _problem(ckpt_dir: Path, name: str, expected: dict, read: bool = True) -> Op
     return None
 
 
-def sizes_match(ckpt_dir: Path) -> bool:
+def sizes_match(ckpt_dir: AnyPath) -> bool:
     """One process, no reads: every file of the manifest is there with its size (a quick look, not :func:`verify`)."""
     try:
         files = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
@@ -90,7 +90,7 @@ def sizes_match(ckpt_dir: Path) -> bool:
     return not any(_problem(ckpt_dir, name, entry, read=False) for name, entry in files.items())
 
 
-def verify(ckpt_dir: Path) -> Optional[str]:
+def verify(ckpt_dir: AnyPath) -> Optional[str]:
     """Collective: None when every file matches the manifest (or there is no manifest), else the first problem."""
     manifest = None
     if _rank_and_world()[0] == 0 and has_manifest(ckpt_dir):

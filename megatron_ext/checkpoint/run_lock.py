@@ -24,13 +24,14 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import psutil
 
 from megatron_ext.checkpoint.layout import RUN_LOCK
 from megatron_ext.errors import CheckpointError, CheckpointStorageError
+from megatron_ext.storage import files
+from megatron_ext.storage.files import AnyPath
 
 log = logging.getLogger("megatron_ext")
 
@@ -84,7 +85,7 @@ def stale_reason(holder: dict[str, Any], age_s: float, me: dict[str, Any]) -> Op
     return None
 
 
-def _read(path: Path) -> Optional[tuple[dict[str, Any], float]]:
+def _read(path: AnyPath) -> Optional[tuple[dict[str, Any], float]]:
     """(holder, seconds since its last refresh), None when there is no lock."""
     try:
         text, mtime = path.read_text(), path.stat().st_mtime
@@ -97,10 +98,10 @@ def _read(path: Path) -> Optional[tuple[dict[str, Any], float]]:
     return holder, time.time() - mtime
 
 
-def holder_of(root: str | Path, elastic_run_id: Optional[str] = None) -> Optional[str]:
+def holder_of(root: str | AnyPath, elastic_run_id: Optional[str] = None) -> Optional[str]:
     """The one-line refusal while a live run holds `root`, else None (the launcher's check before ranks start; a
     node joining an elastic job passes the job's run id, and the job's own lock lets it in)."""
-    path = Path(root) / RUN_LOCK
+    path = files.at(root) / RUN_LOCK
     found = _read(path)
     me = _identity(elastic_run_id)
     if found is None or stale_reason(*found, me) is not None:
@@ -110,7 +111,7 @@ def holder_of(root: str | Path, elastic_run_id: Optional[str] = None) -> Optiona
     return _refusal(path, *found)
 
 
-def _refusal(path: Path, holder: dict[str, Any], age_s: float) -> str:
+def _refusal(path: AnyPath, holder: dict[str, Any], age_s: float) -> str:
     return (f"checkpoint.save={path.parent} is in use by another run ({describe(holder)}; {path} refreshed "
             f"{age_s:.0f} s ago): wait for it or stop it, or choose another checkpoint.save. The lock of a run that "
             f"died is taken over by the next launch (on another host once it is {STALE_AFTER_S:.0f} s old)")
@@ -119,8 +120,8 @@ def _refusal(path: Path, holder: dict[str, Any], age_s: float) -> str:
 class RunLock:
     """The lock on one checkpoint directory, held from :meth:`acquire` to :meth:`release` (by rank 0)."""
 
-    def __init__(self, root: str | Path):
-        self.path = Path(root) / RUN_LOCK
+    def __init__(self, root: str | AnyPath):
+        self.path = files.at(root) / RUN_LOCK
         self.me = _identity()
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
@@ -155,25 +156,19 @@ class RunLock:
             raise CheckpointError(f"{self.path}: could not take the run lock (another run keeps replacing it)")
 
     def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.me, f)
-        return True
+        return files.create_exclusively(self.path, json.dumps(self.me))
 
     def _take_over(self, stale: dict[str, Any]) -> bool:
         """Move the stale lock aside and create ours. Of two runs taking over together, the second moves aside the
         first's fresh lock, sees it is not the stale one, and puts it back: only one of them proceeds."""
         aside = self.path.with_name(f"{RUN_LOCK}.{self.me['host']}.{self.me['pid']}")
         try:
-            os.rename(self.path, aside)
+            self.path.rename(aside)
         except FileNotFoundError:
             return False
         moved = _read(aside)
         if moved is not None and moved[0] != stale:
-            os.rename(aside, self.path)
+            aside.rename(self.path)
             return False
         aside.unlink(missing_ok=True)
         return self._create()
@@ -184,7 +179,7 @@ class RunLock:
             if self.lost() is not None:
                 return
             try:
-                os.utime(self.path)
+                files.refresh(self.path)
             except OSError:  # the directory went away; the run's own saves will say so
                 return
 

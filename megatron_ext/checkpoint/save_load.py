@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -55,6 +54,7 @@ from megatron_ext.checkpoint.optimizer_format import (
 from megatron_ext.checkpoint.retention import apply_retention
 from megatron_ext.checkpoint.rng import local_rng_state, rng_state, set_rng_state
 from megatron_ext.errors import STORAGE_ERRNOS, CheckpointError, CheckpointStorageError
+from megatron_ext.storage import files
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def _on_every_rank(step: Callable[[], None], target: Path, what: str) -> None:
     if causes is None:
         return
     if dist.get_rank() == 0:
-        shutil.rmtree(target, ignore_errors=True)
+        files.remove_tree(target)
     dist.barrier()
     save_helper.raise_if_a_helper_died(f"while {target} was written", f"removed the partial {target.name}")
     previous = latest_iteration(target.parent)
@@ -205,8 +205,7 @@ def _new_iteration_dir(root: Path, iteration: int) -> Path:
     removed first)."""
     target = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
-        if target.exists():
-            shutil.rmtree(target)
+        files.remove_tree(target)
         target.mkdir(parents=True)
     dist.barrier()
     return target
@@ -229,7 +228,7 @@ def save_weights_only(root: str | Path, model_state: dict[str, Any], run_config:
     """Collective: a bare model's weights (its sharded state dict; written by `strategy`, by default the training's) as
     a complete iteration-0 checkpoint of content weights_only, written, verified and committed like a training run's
     (``recipes.convert import-hf``)."""
-    root = Path(root)
+    root = files.at(root)
     target = _new_iteration_dir(root, 0)
     state = {"model": model_state, **CommonState(0, 0, run_config, WEIGHTS_ONLY).saved()}
     _on_every_rank(lambda: dist_checkpointing.save(state, str(target), strategy or _save_strategy()), target,
@@ -248,7 +247,7 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer: M
     moves the tracker and applies retention (:mod:`checkpoint_retention`). With `saver` the shards are
     written in the background and the rest happens when the saver finalizes it. `before_commit` may raise to
     leave the shards without a manifest (a resume ignores them): a rank whose launcher died must not commit."""
-    root = Path(root)
+    root = files.at(root)
     save_helper.raise_if_a_helper_died(f"before the checkpoint of iteration {iteration} was written",
                                        "nothing was saved")
     ahead = latest_iteration(root)
@@ -295,7 +294,7 @@ def recover_tracker(root: str | Path) -> None:
     manifest), gets it back pointing at the newest of them, with a warning — a run never starts from iteration 0
     over them and overwrites them. :func:`intact_iteration` then verifies that checkpoint's files. Without complete
     checkpoints nothing changes (an unreadable tracker stays the one-line error it is)."""
-    root = Path(root)
+    root = files.at(root)
     if not root.is_dir():
         return
     try:
@@ -322,7 +321,7 @@ def intact_iteration(root: str | Path) -> int:
     and the reason, and the next older complete one is used (the tracker follows it: the checkpoint it
     named is gone); with none left, one CheckpointError.
     """
-    root = Path(root)
+    root = files.at(root)
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"{root / TRACKER} not found: {root} holds no complete checkpoint")

@@ -47,7 +47,8 @@ def named_paths(cfg: RecipeConfig) -> list[tuple[str, str, bool]]:
                                    ("logging.log_dir", log_dir(cfg)), ("data.path_to_cache", d.path_to_cache),
                                    ("storage.cache", object_storage_cache(cfg) if remote else None)) if p]
     seen = {p for _, p in written}  # checkpoint.load: auto reads what checkpoint.save writes
-    return [(k, p, True) for k, p in written] + [(k, p, False) for k, p in read if p and p not in seen]
+    local = [(k, p, True) for k, p in written] + [(k, p, False) for k, p in read if p and p not in seen]
+    return [(k, p, w) for k, p, w in local if not is_object_storage(p)]
 
 
 def _inside(path: Path, mounted: list[Path]) -> bool:

@@ -11,18 +11,15 @@ describing no more tokens than the .bin holds, and every token id below the voca
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 from megatron.core.datasets.object_storage_utils import get_index_cache_path
-from megatron.core.msc_utils import MultiStorageClientFeature
 
 from megatron_ext.config.paths import blend_prefixes, is_object_storage
 from megatron_ext.config.schema import RecipeConfig, object_storage_cache
-from megatron_ext.errors import ConfigError, require
-
-MSC_CONFIG_ENV = "MSC_CONFIG"  # where multi-storage-client reads its configuration file
+from megatron_ext.errors import ConfigError
+from megatron_ext.storage import files
 
 
 def uses_object_storage(cfg: RecipeConfig) -> bool:
@@ -33,11 +30,7 @@ def uses_object_storage(cfg: RecipeConfig) -> bool:
 def enable(cfg: RecipeConfig) -> Any:
     """Point multi-storage-client at storage.msc_config and turn on megatron-core's MSC paths, in this process (a
     no-op without object-storage data); multi-storage-client's module, or None."""
-    if not uses_object_storage(cfg):
-        return None
-    os.environ[MSC_CONFIG_ENV] = str(Path(cfg.storage.msc_config).absolute())
-    MultiStorageClientFeature.enable()
-    return MultiStorageClientFeature.import_package()
+    return files.enable(cfg.storage.msc_config) if uses_object_storage(cfg) else None
 
 
 def index_cache_path(cfg: RecipeConfig, prefix: str) -> Path:
@@ -50,10 +43,7 @@ def index_cache_path(cfg: RecipeConfig, prefix: str) -> Path:
 def validate_objects(cfg: RecipeConfig, key: str, prefix: str, check_index: Callable[[str, str, int], None]) -> None:
     """The object-storage dataset `prefix` (named by `key`): its configuration, both objects, and its index checked
     by `check_index(key, index_path, bin_bytes)`."""
-    require(cfg.storage.msc_config is not None, "storage.msc_config", None,
-            f"{key} names {prefix} in object storage: name multi-storage-client's configuration file (its profiles)")
-    require(Path(cfg.storage.msc_config).is_file(), "storage.msc_config", cfg.storage.msc_config, "does not exist")
-    msc = enable(cfg)
+    msc = files.enable_for(cfg, key, prefix)
     sizes = {}
     for suffix in (".bin", ".idx"):
         try:

@@ -28,8 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from megatron_ext.checkpoint.layout import GOODPUT, write_atomically
+from megatron_ext.checkpoint.layout import GOODPUT
 from megatron_ext.metrics.units import format_duration
+from megatron_ext.storage import files
+from megatron_ext.storage.files import write_atomically
 
 log = logging.getLogger("megatron_ext")
 
@@ -88,7 +90,7 @@ class GoodputLedger:
     WRITE_EVERY_S = 1.0
 
     def __init__(self, root: Optional[str | Path], process_start: float, writer: bool):
-        self.path = Path(root) / GOODPUT if root and writer else None
+        self.path = files.at(root) / GOODPUT if root and writer else None
         before = read_ledger(self.path) if self.path else None
         if before is None:
             self.ledger = Ledger(process_start, process_start)

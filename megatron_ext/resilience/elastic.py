@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.checkpoint.layout import write_atomically
+from megatron_ext.storage.files import write_atomically
 
 # Set by recipes.launch in torchrun's agent (its workers inherit its environment): when it decided to restart the
 # workers (a failure, or a node waiting to join), and when the rendezvous of the new world was complete.

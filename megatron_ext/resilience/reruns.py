@@ -53,10 +53,12 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from megatron_ext.checkpoint.layout import RERUN_ELSEWHERE, write_atomically
+from megatron_ext.checkpoint.layout import RERUN_ELSEWHERE
 from megatron_ext.config.schema import RecurringFault, RerunModeName
 from megatron_ext.errors import CheckpointError, RerunElsewhereError
 from megatron_ext.resilience.run_record import TrainingRecord, node_name, write_training_end
+from megatron_ext.storage import files
+from megatron_ext.storage.files import write_atomically
 
 log = logging.getLogger("megatron_ext")
 
@@ -107,7 +109,7 @@ class PendingRerun:
 
     @staticmethod
     def path(save: str | Path) -> Path:
-        return Path(save) / RERUN_ELSEWHERE
+        return files.at(save) / RERUN_ELSEWHERE
 
     def write(self, save: str | Path) -> None:
         write_atomically(self.path(save), json.dumps(asdict(self), indent=1) + "\n")

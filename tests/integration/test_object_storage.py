@@ -7,7 +7,6 @@ matrix's bounds), and a missing object or an unknown profile is one line before 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,8 @@ import pytest
 from tests.conftest import PARITY_STEPS, parity_overrides
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import ROOT, max_relative_difference, read_scalars, run_pretrain
+from tests.object_store import msc_config as write_msc_config
+from tests.object_store import s3_client, s3_server
 
 DATA = ROOT / "data" / "tiny" / "stdlib_text_document"  # the default blend, which the parity runs read
 BUCKET, PROFILE = "tokens", "tokens-on-s3"
@@ -25,32 +26,12 @@ DP2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_paralle
 
 @pytest.fixture(scope="module")
 def msc_config(tmp_path_factory) -> Path:
-    """moto's S3 server on a free localhost port with the default dataset uploaded, and a multi-storage-client
-    configuration whose profile is that bucket."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint, keys = f"http://{host}:{port}", {"aws_access_key_id": "test", "aws_secret_access_key": "test"}
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
-    s3.create_bucket(Bucket=BUCKET)
-    for suffix in (".bin", ".idx"):
-        s3.upload_file(f"{DATA}{suffix}", BUCKET, f"tiny/stdlib_text_document{suffix}")
-    config = tmp_path_factory.mktemp("msc") / "msc.yaml"
-    config.write_text(f"""profiles:
-  {PROFILE}:
-    storage_provider:
-      type: s3
-      options: {{base_path: {BUCKET}, endpoint_url: "{endpoint}", region_name: us-east-1}}
-    credentials_provider:
-      type: S3Credentials
-      options: {{access_key: test, secret_key: test}}
-""")
-    yield config
-    server.stop()
+    """moto's S3 server with the default dataset uploaded, and a multi-storage-client configuration whose profile is
+    that bucket."""
+    with s3_server(BUCKET) as endpoint:
+        for suffix in (".bin", ".idx"):
+            s3_client(endpoint).upload_file(f"{DATA}{suffix}", BUCKET, f"tiny/stdlib_text_document{suffix}")
+        yield write_msc_config(tmp_path_factory.mktemp("msc") / "msc.yaml", endpoint, {PROFILE: BUCKET})
 
 
 def test_a_dp2_run_reads_object_storage_as_one_process_reads_the_local_data(msc_config, initial_weights,

@@ -120,6 +120,9 @@ PATCHED = [
             "convert/streaming.py"),
     Patched("torch.distributed.checkpoint.filesystem._write_files_from_queue", "f25c2a0692a7507e",
             "convert/streaming.py"),
+    # checkpoints in object storage: the run lock's conditional uploads (If-None-Match / If-Match) through the storage
+    # provider of multi-storage-client 0.50's client, which offers no conditional write of its own
+    Patched("multistorageclient.providers.base.BaseStorageProvider.put_object", "8d11d734c9ed35ba", "storage/files.py"),
     # rank 0 writes metadata.json then every rank meets in a barrier: its failure is kept until after the barrier
     Patched("megatron.core.dist_checkpointing.serialization.save", "e9626ecdf679a001", "checkpoint/save_load.py"),
     # the dataset index cache is memory-mapped, so it cannot unpickle objects (tests/unit/test_dataset_cache_safety.py)
