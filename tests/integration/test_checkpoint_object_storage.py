@@ -21,6 +21,7 @@ from tests.object_store import msc_config, s3_client, s3_server
 BUCKET, PROFILE = "checkpoints", "ckpt-on-s3"
 DP2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
        "parallel.sequence_parallel=false"]
+RUN_NAME = "tiny-llama-tp2-pp2"  # configs/tiny.yaml's recipe.name
 EIGHT = ["checkpoint.save_interval=2", "checkpoint.keep_last=2", "train.train_iters=8"]
 
 
@@ -63,6 +64,11 @@ def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucke
                              "--msc-config", str(config)], cwd=ROOT, env=run_env({}), capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert "iter_0000008" in listed.stdout and "complete, verified" in listed.stdout and "<- tracker" in listed.stdout
+
+    # the launcher reads the bucket before any rank starts: the run is complete
+    done = run_pretrain(1, [*parity_overrides(None, tmp_path / "done"), *SINGLE_PROCESS, *EIGHT, *remote],
+                        launcher="recipes.launch")
+    assert done.stdout.startswith(f"run {RUN_NAME} is complete: msc://{PROFILE}/run holds iteration 8"), done.stdout
 
     # a deleted object: the newest checkpoint is set aside in the bucket, the older one resumed
     s3_client(endpoint).delete_object(Bucket=BUCKET, Key=f"run/{next(k for k in keys if k.startswith('iter_0000008/__'))}")
