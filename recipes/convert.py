@@ -192,12 +192,12 @@ def import_hf(hf_dir: Path, output: Path, tensor_parallel: int = 1, pipeline_par
     with _staged(output) as staging:
         if workers == 1:
             _import_share(hf_dir, staging, build_cfg, cfg.to_dict(), 0, 1)
-        else:  # spawned, in a gloo world of their own: megatron-core's save gathers every process's plan
+        else:  # forked (see export_hf), in a gloo world of their own: megatron-core's save gathers every process's plan
             from megatron_ext.distributed.parallel import free_port
             from recipes.convert import _import_share as share  # by its module's name, also when run as __main__
 
             world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(workers)}
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 list(pool.map(share, *zip(*[(hf_dir, staging, build_cfg, cfg.to_dict(), w, workers, world)
                                             for w in range(workers)])))
         if tokenizer.is_file():
@@ -342,10 +342,12 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
     with _staged(output) as staging:
         if workers == 1:
             _export_share(checkpoint, staging, max_shard_size, 0, 1)
-        else:  # spawned: each builds a model in a world of its own, which patches torch on CPU for its process
+        else:  # forked before any process group or thread exists: spawned, each would import torch and megatron-core
+            # again (3-4 s on a small host, more than the conversion of a 1.6 GB model); each builds its model in a
+            # world of its own, which patches torch on CPU for its process
             from recipes.convert import _export_share as share  # by its module's name, also when run as __main__
 
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 list(pool.map(share, *zip(*[(checkpoint, staging, max_shard_size, w, workers) for w in range(workers)])))
             _shard_writer(family, shape, dtype, staging, max_shard_size).write_index()
         bos = eos = None
