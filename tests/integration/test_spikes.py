@@ -13,6 +13,7 @@ import time
 import pytest
 
 from megatron_ext.checkpoint.layout import DATA_SKIPS, GOODPUT
+from megatron_ext.errors import DivergenceError
 from megatron_ext.metrics.goodput_ledger import Ledger
 from megatron_ext.resilience.run_record import read_training_end
 from tests.conftest import parity_overrides
@@ -144,3 +145,24 @@ def test_a_requeued_run_sees_the_spikes_and_keeps_the_budget_of_the_uninterrupte
     assert f"resumed from {tmp_path / 'ckpt'} at iteration {STEPS}" in said
     assert "loss spike at iteration 10" in said and "after 1 spikes rewound past (train.max_rewinds=1)" in said, (
         said[-3000:])
+
+
+def test_a_requeued_run_keeps_the_non_finite_skips_it_spent(initial_weights, tmp_path):
+    """train.skip_nonfinite_steps' budget is run state saved with every checkpoint: a run that skipped its one allowed
+    non-finite step (iteration 3) and stopped at its checkpoint at 4 stops, started again, at the next non-finite
+    step (iteration 6) in one line, instead of skipping it on a budget the restart gave back."""
+
+    def run(steps: int, nan_at_iteration: int, check: bool = True):
+        return run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "tb", steps), *TWO_STAGES,
+                                "train.skip_nonfinite_steps=1", f"checkpoint.save_interval={SAVE_EVERY}",
+                                f"checkpoint.save={tmp_path / 'ckpt'}", f"logging.log_dir={tmp_path / 'logs'}"],
+                            module="tests.workers.spiked_worker", check=check,
+                            env={"SPIKE_AT_SAMPLE": str((nan_at_iteration - 1) * GLOBAL_BATCH), "SPIKE_FACTOR": "nan"})
+
+    first = run(SAVE_EVERY, 3)
+    assert "skipped: non-finite loss at iteration 3" in first.stdout + first.stderr, first.stdout[-3000:]
+    again = run(STEPS, 6, check=False)
+    said = again.stdout + again.stderr
+    assert f"resumed from {tmp_path / 'ckpt'} at iteration {SAVE_EVERY}" in said, said[-3000:]
+    assert again.returncode != 0 and f"exitcode : {DivergenceError.exit_code}" in said, said[-3000:]
+    assert "non-finite loss at iteration 6" in said and "after skipping 1 such steps" in said, said[-3000:]
