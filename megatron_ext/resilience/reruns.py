@@ -210,7 +210,7 @@ class StepReruns:
                                          fatal=False)
         self._results.append(sums.detach().clone())
         rerun = len(self._results) == 2
-        if rerun:  # compared with the run once, here: megatron-core's comparison returns it, the step's scalars keep it
+        if rerun:  # the step's scalars keep it; megatron-core compares the two results itself, with the same function
             self._difference = relative_difference(*self._results)
         # megatron-core's fatal check checkpoints (after restoring the state before the step) when a re-run
         # reproduces the result, but also stops after a re-run that does not: fatal only for a reproduced fault
@@ -218,7 +218,7 @@ class StepReruns:
                  and self.pending is None)  # a step re-run elsewhere already is the data's when it recurs
         self.machine.validate_result(sums.detach(), rejection_func=lambda s: not bool(torch.isfinite(s).all()),
                                      message="non-finite loss or gradient sum",
-                                     comparison_func=lambda _run, _rerun: self._difference, tolerance=0.0, fatal=fatal)
+                                     comparison_func=relative_difference, tolerance=0.0, fatal=fatal)
 
     def step_scalars(self) -> dict[str, torch.Tensor]:
         """report_determinism_stats: this step's relative difference between its run and re-run, the largest over the
