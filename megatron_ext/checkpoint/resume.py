@@ -22,6 +22,7 @@ from megatron_ext.checkpoint.common_state import read_common
 from megatron_ext.config.schema import RecipeConfig, lr_decay_iterations, resume_dir
 from megatron_ext.config.shape import ModelShape
 from megatron_ext.errors import CheckpointError
+from megatron_ext.storage import files
 
 log = logging.getLogger("megatron_ext")
 
@@ -150,7 +151,7 @@ def resume_training(cfg: RecipeConfig, model_chunks, optimizer, scheduler, start
     if load and layout.latest_iteration(load) is None:
         own = ck.save and Path(load).resolve() == Path(ck.save).resolve()
         if not own:
-            raise CheckpointError(f"checkpoint.load={load} holds no checkpoint ({Path(load) / layout.TRACKER} "
+            raise CheckpointError(f"checkpoint.load={load} holds no checkpoint ({files.at(load) / layout.TRACKER} "
                                   "not found): check the path, or leave checkpoint.load unset to start a new run")
         _info(f"no checkpoint in {load} yet: starting at iteration 0")
     start = start or start_point(cfg)

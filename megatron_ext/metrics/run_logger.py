@@ -24,6 +24,7 @@ from typing import Literal, Optional
 
 import torch
 
+from megatron_ext.config.paths import is_object_storage
 from megatron_ext.config.schema import RecipeConfig, log_dir
 from megatron_ext.config.shape import model_flops_per_token
 from megatron_ext.hardware import peak_bf16_tflops
@@ -153,7 +154,9 @@ def _start_wandb(cfg: RecipeConfig):
     import wandb
 
     g = cfg.logging
-    identity = str(Path(cfg.checkpoint.save).resolve()) if cfg.checkpoint.save else cfg.recipe.name
+    save = cfg.checkpoint.save
+    # the checkpoint directory wherever the relaunch starts from (an object-storage location is absolute already)
+    identity = (save if is_object_storage(save) else str(Path(save).resolve())) if save else cfg.recipe.name
     run_dir = Path(log_dir(cfg)).parent
     run_dir.mkdir(parents=True, exist_ok=True)
     return wandb.init(project=g.wandb_project, entity=g.wandb_entity, name=g.wandb_run_name or cfg.recipe.name,
