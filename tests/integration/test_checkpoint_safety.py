@@ -396,9 +396,24 @@ def test_a_dp_reshardable_save_whose_last_padding_runs_past_its_bucket_is_writte
         assert sorted(resumed) == [3, 4] and resumed == {step: full[step] for step in (3, 4)}, tag
 
 
+DP2_SAVING_EVERY_2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                      "parallel.sequence_parallel=false", "checkpoint.save_interval=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_dp2(initial_weights, tmp_path_factory) -> Path:
+    """TensorBoard directory of the DP2 run saving every 2 steps that the runs whose save helper dies must end as."""
+    from tests.conftest import parity_overrides
+
+    root = tmp_path_factory.mktemp("uninterrupted_dp2")
+    run_pretrain(2, [*parity_overrides(initial_weights, root / "tb"), *DP2_SAVING_EVERY_2,
+                     f"checkpoint.save={root / 'ckpt'}"])
+    return root / "tb"
+
+
 @pytest.mark.parametrize("when", ["before a save", "while an async save writes"])
 def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterrupted_run(initial_weights, tmp_path,
-                                                                                        when):
+                                                                                        uninterrupted_dp2, when):
     """Rank 1's save helper killed (SIGKILL) in a DP2 run saving every 2 steps — during iteration 3 (synchronous
     saves), or right after the asynchronous save of iteration 4 was scheduled, its shards being written: the save of
     4 stops every rank at once with one line naming the rank, the helper's pid and the signal (before: the save
@@ -408,10 +423,7 @@ def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterr
     from tests.conftest import parity_overrides
 
     writing = when == "while an async save writes"
-    dp2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
-           "parallel.sequence_parallel=false", "checkpoint.save_interval=2", f"checkpoint.async_save={writing}"]
-    run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "tb_whole"), *dp2,
-                     f"checkpoint.save={tmp_path / 'whole'}"])
+    dp2 = [*DP2_SAVING_EVERY_2, f"checkpoint.async_save={writing}"]
     cmd = pretrain_command(2, [*parity_overrides(initial_weights, tmp_path / "tb"), *dp2,
                                f"checkpoint.save={tmp_path / 'ckpt'}", f"logging.log_dir={tmp_path / 'logs'}"],
                            launcher="recipes.launch", launch_options=("--max-restarts=1",))
@@ -427,7 +439,7 @@ def test_a_dead_save_helper_is_one_line_and_the_restart_finishes_as_the_uninterr
                                   + re.escape(happened), line) for line in said), said
     assert f"resumed from {tmp_path / 'ckpt'} at iteration 2" in proc.stdout, proc.stdout[-3000:]
     for tag in ("train/lm_loss", "train/grad_norm"):
-        assert read_scalars(tmp_path / "tb", tag) == read_scalars(tmp_path / "tb_whole", tag), tag
+        assert read_scalars(tmp_path / "tb", tag) == read_scalars(uninterrupted_dp2, tag), tag
     assert latest_iteration(tmp_path / "ckpt") == 6
 
 
