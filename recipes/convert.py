@@ -275,7 +275,8 @@ def _import_share(hf_dir: Path, staging: Path, build_cfg: RecipeConfig, run_conf
 
         save_load.save_weights_only(staging, share, run_config,
                                     streaming.StreamingSave(streaming.TensorSource(sharded, mine, converted)))
-        group_done()
+        if reading:  # a worker beyond the number of groups converted none
+            group_done()
 
 
 def _write_tokenizer(source: Path, output: Path, seq_length: int) -> tuple[Optional[int], Optional[int]]:
