@@ -2,7 +2,9 @@
 
 Two agents: torchrun's, or NVIDIA Resiliency Extension's ``ft_launcher`` (``recipes.launch --nvrx``), a subclass of
 torch's elastic agent that adds rank heartbeats watched from outside the ranks (:mod:`.nvrx`) and node health
-checks. Both get the same seven changes, made once per process by :func:`prepare`:
+checks. Both get the same seven changes (:func:`agent`): a subclass of the agent class, :class:`Changes`, which its
+launcher builds in place of its own (the launcher module's one attribute replaced), and the signal handler torch
+installs, a module function:
 
 * a failure whose exit code a restart would repeat (NOT_RESTARTED: config/data/checkpoint errors, divergence) ends
   the job at once instead of using up ``--max-restarts``;
@@ -51,15 +53,13 @@ NVRX_VERSION = "0.6.0"  # megatron-core 0.19 refuses to import beside an older N
 
 @dataclasses.dataclass(frozen=True)
 class Agent:
-    """One agent implementation: its command line, its launch and the classes this module changes."""
+    """One agent implementation: its command line, its launch and its elastic agent class (this module's subclass)."""
 
     name: str
     parse_args: Callable[[list[str]], Any]
     config_from_args: Callable[[Any], tuple]
     run: Callable[[Any], None]
-    simple_agent: type  # SimpleElasticAgent: restarts, rendezvous
-    local_agent: type  # LocalElasticAgent: worker monitoring
-    worker_state: type
+    local_agent: type  # the LocalElasticAgent subclass its launcher builds: :class:`Changes` over the original
     processes: ModuleType  # elastic.multiprocessing.api: the signal handler it installs, SignalException
     child_failed: type  # ChildFailedError
 
@@ -68,7 +68,6 @@ def agent(nvrx: bool) -> Agent:
     """torchrun's agent, or NVRx's ft_launcher (its ``--ft-*`` options then apply), prepared. NVRx >= 0.6's
     ft_launcher subclasses torch's elastic agent and uses torch's worker processes and errors, so both agents share
     those classes."""
-    from torch.distributed.elastic.agent.server import api
     from torch.distributed.elastic.multiprocessing import api as processes
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -80,65 +79,27 @@ def agent(nvrx: bool) -> Agent:
         from nvidia_resiliency_ext.fault_tolerance import launcher
 
         chosen = Agent("NVRx ft_launcher", launcher.parse_args, launcher.config_from_args, launcher.run,
-                       api.SimpleElasticAgent, launcher.LocalElasticAgent, api.WorkerState, processes,
-                       ChildFailedError)
+                       _changed(launcher, processes), processes, ChildFailedError)
     else:
         from torch.distributed import run as torchrun
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.launcher import api as launcher
 
         chosen = Agent("torchrun", torchrun.parse_args, torchrun.config_from_args, torchrun.run,
-                       api.SimpleElasticAgent, LocalElasticAgent, api.WorkerState, processes, ChildFailedError)
-    prepare(chosen)
+                       _changed(launcher, processes), processes, ChildFailedError)
+    _stop_ranks_with_a_checkpoint_on_signals(processes)
     return chosen
 
 
-def prepare(chosen: Agent) -> None:
-    """The seven changes of the module docstring (once per class: a second call changes nothing)."""
-    _end_restarts_after_errors_a_restart_repeats(chosen)
-    _report_the_failures_seen(chosen)
-    _end_a_spare_the_job_did_not_need(chosen.local_agent)
-    _time_restarts(chosen.simple_agent)
-    _name_the_job_store(chosen.simple_agent)
-    _stop_ranks_with_a_checkpoint_on_signals(chosen.processes)
-
-
-def _end_restarts_after_errors_a_restart_repeats(chosen: Agent) -> None:
-    monitor = chosen.local_agent._monitor_workers
-    if getattr(monitor, "ends_restarts", False):
-        return
-    failed = (chosen.worker_state.FAILED, chosen.worker_state.UNHEALTHY)  # NVRx: some ranks failed, others run
-
-    def monitor_workers(agent, worker_group):
-        result = monitor(agent, worker_group)
-        if result.state in failed and result.failures:
-            agent.seen_failures = result.failures
-            codes = {failure.exitcode for failure in result.failures.values()}
-            if codes & set(NOT_RESTARTED):
-                agent._remaining_restarts = 0
-            elif EXIT_RERUN_ELSEWHERE in codes and agent._remaining_restarts > 0:
-                _after_a_fault_recurred(agent, worker_group, chosen.processes)
-        return result
-
-    monitor_workers.ends_restarts, monitor_workers.__wrapped__ = True, monitor  # __wrapped__: for the upstream hash
-    chosen.local_agent._monitor_workers = monitor_workers
-
-
-def _report_the_failures_seen(chosen: Agent) -> None:
-    """NVRx 0.6.0's agent ends a run out of restarts with a FAILED result without the failures it saw (launcher.py,
-    ``_invoke_run_with_any_failed_policy``), on which its launcher fails to build the ChildFailedError that names the
-    failed rank (an AssertionError instead): the result gets the failures the monitor last saw back."""
-    invoke_run = chosen.local_agent._invoke_run
-    if getattr(invoke_run, "reports_failures", False):
-        return
-
-    def invoke_run_reporting_failures(agent, *args, **kwargs):
-        result = invoke_run(agent, *args, **kwargs)
-        if result.is_failed() and not result.failures and getattr(agent, "seen_failures", None):
-            result = dataclasses.replace(result, failures=agent.seen_failures)
-        return result
-
-    invoke_run_reporting_failures.reports_failures, invoke_run_reporting_failures.__wrapped__ = True, invoke_run
-    chosen.local_agent._invoke_run = invoke_run_reporting_failures
+def _changed(launcher: ModuleType, processes: ModuleType) -> type:
+    """The launcher module's LocalElasticAgent, from now on this module's subclass of it (its ``launch_agent`` builds
+    the agent by that name: the one module attribute replaced; once per process)."""
+    original = launcher.LocalElasticAgent
+    if issubclass(original, Changes):
+        return original
+    # __wrapped__: the original, for the upstream hash (tests/unit/test_upstream_patches.py)
+    launcher.LocalElasticAgent = type(f"Recipe{original.__name__}", (Changes, original),
+                                      {"processes": processes, "__wrapped__": original, "__module__": __name__})
+    return launcher.LocalElasticAgent
 
 
 class SpareNotNeeded(Exception):
@@ -149,18 +110,46 @@ class SpareNotNeeded(Exception):
         self.why = why
 
 
-def _end_a_spare_the_job_did_not_need(local_agent: type) -> None:
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
+class Changes:
+    """The changes of the module docstring but the last, as overrides of torch's elastic agent's methods (each calls
+    the agent's own first or after): mixed into torch's or NVRx's LocalElasticAgent by :func:`agent`."""
 
-    run = local_agent.run
-    if getattr(run, "ends_unneeded_spares", False):
-        return
+    processes: ModuleType
+    seen_failures: Optional[dict] = None
 
-    def run_or_end_unneeded(agent, *args, **kwargs):
+    def _monitor_workers(self, worker_group):
+        """After a failure a restart would repeat, no restart; after exit 16, what :func:`_after_a_fault_recurred`
+        decides."""
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        result = super()._monitor_workers(worker_group)
+        # NVRx: UNHEALTHY when some ranks failed while others run
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+            self.seen_failures = result.failures
+            codes = {failure.exitcode for failure in result.failures.values()}
+            if codes & set(NOT_RESTARTED):
+                self._remaining_restarts = 0
+            elif EXIT_RERUN_ELSEWHERE in codes and self._remaining_restarts > 0:
+                _after_a_fault_recurred(self, worker_group, self.processes)
+        return result
+
+    def _invoke_run(self, *args, **kwargs):
+        """NVRx 0.6.0's agent ends a run out of restarts with a FAILED result without the failures it saw
+        (launcher.py, ``_invoke_run_with_any_failed_policy``), on which its launcher fails to build the
+        ChildFailedError that names the failed rank (an AssertionError instead): the result gets them back."""
+        result = super()._invoke_run(*args, **kwargs)
+        if result.is_failed() and not result.failures and self.seen_failures:
+            result = dataclasses.replace(result, failures=self.seen_failures)
+        return result
+
+    def run(self, *args, **kwargs):
+        """The agent's run, where a hot spare the job ended without raises SpareNotNeeded."""
+        from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
+
         try:
-            result = run(agent, *args, **kwargs)
+            result = super().run(*args, **kwargs)
         except (RendezvousClosedError, RendezvousConnectionError) as e:
-            if agent._worker_group.group_rank is not None:  # a node that trained, whose restart found the job gone
+            if self._worker_group.group_rank is not None:  # a node that trained, whose restart found the job gone
                 raise
             # which of the two a waiting node sees is a race: the host's agent closes the rendezvous, then exits
             raise SpareNotNeeded("it arrived after the job's rendezvous had closed" if isinstance(
@@ -169,34 +158,20 @@ def _end_a_spare_the_job_did_not_need(local_agent: type) -> None:
             raise SpareNotNeeded("it waited as a hot spare until the job ended")
         return result
 
-    run_or_end_unneeded.ends_unneeded_spares, run_or_end_unneeded.__wrapped__ = True, run
-    local_agent.run = run_or_end_unneeded
-
-
-def _time_restarts(simple_agent: type) -> None:
-    if getattr(simple_agent._restart_workers, "timed", False):
-        return
-    restart_workers, initialize_workers, rendezvous = (simple_agent._restart_workers,
-                                                       simple_agent._initialize_workers, simple_agent._rendezvous)
-
-    def timed_restart(agent, worker_group):  # stops the workers, then initializes them (rendezvous, start)
+    def _restart_workers(self, worker_group):  # stops the workers, then initializes them (rendezvous, start)
         os.environ[RESTART_DECIDED_AT] = repr(time.time())
-        return restart_workers(agent, worker_group)
+        return super()._restart_workers(worker_group)
 
-    def timed_initialize(agent, worker_group):
+    def _initialize_workers(self, worker_group):
         os.environ[WORKERS_STOPPED_AT] = repr(time.time())
-        return initialize_workers(agent, worker_group)
+        return super()._initialize_workers(worker_group)
 
-    def timed_rendezvous(agent, worker_group):
-        result = rendezvous(agent, worker_group)
+    def _rendezvous(self, worker_group):
+        """The rendezvous, timed, and the job store it made named to the workers."""
+        result = super()._rendezvous(worker_group)
         os.environ[RENDEZVOUS_DONE_AT] = repr(time.time())
+        name_the_job_store(worker_group.spec.rdzv_handler)
         return result
-
-    timed_restart.timed = True
-    timed_restart.__wrapped__, timed_initialize.__wrapped__, timed_rendezvous.__wrapped__ = (
-        restart_workers, initialize_workers, rendezvous)
-    simple_agent._restart_workers, simple_agent._initialize_workers, simple_agent._rendezvous = (
-        timed_restart, timed_initialize, timed_rendezvous)
 
 
 def rendezvous_store(rdzv_handler):
@@ -205,33 +180,27 @@ def rendezvous_store(rdzv_handler):
     return store if hasattr(store, "port") else None
 
 
-def _name_the_job_store(simple_agent: type) -> None:
+def name_the_job_store(handler) -> None:
+    """Name the job store of the rendezvous `handler` just completed to the workers this agent starts (their
+    environment), where the agent keeps its rendezvous store to itself; else let them keep their MASTER_ADDR store."""
     from megatron_ext.resilience.job_store import JOB_STORE
 
-    rendezvous = simple_agent._rendezvous
-    if getattr(rendezvous, "names_the_job_store", False):
-        return
-
-    def rendezvous_naming_the_store(agent, worker_group):
-        result = rendezvous(agent, worker_group)
-        handler = worker_group.spec.rdzv_handler
-        store = rendezvous_store(handler)
-        # the round the rendezvous just completed names this world, as torch's own key prefix does (a static
-        # rendezvous, or NVRx's barrier one, has none: the ranks keep their MASTER_ADDR store)
-        round_ = getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None)
-        if handler.use_agent_store or round_ is None or store is None:
-            os.environ.pop(JOB_STORE, None)
-        else:
-            os.environ[JOB_STORE] = f"{store.host}:{store.port}/{handler.get_run_id()}.{round_}"
-        return result
-
-    rendezvous_naming_the_store.names_the_job_store, rendezvous_naming_the_store.__wrapped__ = True, rendezvous
-    simple_agent._rendezvous = rendezvous_naming_the_store
+    store = rendezvous_store(handler)
+    # the round the rendezvous just completed names this world, as torch's own key prefix does (a static
+    # rendezvous, or NVRx's barrier one, has none: the ranks keep their MASTER_ADDR store)
+    round_ = getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None)
+    if handler.use_agent_store or round_ is None or store is None:
+        os.environ.pop(JOB_STORE, None)
+    else:
+        os.environ[JOB_STORE] = f"{store.host}:{store.port}/{handler.get_run_id()}.{round_}"
 
 
 def _stop_ranks_with_a_checkpoint_on_signals(processes: ModuleType) -> None:
     """The agent passes a signal it handles on to the ranks and kills them ``--shutdown-timeout`` seconds later
-    (default 30): the ranks get SIGTERM for SIGINT too."""
+    (default 30): the ranks get SIGTERM for SIGINT too. torch installs a module function, not a method of the agent:
+    it is replaced in its module (once per process)."""
+    if getattr(processes._terminate_process_handler, "stops_with_a_checkpoint", False):
+        return
 
     def raise_stop(signum: int, _frame) -> None:
         received = signal.Signals(signum)
@@ -240,6 +209,7 @@ def _stop_ranks_with_a_checkpoint_on_signals(processes: ModuleType) -> None:
         stop.received = received
         raise stop
 
+    raise_stop.stops_with_a_checkpoint = True
     raise_stop.__wrapped__ = processes._terminate_process_handler  # torch's, for the upstream hash
     processes._terminate_process_handler = raise_stop  # what the agent installs when it starts the ranks
 

@@ -471,18 +471,20 @@ def test_where_the_agent_keeps_its_rendezvous_store_the_ranks_are_given_it_with_
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-    from megatron_ext.resilience.agent import _name_the_job_store
+    from megatron_ext.resilience.agent import Changes
     from megatron_ext.resilience.job_store import JOB_STORE, job_store
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     handler = DynamicRendezvousHandler.from_backend("run", store, C10dRendezvousBackend(store, "run"), 1, 2)
     handler._state_holder.state.round = 3
 
-    class Agent:
+    class TorchsAgent:
         def _rendezvous(self, worker_group):
             return "rendezvous"
 
-    _name_the_job_store(Agent)
+    class Agent(Changes, TorchsAgent):
+        pass
+
     group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=handler))
     monkeypatch.setenv(JOB_STORE, "restored after the test")
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -512,19 +514,21 @@ class _Spare:
 def test_a_spare_the_job_ended_without_is_told_apart_from_a_node_that_failed():
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousConnectionError
 
-    from megatron_ext.resilience.agent import SpareNotNeeded, _end_a_spare_the_job_did_not_need
+    from megatron_ext.resilience.agent import Changes, SpareNotNeeded
 
-    _end_a_spare_the_job_did_not_need(_Spare)
-    assert _Spare("result").run() == "result"
+    class Spare(Changes, _Spare):
+        pass
+
+    assert Spare("result").run() == "result"
     for outcome, why in ((None, "it waited as a hot spare until the job ended"),
                          (RendezvousClosedError(), "it arrived after the job's rendezvous had closed"),
                          (RendezvousConnectionError(), "it waited as a hot spare until the rendezvous host ended")):
         with pytest.raises(SpareNotNeeded) as ended:
-            _Spare(outcome).run()
+            Spare(outcome).run()
         assert ended.value.why == why
     # a node that trained and whose restart then found the job gone is not a spare: the error is its own
     with pytest.raises(RendezvousConnectionError):
-        _Spare(RendezvousConnectionError(), trained=True).run()
+        Spare(RendezvousConnectionError(), trained=True).run()
 
 
 def test_signal_exit_codes_the_rank_log_name_and_store_keys_are_written_once():

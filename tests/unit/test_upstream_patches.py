@@ -149,10 +149,11 @@ PATCHED = [
             "resilience/agent.py"),
     Patched("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler._wrap_store",
             "7cfb065e563578ac", "resilience/agent.py"),
-    # torch's elastic agent (and NVRx's ft_launcher subclass of it), whose methods resilience/agent.py wraps in place:
-    # restarts ended after errors a restart repeats and the failures seen reported (_monitor_workers, _invoke_run),
-    # an unneeded hot spare ended (run), restarts timed (_restart_workers, _initialize_workers, _rendezvous), the
-    # job store named (_rendezvous), signals passed on as a stop with a checkpoint (_terminate_process_handler)
+    # torch's elastic agent (and NVRx's ft_launcher subclass of it), whose methods resilience/agent.py's subclass
+    # overrides (its launcher builds the subclass by the class's name, launch_agent above): restarts ended after errors
+    # a restart repeats and the failures seen reported (_monitor_workers, _invoke_run), an unneeded hot spare ended
+    # (run), restarts timed (_restart_workers, _initialize_workers, _rendezvous), the job store named (_rendezvous);
+    # signals passed on as a stop with a checkpoint (_terminate_process_handler, a module function replaced in place)
     Patched("torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent._monitor_workers",
             "4ba1c04fe76bba95", "resilience/agent.py"),
     Patched("torch.distributed.elastic.agent.server.api.SimpleElasticAgent._invoke_run", "376e457facabbfbc",
@@ -191,6 +192,8 @@ def _resolve(qualified: str):
             continue
     for name in parts[split:]:
         found = getattr(found, name)
+        if isinstance(found, type) and found.__module__.startswith("megatron_ext"):
+            found = found.__wrapped__  # a class this project replaced by its subclass (resilience/agent.py)
     return found
 
 
