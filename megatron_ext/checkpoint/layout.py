@@ -51,8 +51,8 @@ class IterationDir(NamedTuple):
 
 def iteration_dirs(root: str | AnyPath) -> list[IterationDir]:
     """Every ``iter_XXXXXXX`` (and ``.corrupt``) directory in `root`, by iteration."""
-    found = []
-    for path in files.at(root).iterdir() if files.at(root).is_dir() else ():
+    found, base = [], files.at(root)
+    for path in base.iterdir() if base.is_dir() else ():
         match = _ITERATION_DIR.fullmatch(path.name.rstrip("/"))
         if match and path.is_dir():
             found.append(IterationDir(int(match.group(1)), path, match.group(2) is not None))
