@@ -452,18 +452,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write its own copy
             raise ConversionError("run `python -m recipes.convert` as one process, not under torchrun")
+        for flag in ("workers", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size"):  # the last three: import-hf's
+            if getattr(args, flag, 1) < 1:
+                raise ConversionError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
         if args.command == "import-hf":
-            for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                         "workers"):
-                if getattr(args, flag) < 1:
-                    raise ConversionError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
             out = import_hf(args.hf_dir, args.output, args.tensor_model_parallel_size,
                             args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.workers)
             print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
                   f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:
-            if args.workers < 1:
-                raise ConversionError(f"--workers={args.workers} must be >= 1")
             out = export_hf(args.checkpoint, args.output, args.max_shard_size, args.workers)
             print(f"exported {args.checkpoint} → {out}")
     except RecipeError as e:  # a conversion, checkpoint, config or tokenizer error: one line, no traceback

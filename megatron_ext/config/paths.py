@@ -36,10 +36,10 @@ def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:
 
 
 def named_paths(cfg: RecipeConfig) -> list[tuple[str, str, bool]]:
-    """(key, path, written) for every path `cfg` reads or writes (`written`: the run writes there)."""
+    """(key, path, written) for every file-system path `cfg` reads or writes (`written`: the run writes there); its
+    object-storage locations are multi-storage-client's to reach."""
     d, ck, g = cfg.data, cfg.checkpoint, cfg.logging
-    data = [] if d.mock else [*((k, p) for k, p in blend_prefixes(cfg) if not is_object_storage(p)),
-                              ("data.tokenizer_model", d.tokenizer_model)]
+    data = [] if d.mock else [*blend_prefixes(cfg), ("data.tokenizer_model", d.tokenizer_model)]
     read = [*data, ("checkpoint.load", resume_dir(cfg)), ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint),
             ("storage.msc_config", cfg.storage.msc_config)]
     remote = not d.mock and any(is_object_storage(p) for _, p in blend_prefixes(cfg))
