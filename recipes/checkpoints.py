@@ -94,11 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides of --config")
     args = parser.parse_intermixed_args(argv)
     try:
-        if files.is_remote(args.directory):
-            if not args.msc_config:
-                raise ConfigError(f"{args.directory} is in object storage: name multi-storage-client's configuration "
-                                  "with --msc-config (the run's storage.msc_config)")
-            files.enable(args.msc_config)
+        files.enable_named(args.directory, args.msc_config)
         directory = files.at(args.directory)
         if not directory.is_dir():
             raise CheckpointError(f"{args.directory} is not a directory")

@@ -4,6 +4,7 @@ dist_checkpointing format.
     python -m recipes.convert import-hf --hf-dir DIR --output CKPT_DIR [--workers N] \\
         [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M] [--expert-model-parallel-size E]
     python -m recipes.convert export-hf --checkpoint CKPT_DIR --output DIR [--workers N] [--max-shard-size 5GB]
+        [--msc-config FILE: CKPT_DIR in object storage, msc://PROFILE/prefix]
 
 import-hf writes a weights-only checkpoint (iteration 0) plus ``CKPT_DIR/recipe.yaml``, a continued-pretraining
 recipe that starts from those weights (``checkpoint.pretrained_checkpoint``) and resumes from its own
@@ -49,6 +50,7 @@ from megatron_ext.convert.hf_files import (
 )
 from megatron_ext.convert.weight_mapping import hf_to_megatron, megatron_to_hf, vocab_padding
 from megatron_ext.errors import ConfigError, ConversionError, RecipeError
+from megatron_ext.storage import files
 from recipes.saved_model import (
     SavedCheckpoint,
     build_model,
@@ -318,13 +320,15 @@ def _copy_hf_tokenizer(source: Path, output: Path) -> tuple[Optional[int], Optio
     return tokenizer.bos, tokenizer.eos
 
 
-def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, workers: int = 1) -> Path:
-    """Latest checkpoint under `checkpoint` (any layout) → Hugging Face directory at `output`: Llama, or with
+def export_hf(checkpoint: str | Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+              workers: int = 1) -> Path:
+    """Latest checkpoint under `checkpoint` (any layout; local, or in object storage once :func:`files.enable` named
+    its configuration) → Hugging Face directory at `output`: Llama, or with
     qk_layernorm Qwen3; an MoE model as Mixtral, or with qk_layernorm Qwen3-MoE; with multi-latent attention
     DeepSeek-V3; with learnable attention sinks GPT-OSS — in safetensors shards of at most `max_shard_size`
     (transformers' form, one file when it fits), read and written a layer at a time; by `workers` processes, each
     writing every `workers`-th shard (reading the layers those need)."""
-    checkpoint, output = Path(checkpoint), Path(output).absolute()
+    checkpoint, output = str(checkpoint), Path(output).absolute()  # a string: msc:// stays whole, workers get it
     shard_bytes = shard_size_bytes(max_shard_size)
     saved, cfg, shape, dtype = _exported(checkpoint)
     tokenizer = Path(cfg.data.tokenizer_model) if cfg.data.tokenizer_model else None
@@ -361,11 +365,11 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
     return output
 
 
-def _exported(checkpoint: Path) -> tuple[SavedCheckpoint, RecipeConfig, Any, torch.dtype]:
+def _exported(checkpoint: str) -> tuple[SavedCheckpoint, RecipeConfig, Any, torch.dtype]:
     """The checkpoint to export, its config as one process builds it, the Hugging Face shape and the dtype."""
     from megatron_ext.model.llama import PARAMETER_DTYPES
 
-    saved = read_checkpoint(checkpoint)
+    saved = read_checkpoint(files.at(checkpoint))
     cfg = layout_config(saved)
     try:
         shape = families.shape_from_recipe(cfg, saved.vocab_size)
@@ -386,7 +390,7 @@ def _shard_writer(family: Any, shape: Any, dtype: torch.dtype, staging: Path, ma
         max_shard_size, share=share)
 
 
-def _export_share(checkpoint: Path, staging: Path, max_shard_size: str, worker: int, workers: int) -> None:
+def _export_share(checkpoint: str, staging: Path, max_shard_size: str, worker: int, workers: int) -> None:
     """Write the `worker`-th of `workers` shares of the Hugging Face shards into `staging`, reading only the groups
     of weights (:func:`_megatron_state_by_group`) that feed them."""
     from megatron_ext.checkpoint.model_class import gpt_parameter_name
@@ -435,7 +439,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="processes converting at once, each writing every Nth layer (default 1)")
     exp = sub.add_parser("export-hf", help="dist checkpoint (any layout) → Hugging Face Llama, Qwen3, Mixtral or "
                                                    "Qwen3-MoE directory")
-    exp.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
+    exp.add_argument("--checkpoint", required=True,
+                     help="checkpoint root (has the tracker file): local, or msc://PROFILE/prefix with --msc-config")
+    exp.add_argument("--msc-config", help="multi-storage-client's configuration (the run's storage.msc_config), for "
+                                          "a checkpoint in object storage")
     exp.add_argument("--output", type=Path, required=True, help="new Hugging Face model directory")
     exp.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                      help="largest safetensors file, in transformers' size strings (5GB, 100KB; default "
@@ -462,6 +469,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"imported {args.hf_dir} → {out} (continued pretraining: python -m recipes.launch "
                   f"--nproc-per-node N --config {out / 'recipe.yaml'} data.blend=[PREFIX])")
         else:
+            files.enable_named(args.checkpoint, args.msc_config)
             out = export_hf(args.checkpoint, args.output, args.max_shard_size, args.workers)
             print(f"exported {args.checkpoint} → {out}")
     except RecipeError as e:  # a conversion, checkpoint, config or tokenizer error: one line, no traceback

@@ -16,6 +16,7 @@ import torch
 
 from megatron_ext.config.schema import RecipeConfig, config_defaults, without_retired_keys
 from megatron_ext.errors import ConversionError
+from megatron_ext.storage.files import AnyPath
 
 
 @contextlib.contextmanager
@@ -55,15 +56,15 @@ def build_model(cfg: RecipeConfig, vocab_size: int, initialize: bool = True):
 class SavedCheckpoint:
     """What export (or a logits check) needs to rebuild the model of a saved checkpoint."""
 
-    iteration_dir: Path
+    iteration_dir: AnyPath
     cfg: RecipeConfig  # the run config saved with it
     vocab_size: int  # unpadded
     padded_vocab: int  # the embedding rows in the checkpoint
     content: str
 
 
-def read_checkpoint(root: Path) -> SavedCheckpoint:
-    """The latest checkpoint under `root`: its saved config, vocabulary and padded embedding rows."""
+def read_checkpoint(root: AnyPath) -> SavedCheckpoint:
+    """The latest checkpoint under `root` (local, or in object storage): its saved config, vocabulary and padded embedding rows."""
     from megatron.core import dist_checkpointing
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException

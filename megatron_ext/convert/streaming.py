@@ -30,7 +30,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -38,6 +38,9 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_ext.storage import files
+from megatron_ext.storage.files import AnyPath
 
 GLOBALS = "embedding, output layer and final norm"
 _LAYER = re.compile(r"^((?:decoder|mtp)\.layers\.\d+)\.")
@@ -87,14 +90,14 @@ class _Regions(DefaultLoadPlanner):
         return self.regions[(index.fqn, tuple(index.offset))]
 
 
-def stored_keys(iteration_dir: Path) -> set[str]:
+def stored_keys(iteration_dir: AnyPath) -> set[str]:
     """The tensor keys a torch_dist checkpoint holds (its metadata; the caller restricts what unpickling may build,
     :mod:`megatron_ext.checkpoint.safe_unpickle`)."""
-    metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+    metadata = files.checkpoint_reader(iteration_dir).read_metadata()
     return {key for key, stored in metadata.state_dict_metadata.items() if isinstance(stored, TensorStorageMetadata)}
 
 
-def read_group(sharded: dict[str, Any], names: list[str], iteration_dir: Path) -> dict[str, torch.Tensor]:
+def read_group(sharded: dict[str, Any], names: list[str], iteration_dir: AnyPath) -> dict[str, torch.Tensor]:
     """The tensors `names` (state-dict names of the meta model whose sharded state dict is `sharded`) read from the
     checkpoint at `iteration_dir`, each whole as the one-process model holds it (the caller restricts unpickling, as
     for :func:`stored_keys`)."""
@@ -115,7 +118,7 @@ def read_group(sharded: dict[str, Any], names: list[str], iteration_dir: Path) -
         assert part.flattened_range is None, part.key  # model weights are saved whole per region
         regions[(part.key, tuple(part.global_offset))] = part.data.view(
             (1,) * part.prepend_axis_num + tuple(part.local_shape))
-    dcp_load({}, storage_reader=FileSystemReader(str(iteration_dir)), planner=_Regions(regions), no_dist=True)
+    dcp_load({}, storage_reader=files.checkpoint_reader(iteration_dir), planner=_Regions(regions), no_dist=True)
     loaded = dict_list_map_outplace(lambda part: part.data, parts)
     factories, _ = extract_matching_values(wanted, lambda item: isinstance(item, ShardedTensorFactory))
     apply_factory_merges(loaded, factories)

@@ -16,11 +16,11 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from megatron_ext.config.paths import is_object_storage
 from megatron_ext.config.schema import RecipeConfig
-from megatron_ext.errors import require
+from megatron_ext.errors import ConfigError, require
 
 MSC_CONFIG_ENV = "MSC_CONFIG"  # where multi-storage-client reads its configuration file
 
@@ -46,6 +46,18 @@ def enable_for(cfg: RecipeConfig, key: str, location: str) -> Any:
     return enable(cfg.storage.msc_config)
 
 
+def enable_named(location: str, msc_config: Optional[str], option: str = "--msc-config") -> None:
+    """For a command given `location`: when it is in object storage, :func:`enable` with `msc_config` (the command's
+    `option`), which must then be named and exist (ConfigError otherwise)."""
+    if not is_remote(location):
+        return
+    if msc_config is None:
+        raise ConfigError(f"{location} is in object storage: name multi-storage-client's configuration with {option} "
+                          "(the run's storage.msc_config)")
+    require(Path(msc_config).is_file(), option, msc_config, "does not exist")
+    enable(msc_config)
+
+
 def _msc() -> Any:
     """multi-storage-client, with megatron-core's MSC paths on (its configuration named by the environment, as
     :func:`enable` left it for every process of the run)."""
@@ -62,6 +74,16 @@ def is_remote(path: str | AnyPath) -> bool:
 def at(location: str | AnyPath) -> AnyPath:
     """`location` as a path object: multi-storage-client's for object storage, else pathlib's."""
     return _msc().Path(str(location)) if is_remote(location) else Path(location)
+
+
+def checkpoint_reader(directory: str | AnyPath) -> Any:
+    """torch's reader of the distributed checkpoint at `directory`: multi-storage-client's for object storage (as
+    megatron-core's own load picks it), else torch's FileSystemReader."""
+    if is_remote(directory):
+        return _msc().torch.MultiStorageFileSystemReader(str(directory), thread_count=2)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(directory))
 
 
 def remove_tree(path: str | AnyPath) -> None:

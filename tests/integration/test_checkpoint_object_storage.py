@@ -3,16 +3,20 @@ multi-storage-client profiles. Against a real S3-compatible server — moto's, s
 mock of the client — a DP2 run saving asynchronously into a bucket stops at 4, resumes from the bucket and stops at 6
 exactly as the uninterrupted run, then continues in one process (DP 2 → 1, a resharded resume) within the parity
 matrix's bounds; retention keeps the newest two in the bucket, the manifests are there, ``recipes.checkpoints`` lists
-it. A deleted object makes its checkpoint the corrupt one it would be locally (set aside in the bucket, nothing
-deleted, the older one resumed), and a bucket the job cannot write is one line before any rank starts."""
+it, ``export-hf`` exports it (the same files as from a local copy). A deleted object makes its checkpoint the corrupt
+one it would be locally (set aside in the bucket, nothing deleted, the older one resumed), and a bucket the job
+cannot write is one line before any rank starts."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from megatron_ext.checkpoint.layout import TRACKER
+from recipes import convert
 from tests.conftest import parity_overrides
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_scalars, run_env, run_pretrain
@@ -37,7 +41,12 @@ def _keys(endpoint: str, prefix: str) -> list[str]:
     return sorted(entry["Key"][len(prefix):] for entry in listed.get("Contents", []))
 
 
-def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucket, initial_weights, tmp_path):
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in directory.iterdir()}
+
+
+def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucket, initial_weights, megatron,
+                                                                            tmp_path):
     endpoint, config = bucket
     remote = [f"checkpoint.save=msc://{PROFILE}/run", f"storage.msc_config={config}", "checkpoint.async_save=true"]
     run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "whole"), *DP2, *EIGHT])
@@ -64,6 +73,17 @@ def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucke
                              "--msc-config", str(config)], cwd=ROOT, env=run_env({}), capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert "iter_0000008" in listed.stdout and "complete, verified" in listed.stdout and "<- tracker" in listed.stdout
+
+    # export-hf reads the bucket's checkpoint (two workers): the same files as from a local copy of it
+    local = tmp_path / "downloaded"
+    for key in [TRACKER, *(k for k in keys if k.startswith("iter_0000008/"))]:
+        (local / key).parent.mkdir(parents=True, exist_ok=True)
+        s3_client(endpoint).download_file(BUCKET, f"run/{key}", str(local / key))
+    code = megatron(convert.main, ["export-hf", "--checkpoint", f"msc://{PROFILE}/run", "--msc-config", str(config),
+                                   "--output", str(tmp_path / "from_bucket"), "--workers", "2"])
+    assert code == 0
+    megatron(convert.export_hf, local, tmp_path / "from_disk")
+    assert _contents(tmp_path / "from_bucket") == _contents(tmp_path / "from_disk")
 
     # the launcher reads the bucket before any rank starts: the run is complete
     done = run_pretrain(1, [*parity_overrides(None, tmp_path / "done"), *SINGLE_PROCESS, *EIGHT, *remote],

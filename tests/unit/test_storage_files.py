@@ -8,6 +8,7 @@ import time
 import pytest
 
 from megatron_ext.checkpoint import layout
+from megatron_ext.errors import ConfigError
 from megatron_ext.storage import files
 from tests.object_store import msc_config, s3_server
 
@@ -55,3 +56,12 @@ def test_of_two_creators_one_wins_and_a_refresh_moves_the_time_only(root):
     assert lock.stat().st_mtime > before and lock.read_text() == "first"
     lock.unlink()
     assert files.create_exclusively(lock, "second") and lock.read_text() == "second"
+
+
+def test_a_command_given_a_bucket_needs_the_configuration_that_names_it(tmp_path):
+    files.enable_named(str(tmp_path), None)  # a local directory needs none
+    with pytest.raises(ConfigError, match=r"^msc://p/run is in object storage: name multi-storage-client's "
+                                          r"configuration with --msc-config \(the run's storage.msc_config\)$"):
+        files.enable_named("msc://p/run", None)
+    with pytest.raises(ConfigError, match=r"^--msc-config='/nowhere.yaml' is invalid: does not exist$"):
+        files.enable_named("msc://p/run", "/nowhere.yaml")
