@@ -36,7 +36,8 @@ def s3_client(endpoint: str):
 
 
 def msc_config(path: Path, endpoint: str, profiles: dict[str, str]) -> Path:
-    """A multi-storage-client configuration at `path` with one profile per {profile: bucket} of the server."""
+    """A multi-storage-client configuration at `path` with one profile per {profile: bucket} of the server, each
+    bucket's s3:// URLs mapped to its profile."""
     text = "profiles:\n" + "".join(f"""  {profile}:
     storage_provider:
       type: s3
@@ -44,6 +45,7 @@ def msc_config(path: Path, endpoint: str, profiles: dict[str, str]) -> Path:
     credentials_provider:
       type: S3Credentials
       options: {{access_key: test, secret_key: test}}
-""" for profile, bucket in profiles.items())
+""" for profile, bucket in profiles.items()) + "path_mapping:\n" + "".join(
+        f"  s3://{bucket}/: msc://{profile}/\n" for profile, bucket in profiles.items())
     path.write_text(text)
     return path

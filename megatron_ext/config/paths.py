@@ -19,11 +19,15 @@ CONTAINER_MOUNTS_ENV = "CONTAINER_MOUNTED"  # the step's --container-mounts (src
 # a path in object storage, read through NVIDIA's multi-storage-client (storage.msc_config): megatron-core's MSC_PREFIX
 # (datasets/object_storage_utils.py; a unit test holds the two equal — this package stays importable without it)
 MSC_PREFIX = "msc://"
+# an S3 URL, which multi-storage-client maps to one of its profiles (its configuration's path_mapping; without one,
+# a profile of the bucket with the environment's AWS credentials)
+S3_PREFIX = "s3://"
 
 
 def is_object_storage(path: str) -> bool:
-    """Whether `path` is an object in object storage (msc://PROFILE/...) rather than a file-system path."""
-    return str(path).startswith(MSC_PREFIX)
+    """Whether `path` is an object in object storage (msc://PROFILE/... or s3://BUCKET/...) rather than a file-system
+    path."""
+    return str(path).startswith((MSC_PREFIX, S3_PREFIX))
 
 
 def blend_prefixes(cfg: RecipeConfig) -> list[tuple[str, str]]:

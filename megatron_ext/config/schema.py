@@ -457,8 +457,9 @@ class CheckpointConfig:
 class StorageConfig:
     # NVIDIA multi-storage-client's configuration file (its profiles: a bucket, its endpoint and credentials), through
     # which msc://PROFILE/path prefixes in data.*blend are read (megatron-core's object-storage datasets,
-    # docs/data.md) and checkpoint.save/load/pretrained_checkpoint written and read (docs/checkpointing.md); null =
-    # local paths only. The run names its own: MSC_CONFIG and ~/.msc_config.yaml are not read
+    # docs/data.md) and checkpoint.save/load/pretrained_checkpoint written and read (docs/checkpointing.md); an
+    # s3://BUCKET/path is the profile its path_mapping maps it to (else the bucket with the environment's AWS
+    # credentials); null = local paths only. The run names its own: MSC_CONFIG and ~/.msc_config.yaml are not read
     msc_config: Optional[str] = None
     # local directory for the object-storage datasets' index (.idx) files, which megatron-core downloads once and
     # reads from (the .bin is read in ranges, never copied whole); null = data.path_to_cache's object_storage/, else

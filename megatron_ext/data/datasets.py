@@ -41,14 +41,14 @@ def build_datasets(cfg: RecipeConfig, tokenizer: object
     t, d = cfg.train, cfg.data
     eval_samples = t.eval_iters * t.global_batch_size
     sizes = [t.train_iters * t.global_batch_size, eval_samples, eval_samples]
-    split_blends = [parse_blend(b, f"data.{k}") for k, b in
+    remote = object_storage.enable(cfg) is not None
+    split_blends = [object_storage.as_read(parse_blend(b, f"data.{k}")) for k, b in
                     (("train_blend", d.train_blend), ("valid_blend", d.valid_blend), ("test_blend", d.test_blend))]
     per_split = any(split_blends) and not d.mock
-    remote = object_storage.enable(cfg) is not None
     config = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
-        blend=None if per_split or d.mock else parse_blend(d.blend, "data.blend"),
+        blend=None if per_split or d.mock else object_storage.as_read(parse_blend(d.blend, "data.blend")),
         blend_per_split=split_blends if per_split else None,
         split=None if per_split else d.split.replace("/", ","),  # mock: no blend at all → MockGPTDataset
         path_to_cache=d.path_to_cache,

@@ -1,4 +1,5 @@
-"""Token data in object storage: msc://PROFILE/prefix blends read through NVIDIA's multi-storage-client (MSC).
+"""Token data in object storage: msc://PROFILE/prefix (or s3://BUCKET/prefix, which the client maps to a profile)
+blends read through NVIDIA's multi-storage-client (MSC).
 
 megatron-core reads such a dataset itself (``datasets/object_storage_utils.py``, ``indexed_dataset.py``): rank 0
 downloads the index (.idx) into a local cache, every rank reads the tokens (.bin) in byte ranges, without memory
@@ -12,7 +13,7 @@ describing no more tokens than the .bin holds, and every token id below the voca
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from megatron.core.datasets.object_storage_utils import get_index_cache_path
 
@@ -33,11 +34,18 @@ def enable(cfg: RecipeConfig) -> Any:
     return files.enable(cfg.storage.msc_config) if uses_object_storage(cfg) else None
 
 
+def as_read(blend: Optional[tuple[list[str], Optional[list[float]]]]
+            ) -> Optional[tuple[list[str], Optional[list[float]]]]:
+    """A parsed blend with its object-storage prefixes as megatron-core reads them (:func:`files.msc_url`)."""
+    return None if blend is None else ([files.msc_url(prefix) for prefix in blend[0]], blend[1])
+
+
 def index_cache_path(cfg: RecipeConfig, prefix: str) -> Path:
     """Where megatron-core keeps the downloaded index of the object-storage dataset `prefix`."""
     from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
 
-    return Path(get_index_cache_path(prefix + ".idx", ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg))))
+    return Path(get_index_cache_path(files.msc_url(prefix) + ".idx",
+                                     ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg))))
 
 
 def validate_objects(cfg: RecipeConfig, key: str, prefix: str, check_index: Callable[[str, str, int], None]) -> None:
@@ -73,5 +81,5 @@ def dataset(cfg: RecipeConfig, prefix: str) -> Any:
     from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
 
     enable(cfg)
-    return IndexedDataset(prefix, mmap=False,
+    return IndexedDataset(files.msc_url(prefix), mmap=False,
                           object_storage_config=ObjectStorageConfig(path_to_idx_cache=object_storage_cache(cfg)))

@@ -72,8 +72,16 @@ def is_remote(path: str | AnyPath) -> bool:
 
 
 def at(location: str | AnyPath) -> AnyPath:
-    """`location` as a path object: multi-storage-client's for object storage, else pathlib's."""
+    """`location` as a path object: multi-storage-client's for object storage (an s3:// URL as the msc:// one its
+    configuration maps it to), else pathlib's."""
     return _msc().Path(str(location)) if is_remote(location) else Path(location)
+
+
+def msc_url(location: str) -> str:
+    """An object-storage `location` as multi-storage-client names it (msc://PROFILE/..., an s3:// URL through the
+    configuration's path_mapping); another location unchanged. megatron-core reads msc:// data through the client,
+    while it would read s3:// data with boto3 alone (its own credentials and endpoint, not the run's)."""
+    return str(at(location)) if is_remote(location) else location
 
 
 def checkpoint_reader(directory: str | AnyPath) -> Any:

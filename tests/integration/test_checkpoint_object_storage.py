@@ -53,8 +53,10 @@ def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucke
     run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "first"), *DP2, *EIGHT, *remote,
                      "train.exit_interval=4"])
     assert {key.split("/")[0] for key in _keys(endpoint, "run/")} >= {"iter_0000002", "iter_0000004"}
-    proc = run_pretrain(2, [*parity_overrides(None, tmp_path / "exact"), *DP2, *EIGHT, *remote, "train.exit_interval=6"])
-    assert f"resumed from msc://{PROFILE}/run at iteration 4" in proc.stdout, proc.stdout[-3000:]
+    # the same objects named by their S3 URL, which the configuration's path_mapping maps to the profile
+    as_s3 = [f"checkpoint.save=s3://{BUCKET}/run", *remote[1:]]
+    proc = run_pretrain(2, [*parity_overrides(None, tmp_path / "exact"), *DP2, *EIGHT, *as_s3, "train.exit_interval=6"])
+    assert f"resumed from s3://{BUCKET}/run at iteration 4" in proc.stdout, proc.stdout[-3000:]
     whole = {tag: read_scalars(tmp_path / "whole", tag) for tag in TOLERANCE}
     for tag in TOLERANCE:  # the same world resumes onto the uninterrupted run's losses, bit for bit
         resumed = read_scalars(tmp_path / "exact", tag)

@@ -1,8 +1,9 @@
-"""Token data in object storage: data.blend names msc://PROFILE/prefix and storage.msc_config multi-storage-client's
-profiles; megatron-core's object-storage datasets read it (the index downloaded once into storage.cache, the tokens
-in byte ranges). Against a real S3-compatible server — moto's, started on localhost by the test, no mock of the
-client — a DP2 run reads the same samples as the single-process run on the local copy of the data (the parity
-matrix's bounds), and a missing object or an unknown profile is one line before any rank starts."""
+"""Token data in object storage: data.blend names msc://PROFILE/prefix (or s3://BUCKET/prefix, which the
+configuration maps to a profile) and storage.msc_config multi-storage-client's profiles; megatron-core's
+object-storage datasets read it (the index downloaded once into storage.cache, the tokens in byte ranges). Against a
+real S3-compatible server — moto's, started on localhost by the test, no mock of the client — a DP2 run reads the same
+samples as the single-process run on the local copy of the data (the parity matrix's bounds), and a missing object or
+an unknown profile is one line before any rank starts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.object_store import s3_client, s3_server
 
 DATA = ROOT / "data" / "tiny" / "stdlib_text_document"  # the default blend, which the parity runs read
 BUCKET, PROFILE = "tokens", "tokens-on-s3"
-REMOTE = f"msc://{PROFILE}/tiny/stdlib_text_document"
+AS_S3 = f"s3://{BUCKET}/tiny/stdlib_text_document"
 DP2 = ["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
        "parallel.sequence_parallel=false"]
 
@@ -37,7 +38,9 @@ def msc_config(tmp_path_factory) -> Path:
 def test_a_dp2_run_reads_object_storage_as_one_process_reads_the_local_data(msc_config, initial_weights,
                                                                             single_process_reference, tmp_path):
     cache = tmp_path / "cache"
-    run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "tb"), *DP2, f"data.blend=[{REMOTE}]",
+    # named by its S3 URL: the configuration's path_mapping makes it the profile's (megatron-core reads it through
+    # multi-storage-client, not with its own boto3 reader)
+    run_pretrain(2, [*parity_overrides(initial_weights, tmp_path / "tb"), *DP2, f"data.blend=[{AS_S3}]",
                      f"storage.msc_config={msc_config}", f"storage.cache={cache}"])
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

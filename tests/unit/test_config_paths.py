@@ -67,16 +67,16 @@ def test_mock_data_names_no_data_paths():
 
 
 def test_object_storage_prefixes_are_not_file_system_paths():
-    """msc://PROFILE/... blends are objects (data/object_storage.py): not mount-checked; the client's configuration
+    """msc://PROFILE/... and s3://BUCKET/... blends are objects (data/object_storage.py): not mount-checked; the client's configuration
     file and the index cache are files the run reads and writes."""
-    from megatron.core.datasets.object_storage_utils import MSC_PREFIX as MEGATRON_CORES
+    from megatron.core.datasets import object_storage_utils
 
-    from megatron_ext.config.paths import MSC_PREFIX
+    from megatron_ext.config.paths import MSC_PREFIX, S3_PREFIX
 
-    assert MSC_PREFIX == MEGATRON_CORES
-    cfg = load_config(TINY, ["data.blend=[msc://tokens/a_text_document,/data/b_text_document]",
+    assert (MSC_PREFIX, S3_PREFIX) == (object_storage_utils.MSC_PREFIX, object_storage_utils.S3_PREFIX)
+    cfg = load_config(TINY, ["data.blend=[msc://tokens/a_text_document,/data/b_text_document,s3://tok/c_text_document]",
                              "storage.msc_config=/etc/msc.yaml", "storage.cache=/cache/objects"])
     named = {key: (path, written) for key, path, written in named_paths(cfg)}
-    assert [path for path, _ in named.values() if "a_text_document" in path] == []
+    assert [path for path, _ in named.values() if "a_text_document" in path or "c_text_document" in path] == []
     assert named["data.blend"] == ("/data/b_text_document", False)
     assert named["storage.msc_config"] == ("/etc/msc.yaml", False) and named["storage.cache"] == ("/cache/objects", True)

@@ -65,3 +65,8 @@ def test_a_command_given_a_bucket_needs_the_configuration_that_names_it(tmp_path
         files.enable_named("msc://p/run", None)
     with pytest.raises(ConfigError, match=r"^--msc-config='/nowhere.yaml' is invalid: does not exist$"):
         files.enable_named("msc://p/run", "/nowhere.yaml")
+
+
+def test_an_s3_url_is_the_profile_its_configuration_maps_it_to(remote_root):
+    assert files.msc_url("s3://runs/run/iter_0000002") == "msc://runs/run/iter_0000002"
+    assert files.msc_url("/local/run") == "/local/run" and files.msc_url(remote_root) == remote_root
