@@ -34,8 +34,9 @@ pretrain: data
 	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC) \
 		--config $(CONFIG) $(ARGS)
 
+# --durations: the slowest tests, in every CI log, against the suite's 30-minute budget
 test: data
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests $(ARGS)
 
 test-fast: data
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests/unit $(ARGS)

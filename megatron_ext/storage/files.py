@@ -56,6 +56,11 @@ def enable_named(location: str, msc_config: Optional[str], option: str = "--msc-
                           "(the run's storage.msc_config)")
     require(Path(msc_config).is_file(), option, msc_config, "does not exist")
     enable(msc_config)
+    try:
+        at(location)
+    except ValueError as e:  # a profile the configuration does not have
+        raise ConfigError(f"{location}: multi-storage-client cannot resolve it with {option}={msc_config}: "
+                          f"{str(e).splitlines()[0]}") from None
 
 
 def _msc() -> Any:

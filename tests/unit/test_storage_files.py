@@ -3,6 +3,7 @@ in object storage (moto's S3 server on localhost, no mock of the client)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -58,13 +59,18 @@ def test_of_two_creators_one_wins_and_a_refresh_moves_the_time_only(root):
     assert files.create_exclusively(lock, "second") and lock.read_text() == "second"
 
 
-def test_a_command_given_a_bucket_needs_the_configuration_that_names_it(tmp_path):
+def test_a_command_given_a_bucket_needs_the_configuration_that_names_it(remote_root, tmp_path):
     files.enable_named(str(tmp_path), None)  # a local directory needs none
     with pytest.raises(ConfigError, match=r"^msc://p/run is in object storage: name multi-storage-client's "
                                           r"configuration with --msc-config \(the run's storage.msc_config\)$"):
         files.enable_named("msc://p/run", None)
     with pytest.raises(ConfigError, match=r"^--msc-config='/nowhere.yaml' is invalid: does not exist$"):
         files.enable_named("msc://p/run", "/nowhere.yaml")
+    config = os.environ[files.MSC_CONFIG_ENV]  # the module's server's
+    with pytest.raises(ConfigError, match=rf"^msc://p/run: multi-storage-client cannot resolve it with "
+                                          rf"--msc-config={config}: Profile \"p\" not found"):
+        files.enable_named("msc://p/run", config)
+    files.enable_named(remote_root, config)
 
 
 def test_an_s3_url_is_the_profile_its_configuration_maps_it_to(remote_root):
