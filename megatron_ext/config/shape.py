@@ -162,7 +162,11 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0; num_layers + k: the k-th MTP layer's, of the last layer's kind) is
         an MoE layer."""
-        return self.is_moe and bool(self.moe_layers[min(layer, self.num_layers - 1)])
+        return self._moe_flags[min(layer, self.num_layers - 1)]
+
+    @functools.cached_property
+    def _moe_flags(self) -> tuple[bool, ...]:  # is_moe_layer's answers (a search asks millions of times)
+        return tuple(self.is_moe and bool(self.moe_layers[layer]) for layer in range(self.num_layers))
 
     def mlp_parameters(self, active: bool = False, moe: bool = True) -> int:
         """One layer's MLP parameters: the SwiGLU's, or (`moe`, in an MoE model) an MoE layer's router, experts and
@@ -275,10 +279,25 @@ class ModelShape:
 
     def _layer_flops_per_token(self, moe: bool, causal: bool, recompute: Optional[RecomputeGranularity],
                                windowed: bool = False) -> float:
-        kinds = self.layer_flops_by_kind(moe, causal, windowed)
-        matmuls, attention = kinds["dense_gemm"] + kinds["expert_gemm"], kinds["attention"]
-        repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
-        return matmuls + attention + repeated
+        def count() -> float:
+            kinds = self.layer_flops_by_kind(moe, causal, windowed)
+            matmuls, attention = kinds["dense_gemm"] + kinds["expert_gemm"], kinds["attention"]
+            repeated = {None: 0.0, "selective": attention / 3, "full": (matmuls + attention) / 3}[recompute]
+            return matmuls + attention + repeated
+
+        return self._remembered(("layer", moe, causal, recompute, windowed), count)
+
+    @functools.cached_property
+    def _memo(self) -> dict[tuple, Any]:
+        return {}
+
+    def _remembered(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """`compute()`'s result for `key`, computed once per shape: a planner search asks one shape for the same
+        counts across tens of thousands of layouts (a shape is immutable)."""
+        memo = self._memo
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
 
     @functools.cached_property
     def _matmuls(self) -> ModelShape:
@@ -290,6 +309,10 @@ class ModelShape:
         (attention's projections, the dense MLP or an MoE layer's router and shared experts), ``expert_gemm`` (the
         top-k experts' grouped GEMMs) and ``attention`` (the score and value matmuls; `windowed`: a sliding-window
         layer's). They sum to the layer's count."""
+        return dict(self._remembered(("kinds", moe, causal, windowed),
+                                     lambda: self._layer_flops_by_kind(moe, causal, windowed)))
+
+    def _layer_flops_by_kind(self, moe: bool, causal: bool, windowed: bool) -> dict[str, float]:
         plain = self._matmuls
         experts = 6.0 * self.router_topk * 3 * self.hidden_size * self.expert_ffn_hidden_size if (
             moe and self.is_moe) else 0.0
@@ -300,6 +323,11 @@ class ModelShape:
         """What selective recompute of megatron-core's `modules` repeats in one layer's backward pass, per token:
         each recomputed module's forward (a third of its forward+backward count); layernorm and moe_act are
         elementwise (no FLOPs counted)."""
+        modules = tuple(modules)
+        return self._remembered(("recompute", moe, modules, windowed),
+                                lambda: self._recompute_flops_per_token(moe, modules, windowed))
+
+    def _recompute_flops_per_token(self, moe: bool, modules: tuple[str, ...], windowed: bool) -> float:
         kinds = self.layer_flops_by_kind(moe, windowed=windowed)
         h, n = self.hidden_size, self.num_attention_heads
         up_projections = (n * self.query_key_head_dim * self.q_lora_rank + self.kv_lora_rank * n * (
@@ -333,9 +361,13 @@ class ModelShape:
                                recompute: Optional[RecomputeGranularity] = None) -> float:
         """:meth:`layer_flops_per_token` summed over `layers` (each kind of layer counted once, then multiplied: the
         planner asks for many stages of many layouts)."""
-        kinds = collections.Counter((self.is_moe_layer(layer), self.is_window_layer(layer)) for layer in layers)
-        return sum(n * self._layer_flops_per_token(moe, causal, recompute, windowed)
-                   for (moe, windowed), n in kinds.items())
+        def count(layers: Iterable[int]) -> float:
+            kinds = collections.Counter((self.is_moe_layer(layer), self.is_window_layer(layer)) for layer in layers)
+            return sum(n * self._layer_flops_per_token(moe, causal, recompute, windowed)
+                       for (moe, windowed), n in kinds.items())
+
+        layers = layers if isinstance(layers, range) else tuple(layers)
+        return self._remembered(("layers", layers, causal, recompute), lambda: count(layers))
 
 
 def model_flops_per_token(cfg: RecipeConfig, vocab_size: int, causal: bool = True) -> float:

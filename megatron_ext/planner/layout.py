@@ -3,7 +3,6 @@ dimensions on one rank under it (:class:`RankShape`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -82,8 +81,12 @@ class Layout:
         for key, value in self.overrides(cfg).items():
             section, name = key.split(".")
             sections.setdefault(section, {})[name] = value
-        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)
-                                           for section, values in sections.items()})
+        applied = _shallow_copy(cfg)
+        for section, values in sections.items():
+            changed = _shallow_copy(getattr(cfg, section))
+            vars(changed).update(values)
+            setattr(applied, section, changed)
+        return applied
 
     @classmethod
     def of(cls, cfg: RecipeConfig, world_size: int) -> "Layout":
@@ -110,6 +113,15 @@ class Layout:
                 f"{f' offload{self.offload:.0%}' if self.offload else ''}"
                 f"{f' EP{self.ep}' if self.ep > 1 else ''}{f' ETP{self.etp}' if self.etp is not None else ''}"
                 f" mbs{self.mbs} recompute={self.recompute or 'none'}")
+
+
+def _shallow_copy(section: Any) -> Any:
+    """A shallow copy of a config (section), as dataclasses.replace makes one (the config's classes have no
+    __post_init__ and no slots), without its __init__: a search applies a layout to the recipe hundreds of thousands
+    of times."""
+    copied = object.__new__(type(section))
+    vars(copied).update(vars(section))
+    return copied
 
 
 def offload_fraction(cfg: RecipeConfig) -> float:
