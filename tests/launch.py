@@ -115,6 +115,13 @@ def _rank_logs_since(started: float, cmd: list[str]) -> str:
     return "".join(f"\n--- {log} ---\n{log.read_text()[-3000:]}" for log in logs if log.stat().st_mtime >= started)
 
 
+def same_files(one: Path, other: Path) -> bool:
+    """Whether two directories hold the same file names with the same bytes (a file at a time: exported models)."""
+    names = sorted(p.name for p in one.iterdir())
+    return names == sorted(p.name for p in other.iterdir()) and all(
+        (one / n).read_bytes() == (other / n).read_bytes() for n in names)
+
+
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)

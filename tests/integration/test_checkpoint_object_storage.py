@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,15 @@ from megatron_ext.checkpoint.layout import TRACKER
 from recipes import convert
 from tests.conftest import parity_overrides
 from tests.integration.test_parallel_parity import TOLERANCE
-from tests.launch import ROOT, SINGLE_PROCESS, max_relative_difference, read_scalars, run_env, run_pretrain
+from tests.launch import (
+    ROOT,
+    SINGLE_PROCESS,
+    max_relative_difference,
+    read_scalars,
+    run_env,
+    run_pretrain,
+    same_files,
+)
 from tests.object_store import msc_config, s3_client, s3_server
 
 BUCKET, PROFILE = "checkpoints", "ckpt-on-s3"
@@ -39,10 +46,6 @@ def bucket(tmp_path_factory):
 def _keys(endpoint: str, prefix: str) -> list[str]:
     listed = s3_client(endpoint).list_objects_v2(Bucket=BUCKET, Prefix=prefix)
     return sorted(entry["Key"][len(prefix):] for entry in listed.get("Contents", []))
-
-
-def _contents(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in directory.iterdir()}
 
 
 def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucket, initial_weights, megatron,
@@ -85,7 +88,7 @@ def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucke
                                    "--output", str(tmp_path / "from_bucket"), "--workers", "2"])
     assert code == 0
     megatron(convert.export_hf, local, tmp_path / "from_disk")
-    assert _contents(tmp_path / "from_bucket") == _contents(tmp_path / "from_disk")
+    assert same_files(tmp_path / "from_bucket", tmp_path / "from_disk")
 
     # the launcher reads the bucket before any rank starts: the run is complete
     done = run_pretrain(1, [*parity_overrides(None, tmp_path / "done"), *SINGLE_PROCESS, *EIGHT, *remote],

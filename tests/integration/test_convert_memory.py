@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import ROOT, run_env
+from tests.launch import ROOT, run_env, same_files
 
 SHARD = "40MB"
 # runs the converter's command line in this process and prints its peak resident set at exit: the kernel's VmHWM
@@ -60,12 +60,6 @@ def _export(checkpoint: Path, output: Path, workers: int = 1) -> tuple[float, fl
                      "--workers", str(workers))
 
 
-def _same_files(one: Path, other: Path) -> bool:
-    names = sorted(p.name for p in one.iterdir())
-    return names == sorted(p.name for p in other.iterdir()) and all(
-        (one / n).read_bytes() == (other / n).read_bytes() for n in names)
-
-
 def test_conversion_memory_does_not_grow_with_the_layers(tmp_path):
     peaks: dict[tuple[str, int], float] = {}
     seconds: dict[tuple[str, int], float] = {}
@@ -86,6 +80,6 @@ def test_conversion_memory_does_not_grow_with_the_layers(tmp_path):
     # for byte (wall time said, not held: on the 2-core CI VM the two processes' start-up is most of it)
     _, two_import = _import(tmp_path / "hf16", tmp_path / "ckpt16_two", workers=2)
     _, two_export = _export(tmp_path / "ckpt16_two", tmp_path / "out16_two", workers=2)
-    assert _same_files(tmp_path / "out16", tmp_path / "out16_two")
+    assert same_files(tmp_path / "out16", tmp_path / "out16_two")
     print(f"16 layers: import-hf {seconds['import', 16]:.1f} s in one process, {two_import:.1f} s with --workers 2; "
           f"export-hf {seconds['export', 16]:.1f} s, {two_export:.1f} s")
