@@ -1,8 +1,9 @@
 """Sample text from a checkpoint: ``python -m recipes.generate --checkpoint DIR --prompt TEXT``.
 
-Reads the latest checkpoint under DIR (saved under any TP/PP/CP layout, trained or imported), rebuilds the model in
-this one process, encodes the prompt with the run's own tokenizer (``data.tokenizer_model`` of the saved config, or
-``--tokenizer``) and writes a continuation: greedy by default, or sampled with ``--temperature``, ``--top-k`` and
+Reads the latest checkpoint under DIR (saved under any TP/PP/CP layout, trained or imported; local, or in object
+storage as ``msc://PROFILE/prefix`` or ``s3://...`` with ``--msc-config``), rebuilds the model in this one process,
+encodes the prompt with the run's own tokenizer (``data.tokenizer_model`` of the saved config, or ``--tokenizer``)
+and writes a continuation: greedy by default, or sampled with ``--temperature``, ``--top-k`` and
 ``--top-p``. On the CPU, in one process: a look at what the model writes, not a server.
 """
 
@@ -16,13 +17,17 @@ from typing import Optional
 
 from megatron_ext.errors import ConversionError, RecipeError, TokenizerError
 from megatron_ext.model.generation import Sampling, generate
+from megatron_ext.storage import files
 from recipes.saved_model import build_model, layout_config, load_weights, model_parallel_world, read_checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m recipes.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="checkpoint root (has the tracker file)")
+    parser.add_argument("--checkpoint", required=True,
+                        help="checkpoint root (has the tracker file): local, or msc://PROFILE/prefix with --msc-config")
+    parser.add_argument("--msc-config", help="multi-storage-client's configuration (the run's storage.msc_config), "
+                                             "for a checkpoint in object storage")
     parser.add_argument("--prompt", action="append", required=True, help="text to continue; repeat for several")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -40,7 +45,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         from megatron_ext.data.tokenizer import load_tokenizer
 
-        saved = read_checkpoint(args.checkpoint)
+        files.enable_named(args.checkpoint, args.msc_config)
+        saved = read_checkpoint(files.at(args.checkpoint))
         cfg = layout_config(saved)
         path = args.tokenizer or cfg.data.tokenizer_model
         if not path or not Path(path).exists():

@@ -31,8 +31,8 @@ from megatron_ext.errors import (
     ConfigError,
     signal_exit_code,
 )
-from megatron_ext.resilience.agent import RERUNS_ELSEWHERE, Agent, SpareNotNeeded, agent
-from megatron_ext.resilience.failures import rank_log
+from megatron_ext.resilience.agent import RERUNS_ELSEWHERE, SpareNotNeeded, agent
+from megatron_ext.resilience.failures import rank_log, writable_log_dir
 from megatron_ext.resilience.run_record import NodeRecord, forget, node_name, node_record_path, write_node_end
 from recipes.pretrain import fitting_world, import_problem, load_and_validate, nothing_to_do, planned_layout
 
@@ -53,10 +53,13 @@ def _recipe_args(recipe_argv: list[str]) -> tuple[str, list[str]]:
     return recipe_argv[1], recipe_argv[2:]
 
 
-def _node_counts(args, chosen: Agent) -> tuple[range, int]:
-    """(the node counts the agent may start the job on, processes per node), from its own options."""
-    config, _, _ = chosen.config_from_args(args)
-    return range(config.min_nodes, config.max_nodes + 1), config.nproc_per_node
+def _node_counts(args) -> tuple[range, int]:
+    """(the node counts the agent may start the job on, processes per node), from its options (NVRx's launcher takes
+    torchrun's) as torchrun reads them; its config_from_args would also make a log directory the run does not use."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    return range(min_nodes, max_nodes + 1), determine_local_world_size(args.nproc_per_node)
 
 
 def _elastic_overrides(config: str, overrides: list[str], world_size: int, per_node: int) -> list[str]:
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
         logging.getLogger(name).setLevel(level)
     config, overrides = _recipe_args(recipe_argv)
     args = chosen.parse_args([*torchrun_argv, "-m", entry, *recipe_argv])
-    nodes, per_node = _node_counts(args, chosen)
+    nodes, per_node = _node_counts(args)
     world_size, elastic = nodes[-1] * per_node, len(nodes) > 1
     if joins_later(args):
         # torch 2.13's c10d rendezvous shares its TCPStore with the workers and keeps the store address of its first
@@ -185,6 +188,8 @@ def main(argv: list[str] | None = None, entry: str = "recipes.pretrain") -> int:
     if stop:
         print(stop[0], file=sys.stderr if stop[1] else sys.stdout, flush=True)
         return stop[1]
+    if args.log_dir is None:  # torch's agent would leave a directory of its per-rank error files in /tmp per launch
+        args.log_dir = str(writable_log_dir(log_dir(cfg)) / "agent")
     node = node_name()
     forget(node_record_path(log_dir(cfg), node))
     RERUNS_ELSEWHERE.save, RERUNS_ELSEWHERE.min_nodes = cfg.checkpoint.save, nodes[0]

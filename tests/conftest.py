@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -14,7 +15,7 @@ import pytest
 
 from data_prep import train_tokenizer as train_mod
 from tests.corpora import UNICODE_TEXTS, code_docs, write_jsonl
-from tests.launch import ROOT, SINGLE_PROCESS, SMALL_MODEL, run_pretrain
+from tests.launch import ROOT, SESSION_TEMP_DIRS, SINGLE_PROCESS, SMALL_MODEL, run_pretrain
 
 _NOT_THE_TREE = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".te1", ".te2", ".te3", ".whl"}
 _TREE = pytest.StashKey[dict[str, int]]()
@@ -40,6 +41,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for directory in SESSION_TEMP_DIRS:
+        shutil.rmtree(directory, ignore_errors=True)
     before, after = session.config.stash.get(_TREE, None), _tree()
     if before is None:
         return

@@ -15,11 +15,21 @@ from megatron_ext.metrics.run_logger import read_scalars  # noqa: F401 -- re-exp
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
+# Directories the test session shares outside pytest's tmp_path; tests/conftest.py removes them when it ends.
+SESSION_TEMP_DIRS: list[str] = []
+
+
+def session_temp_dir(prefix: str) -> str:
+    """A directory for the whole test session, removed with it (the machine's /tmp is not the tests' to fill)."""
+    SESSION_TEMP_DIRS.append(tempfile.mkdtemp(prefix=prefix))
+    return SESSION_TEMP_DIRS[-1]
+
+
 # megatron-core's GPTDataset index cache, shared by the session's runs: by default it would go next to the data,
 # inside the repository (data/tiny/...), which no test may write into
-DATASET_CACHE = tempfile.mkdtemp(prefix="gptdataset-cache-")
+DATASET_CACHE = session_temp_dir("gptdataset-cache-")
 # Per-rank failure logs of runs whose test does not look at them.
-RANK_LOGS = tempfile.mkdtemp(prefix="rank-logs-")
+RANK_LOGS = session_temp_dir("rank-logs-")
 
 # A smaller shape than the default run so multi-process cases take seconds per step on 2 cores.
 SMALL_MODEL = [
@@ -51,7 +61,9 @@ def launch_prefix(nproc: int, launcher: Launcher = "fork") -> list[str]:
     a user starts them, by torchrun's agent. One process needs no launcher (the recipe starts a world of one)."""
     if launcher == "fork":
         return ["-m", "tests.zygote", *(["-m", "tests.fork_launch", f"--nproc-per-node={nproc}"] if nproc > 1 else [])]
-    return [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    # --log-dir: its agent's per-rank error files, which it would put in a new directory under /tmp per launch
+    return [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                                  f"--log-dir={RANK_LOGS}"]
 
 
 def pretrain_command(nproc: int, overrides: list[str], module: str = "recipes.pretrain",

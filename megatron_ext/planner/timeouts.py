@@ -4,7 +4,8 @@ wait, and how long a stop on a signal needs — from the planned step time and c
 
 * The hang watchdog (``train.hang_timeout_s``): the host sees a step finish only where the loop reads the device, up
   to :func:`~megatron_ext.config.schema.steps_between_device_reads` steps apart; twice that stretch, at least
-  ``HANG_TIMEOUT_FLOOR_S``. The watchdog itself is paused during a save.
+  ``HANG_TIMEOUT_FLOOR_S``. A checkpoint save or load is timed apart (:func:`checkpoint_io_limit_s`): a multiple
+  of its planned write, at least the hang timeout.
 * Collectives (``parallel.distributed_timeout_minutes``): a rank may wait in one for the slowest rank's step or for
   another's checkpoint write; ``COLLECTIVE_MARGIN_S`` above the longer of the hang timeout and the write, so that
   the watchdog names a hung rank before the collectives fail, and at least torch's 10 minutes.
@@ -43,10 +44,22 @@ EXIT_MARGIN_S = 120.0  # after the last save: the run's records, process exit, t
 SLURM_SIGNAL_LEAD_S = 600
 
 
+# A checkpoint save or load this many times its planned write is a hang: the plan writes at DEFAULT_WRITE_GB_S
+# aggregate, and slower shared file systems and object stores run several times below that without being stuck.
+CHECKPOINT_IO_MARGIN = 10.0
+
+
 def hang_ceiling_s(collective_minutes: float) -> float:
     """The longest hang timeout under a collective timeout of `collective_minutes`: COLLECTIVE_MARGIN_S below it (half
     of it when that is shorter), so that the watchdog speaks before the collectives fail."""
     return collective_minutes * 60 - min(COLLECTIVE_MARGIN_S, collective_minutes * 30)
+
+
+def checkpoint_io_limit_s(hang_s: float, save_s: float, collective_minutes: float) -> float:
+    """How long a checkpoint save or load may run before the hang watchdog names it: CHECKPOINT_IO_MARGIN times the
+    planned write `save_s`, at least the hang timeout `hang_s`, at most :func:`hang_ceiling_s` (the watchdog speaks
+    before the collectives waiting for it fail)."""
+    return min(max(hang_ceiling_s(collective_minutes), hang_s), max(hang_s, CHECKPOINT_IO_MARGIN * save_s))
 
 
 @dataclass(frozen=True)

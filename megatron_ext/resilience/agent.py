@@ -57,7 +57,6 @@ class Agent:
 
     name: str
     parse_args: Callable[[list[str]], Any]
-    config_from_args: Callable[[Any], tuple]
     run: Callable[[Any], None]
     local_agent: type  # the LocalElasticAgent subclass its launcher builds: :class:`Changes` over the original
     processes: ModuleType  # elastic.multiprocessing.api: the signal handler it installs, SignalException
@@ -78,13 +77,13 @@ def agent(nvrx: bool) -> Agent:
                               "the NGC image has it)")
         from nvidia_resiliency_ext.fault_tolerance import launcher
 
-        chosen = Agent("NVRx ft_launcher", launcher.parse_args, launcher.config_from_args, launcher.run,
+        chosen = Agent("NVRx ft_launcher", launcher.parse_args, launcher.run,
                        _changed(launcher, processes), processes, ChildFailedError)
     else:
         from torch.distributed import run as torchrun
         from torch.distributed.launcher import api as launcher
 
-        chosen = Agent("torchrun", torchrun.parse_args, torchrun.config_from_args, torchrun.run,
+        chosen = Agent("torchrun", torchrun.parse_args, torchrun.run,
                        _changed(launcher, processes), processes, ChildFailedError)
     _stop_ranks_with_a_checkpoint_on_signals(processes)
     return chosen

@@ -38,16 +38,17 @@ from megatron_ext.resilience.nvrx import RankMonitorHeartbeats
 class HangWatchdog:
     """One per rank; `step_done` after every step, `timed(what)` around checkpoint saves and loads, `close` at the end.
 
-    A save or load is not a step: while one runs the step timeout does not apply, but it may not last beyond the
-    ceiling (the collective timeout less its margin, longer than any planned save) before the watchdog ends the job
-    naming it. The timeout widens to ``HANG_MARGIN`` times the longest stretch between finished steps seen so far (a run
+    A save or load is not a step: while one runs the step timeout does not apply, but it may not last beyond
+    `io_limit_s` (:func:`~megatron_ext.planner.timeouts.checkpoint_io_limit_s`: a multiple of the planned write, at
+    least the step timeout, at most the ceiling) before the watchdog ends the job naming it. The timeout widens to ``HANG_MARGIN`` times the longest stretch between finished steps seen so far (a run
     slower than planned is not taken for hung), never beyond `ceiling_s` (below the collective timeout, so that the
     watchdog still speaks first)."""
 
     def __init__(self, timeout_s: Optional[float], log_dir: str | Path, rank: int, world_size: int,
-                 ceiling_s: Optional[float] = None):
+                 ceiling_s: Optional[float] = None, io_limit_s: Optional[float] = None):
         self.timeout_s, self.log_dir, self.rank, self.world_size = timeout_s, log_dir, rank, world_size
         self.ceiling_s = max(ceiling_s, timeout_s) if ceiling_s and timeout_s else timeout_s
+        self.io_limit_s = min(io_limit_s, self.ceiling_s) if io_limit_s and self.ceiling_s else self.ceiling_s
         self.longest_stretch_s = 0.0
         self.interval = min(max((timeout_s or 0) / 10, 1.0), 10.0)  # >= 1 s: a loaded host still beats in time
         self.iteration = 0
@@ -113,7 +114,7 @@ class HangWatchdog:
             self._beat()
             last, phase = self._last_progress, self._phase
             if phase is not None:
-                if time.monotonic() - phase[1] > self.ceiling_s:
+                if time.monotonic() - phase[1] > self.io_limit_s:
                     self._fire(phase[0])
             elif last is not None and time.monotonic() - last > self.timeout_s:
                 self._fire()
@@ -128,7 +129,7 @@ class HangWatchdog:
 
     def _fire(self, phase: Optional[str] = None) -> None:
         where = phase or f"iteration {self.iteration + 1}"
-        silence = (f"{phase} has not finished in {self.ceiling_s:g} s" if phase else
+        silence = (f"{phase} has not finished in {self.io_limit_s:g} s" if phase else
                    f"no step finished for {self.timeout_s:g} s (the longest stretch before: "
                    f"{self.longest_stretch_s:.1f} s)")
         write_rank_log(self.log_dir, self.rank, where, f"hang watchdog: {silence}; Python stacks of every thread follow")
@@ -174,8 +175,9 @@ class HangWatchdog:
     def _message(self, where: str, stopped: list[int], behind: dict[int, int],
                  procs: dict[int, tuple[str, int]], phase: Optional[str] = None) -> str:
         lines = [f"[rank {self.rank}, {where}] hang: " + (
-            f"{phase} has not finished in {self.ceiling_s:g} s (its limit: the collective timeout, "
-            "parallel.distributed_timeout_minutes, less its margin; longer than the planned checkpoint write)"
+            f"{phase} has not finished in {self.io_limit_s:g} s (its limit: ten times the planned checkpoint write, at "
+            "least train.hang_timeout_s, at most the collective timeout, parallel.distributed_timeout_minutes, less its "
+            "margin)"
             if phase else f"no training step finished for {self.timeout_s:g} s (train.hang_timeout_s) after "
                           f"iteration {self.iteration}")]
         if stopped:

@@ -58,7 +58,8 @@ from megatron_ext.model.build import build_model
 from megatron_ext.model.document_mask import uses_packed_sequences
 from megatron_ext.model.llama import transformer_engine_available
 from megatron_ext.model.moe import expert_biases
-from megatron_ext.planner.timeouts import hang_ceiling_s
+from megatron_ext.planner.goodput import checkpoint_write_s
+from megatron_ext.planner.timeouts import checkpoint_io_limit_s, hang_ceiling_s
 from megatron_ext.resilience import flight_recorder
 from megatron_ext.resilience.divergence import (
     NonFiniteSteps,
@@ -195,7 +196,7 @@ class Trainer:
             self.data.say_how_it_was_tokenized()
         self.run_logger = RunLogger(cfg, vocab, self.world_size, enabled=self.rank == 0)
         self.goodput = GoodputLedger(cfg.checkpoint.save, self.startup.start, writer=self.rank == 0)
-        self._build_monitors()
+        self._build_monitors(vocab)
         self._restore_run_state(resumed.run_state if resumed else None)
 
     def _load_state(self, load: Callable[[], Optional[Resumed]]) -> Optional[Resumed]:
@@ -210,7 +211,7 @@ class Trainer:
     def consumed_samples(self) -> int:
         return self.data.consumed_samples
 
-    def _build_monitors(self) -> None:
+    def _build_monitors(self, vocab_size: int) -> None:
         """Divergence, step re-runs, loss spikes, stragglers, hangs (each off when its setting is null or off) and the
         profiler."""
         t = self.cfg.train
@@ -227,8 +228,11 @@ class Trainer:
                                                 *expert_biases(self.model)], device(), t.recurring_fault,
                                   self.spikes.would_skip if self.spikes.decides_before_update else None)
         self.config.timers = self.metrics.core_timers
-        self.watchdog = HangWatchdog(hang_timeout_s(self.cfg), log_dir(self.cfg), self.rank, self.world_size,
-                                     ceiling_s=hang_ceiling_s(collective_timeout_minutes(self.cfg)))
+        hang_s, collective_minutes = hang_timeout_s(self.cfg), collective_timeout_minutes(self.cfg)
+        io_limit_s = None if hang_s is None else checkpoint_io_limit_s(
+            hang_s, checkpoint_write_s(self.cfg, vocab_size=vocab_size), collective_minutes)
+        self.watchdog = HangWatchdog(hang_s, log_dir(self.cfg), self.rank, self.world_size,
+                                     ceiling_s=hang_ceiling_s(collective_minutes), io_limit_s=io_limit_s)
         self.profiler = StepProfiler(self.cfg, self.rank, self.on_gpu)
 
     def loss_scale(self) -> Optional[float]:

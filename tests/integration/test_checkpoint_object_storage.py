@@ -3,19 +3,22 @@ multi-storage-client profiles. Against a real S3-compatible server — moto's, s
 mock of the client — a DP2 run saving asynchronously into a bucket stops at 4, resumes from the bucket and stops at 6
 exactly as the uninterrupted run, then continues in one process (DP 2 → 1, a resharded resume) within the parity
 matrix's bounds; retention keeps the newest two in the bucket, the manifests are there, ``recipes.checkpoints`` lists
-it, ``export-hf`` exports it (the same files as from a local copy). A deleted object makes its checkpoint the corrupt
+it, ``export-hf`` exports it (the same files as from a local copy) and ``recipes.generate`` writes the same text from
+it as from that copy. A deleted object makes its checkpoint the corrupt
 one it would be locally (set aside in the bucket, nothing deleted, the older one resumed), and a bucket the job
 cannot write is one line before any rank starts."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 
 import pytest
 
 from megatron_ext.checkpoint.layout import TRACKER
-from recipes import convert
+from recipes import convert, generate
 from tests.conftest import parity_overrides
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import (
@@ -46,6 +49,15 @@ def bucket(tmp_path_factory):
 def _keys(endpoint: str, prefix: str) -> list[str]:
     listed = s3_client(endpoint).list_objects_v2(Bucket=BUCKET, Prefix=prefix)
     return sorted(entry["Key"][len(prefix):] for entry in listed.get("Contents", []))
+
+
+def _generated(checkpoint: str, *options: str) -> str:
+    """What recipes.generate prints for the checkpoint (its greedy text)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = generate.main(["--checkpoint", checkpoint, *options, "--prompt", "def", "--max-new-tokens", "8"])
+    assert code == 0
+    return printed.getvalue()
 
 
 def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucket, initial_weights, megatron,
@@ -89,6 +101,8 @@ def test_a_run_saves_to_a_bucket_and_resumes_from_it_exactly_and_resharded(bucke
     assert code == 0
     megatron(convert.export_hf, local, tmp_path / "from_disk")
     assert same_files(tmp_path / "from_bucket", tmp_path / "from_disk")
+    from_bucket = megatron(_generated, f"s3://{BUCKET}/run", "--msc-config", str(config))
+    assert from_bucket == megatron(_generated, str(local)) and from_bucket.startswith("--- 'def'\ndef"), from_bucket
 
     # the launcher reads the bucket before any rank starts: the run is complete
     done = run_pretrain(1, [*parity_overrides(None, tmp_path / "done"), *SINGLE_PROCESS, *EIGHT, *remote],

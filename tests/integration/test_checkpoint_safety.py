@@ -94,7 +94,8 @@ def test_of_two_runs_started_together_on_one_directory_one_is_refused(tmp_path):
     def plain_torchrun(i: int) -> list[str]:
         python, *recipe = pretrain_command(1, _overrides(tmp_path, f"tb{i}", "train.train_iters=60",
                                                          f"checkpoint.save={ckpt}"))
-        return [python, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={ports[i]}", *recipe]
+        return [python, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={ports[i]}",
+                f"--log-dir={tmp_path}", *recipe]
 
     procs = [subprocess.Popen(plain_torchrun(i), cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -338,7 +339,8 @@ def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint_to_resume
                            f"logging.log_dir={tmp_path / 'logs'}", f"data.path_to_cache={DATASET_CACHE}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "FAIL_ITERATION": "4", "FAIL_RANK": "0",
            "HANG_MARKER": str(marker), "HANG_AT": hang_at}
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                            f"--log-dir={tmp_path}", "-m",
                             "tests.workers.checkpoint_fault_worker", "--config", str(TINY), *overrides], cwd=ROOT, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -478,8 +480,8 @@ def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_p
 def test_a_save_that_never_finishes_is_named_by_the_hang_watchdog(tmp_path):
     """Rank 1's save of iteration 4 never returns (its writer stuck: the fault worker's HANG_MARKER) while rank 0
     waits for it in the save's collectives: the watchdog, whose step timeout does not apply during a save, ends the
-    job when the save outlasts its limit (the collective timeout, 1 minute here, less its margin: 30 s), naming the
-    save — not "a stuck device or network" after the collective timeout — with every rank's stacks in its log and
+    job when the save outlasts its limit (ten times the tiny model's planned write, at least the hang timeout: 10 s;
+    the collectives time out after 1 minute), naming the save — not "a stuck device or network" after the collective timeout — with every rank's stacks in its log and
     the tracker still at iteration 2."""
     from megatron_ext.errors import EXIT_HUNG
 
@@ -492,7 +494,7 @@ def test_a_save_that_never_finishes_is_named_by_the_hang_watchdog(tmp_path):
                         module="tests.workers.checkpoint_fault_worker", check=False, env=env, timeout=300)
     assert f"exitcode : {EXIT_HUNG}" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("[rank 0, the checkpoint save of iteration 4] hang: the checkpoint save of iteration 4 has not finished "
-            "in 30 s") in proc.stderr, proc.stderr[-3000:]
+            "in 10 s") in proc.stderr, proc.stderr[-3000:]
     assert "a stuck device or network" not in proc.stderr
     assert "checkpoint_fault_worker.py" in (logs / "rank-1.log").read_text()  # where rank 1 waits
     assert latest_iteration(ckpt) == 2

@@ -21,7 +21,7 @@ def test_bad_layout_is_one_line_from_the_launcher_and_once_under_plain_torchrun(
     assert len(launch.stderr.strip().splitlines()) == 1 and "[rank" not in launch.stdout, launch.stdout + launch.stderr
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         "-m", "recipes.pretrain", "--config", str(TINY)],
+         f"--log-dir={tmp_path}", "-m", "recipes.pretrain", "--config", str(TINY)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import typing
 
 import pytest
@@ -16,7 +15,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from megatron_ext.config.ranges import RANGES, Range
 from megatron_ext.config.schema import RecipeConfig, load_config
 from megatron_ext.errors import ConfigError
-from tests.launch import TINY
+from tests.launch import TINY, session_temp_dir
 
 
 def _numeric_keys(schema: type = RecipeConfig, prefix: str = ""):
@@ -32,7 +31,7 @@ def _numeric_keys(schema: type = RecipeConfig, prefix: str = ""):
 
 
 NUMERIC = dict(_numeric_keys())
-set_hypothesis_home_dir(tempfile.mkdtemp(prefix="hypothesis-"))  # its caches stay out of the repository
+set_hypothesis_home_dir(session_temp_dir("hypothesis-"))  # its caches stay out of the repository
 
 
 def test_every_numeric_key_has_a_range():

@@ -1,6 +1,6 @@
 """Timeouts follow the plan (megatron_ext/planner/timeouts.py): derived for auto, kept when set, checked against each
 other and the plan; every shipped recipe survives its own step, save and stop; the hang watchdog widens to what it
-sees, never past its ceiling."""
+sees, never past its ceiling; a checkpoint save or load may take a multiple of its planned write."""
 
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ from megatron_ext.config.schema import (
 )
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.timeouts import (
+    CHECKPOINT_IO_MARGIN,
     COLLECTIVE_MARGIN_S,
     EXIT_MARGIN_S,
     SLURM_SIGNAL_LEAD_S,
+    checkpoint_io_limit_s,
     derive_timeouts,
+    hang_ceiling_s,
     planned_timeouts,
     timeout_warnings,
 )
@@ -159,3 +162,24 @@ def test_rank_0_says_at_start_up_when_the_save_interval_costs_goodput(caplog):
         said[save_interval] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("advice: ")]
     assert len(said["null"]) == 1 and "set checkpoint.save_interval=31 " in said["null"][0], said
     assert said["31"] == []
+
+
+def test_a_save_may_take_a_multiple_of_its_planned_write_at_least_the_hang_timeout_below_the_ceiling(tmp_path):
+    assert checkpoint_io_limit_s(10.0, 0.01, 1) == 10.0  # a tiny model's save: the hang timeout
+    assert checkpoint_io_limit_s(300.0, 120.0, 30) == CHECKPOINT_IO_MARGIN * 120.0
+    assert checkpoint_io_limit_s(300.0, 600.0, 30) == hang_ceiling_s(30) == 30 * 60 - COLLECTIVE_MARGIN_S
+    assert checkpoint_io_limit_s(900.0, 0.0, 10) == 900.0  # a set hang timeout above the ceiling is kept
+    dog = HangWatchdog(10.0, tmp_path, 0, 1, ceiling_s=30.0, io_limit_s=12.0)
+    assert (dog.io_limit_s, HangWatchdog(10.0, tmp_path, 0, 1, ceiling_s=30.0).io_limit_s) == (12.0, 30.0)
+
+
+def test_the_watchdog_names_a_save_that_outlasts_its_limit(monkeypatch, tmp_path):
+    now, fired = [0.0], []
+    monkeypatch.setattr(watchdog_module.time, "monotonic", lambda: now[0])
+    dog = HangWatchdog(10.0, tmp_path, 0, 1, ceiling_s=30.0, io_limit_s=12.0)
+    monkeypatch.setattr(dog, "_fire", lambda phase=None: fired.append(phase))
+    monkeypatch.setattr(dog._stop, "wait", lambda _: len(fired) > 0 or now.__setitem__(0, now[0] + 5.0))
+    dog.step_done(1)
+    with dog.timed("the checkpoint save of iteration 1"):
+        dog._run()
+    assert fired == ["the checkpoint save of iteration 1"] and now[0] == 15.0  # the first beat past 12 s
