@@ -4,9 +4,14 @@ naming the key and what to do, before any process starts (called by :func:`megat
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_ext.config.schema import ModelConfig, RecipeConfig, expert_tensor_parallel_size, recomputed_modules
 from megatron_ext.config.shape import ModelShape, moe_layer_pattern
 from megatron_ext.errors import require
+
+_UNVERIFIED_WITH_MOE = "is not verified with MoE models here: set it false (docs/moe.md)"
+_UNVERIFIED_WITH_MTP = "is not verified with multi-token prediction (model.mtp_num_layers) here yet: set it false"
 
 
 def validate_moe_layer_freq(m: ModelConfig) -> None:
@@ -59,7 +64,7 @@ def validate_moe(cfg: RecipeConfig, world_size: int) -> None:
             f"EP × expert_tensor_parallel_size = {ep}×{etp} = {ep * etp} must divide the {non_pipeline} ranks of each "
             f"pipeline stage (world size {world_size} / PP {pp}): the expert layers regroup those ranks into "
             f"EP×ETP×expert-DP")
-    require(tp == 1 or p.sequence_parallel, "parallel.sequence_parallel", False,
+    require(tp == 1 or p.sequence_parallel or not needs_sequence_parallel(m), "parallel.sequence_parallel", False,
             "megatron-core's MoE layer trains under tensor parallelism only with sequence parallelism: set it true")
     require(not (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
             "model.moe_router_pre_softmax", False, "top-1 routing with softmax scores needs the softmax over all "
@@ -88,11 +93,10 @@ def validate_moe(cfg: RecipeConfig, world_size: int) -> None:
             "the grouped GEMM is TransformerEngine's (TEGroupedMLP): set model.attention_backend=auto or te")
     _validate_flex_dispatcher(cfg)
     _validate_expert_overlap(cfg)
-    # combinations no MoE run here has verified yet
-    for ok, key, value in [(not p.use_megatron_fsdp, "parallel.use_megatron_fsdp", True),
-                           (cfg.train.cuda_graph_impl != "local", "train.cuda_graph_impl", "local"),
+    # combinations no MoE run here has verified yet (Megatron-FSDP: megatron_fsdp_refusal)
+    for ok, key, value in [(cfg.train.cuda_graph_impl != "local", "train.cuda_graph_impl", "local"),
                            (not cfg.optimizer.optimizer_cpu_offload, "optimizer.optimizer_cpu_offload", True)]:
-        require(ok, key, value, "is not verified with MoE models here: set it false (docs/moe.md)")
+        require(ok, key, value, _UNVERIFIED_WITH_MOE)
 
 
 def _validate_flex_dispatcher(cfg: RecipeConfig) -> None:
@@ -180,21 +184,40 @@ def validate_mla(cfg: RecipeConfig) -> None:
             "(data.reset_attention_mask still keeps attention within each document)")
 
 
+def needs_sequence_parallel(m: ModelConfig) -> bool:
+    """Whether model `m` trains under tensor parallelism only with sequence parallelism (megatron-core's MoE layer);
+    the planner searches no other layout for it."""
+    return m.num_moe_experts is not None
+
+
+def megatron_fsdp_refusal(m: ModelConfig) -> Optional[str]:
+    """Why parallel.use_megatron_fsdp is refused for model `m` whatever the layout (what no run here has verified
+    it with), or None. The planner leaves ZeRO-2/3 out of its search on it."""
+    if m.num_moe_experts is not None:
+        return _UNVERIFIED_WITH_MOE
+    if m.mtp_num_layers is not None:
+        return _UNVERIFIED_WITH_MTP
+    return None
+
+
+def validate_megatron_fsdp_model(cfg: RecipeConfig) -> None:
+    why = megatron_fsdp_refusal(cfg.model)
+    require(not cfg.parallel.use_megatron_fsdp or why is None, "parallel.use_megatron_fsdp", True, why or "")
+
+
 def validate_mtp(cfg: RecipeConfig) -> None:
     """Multi-token prediction: what it is verified with here (its layers sit on the last pipeline stage, in its last
     virtual stage: megatron-core's default placement)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, t = cfg.model, cfg.train
     if m.mtp_num_layers is None:
         return
     require(m.untie_embeddings_and_output_weights, "model.untie_embeddings_and_output_weights", False,
             "multi-token prediction is verified here with an output layer of its own (DeepSeek-V3's): set it true")
     require(not t.fused_linear_cross_entropy, "train.fused_linear_cross_entropy", True, "computes the main loss only; "
             "multi-token prediction's losses need megatron-core's output layer: set it false")
-    for ok, key in [(not p.use_megatron_fsdp, "parallel.use_megatron_fsdp"),
-                    (not cfg.data.reset_attention_mask, "data.reset_attention_mask"),
+    for ok, key in [(not cfg.data.reset_attention_mask, "data.reset_attention_mask"),
                     (not cfg.data.reset_position_ids, "data.reset_position_ids")]:
-        require(ok, key, True, "is not verified with multi-token prediction (model.mtp_num_layers) here yet: "
-                "set it false")
+        require(ok, key, True, _UNVERIFIED_WITH_MTP)
 
 
 def validate_model_class(cfg: RecipeConfig) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from megatron_ext.config.cuda_graph_rules import validate_cuda_graphs
 from megatron_ext.config.model_rules import (
     validate_attention_and_glu,
+    validate_megatron_fsdp_model,
     validate_mla,
     validate_model_class,
     validate_moe,
@@ -251,6 +252,7 @@ def validate_layout_rules(cfg: RecipeConfig, world_size: int, te_available: bool
     _validate_kernels(cfg, te_available)
     validate_cuda_graphs(cfg)
     _validate_megatron_fsdp(cfg, dp * cp)
+    validate_megatron_fsdp_model(cfg)
     validate_moe(cfg, world_size)
     validate_optimizer(cfg)
     _validate_activation_offload(cfg)

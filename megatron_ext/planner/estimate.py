@@ -59,49 +59,70 @@ class Estimate:
                 "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 1), "fits": self.fits}
 
 
+class _Stages:
+    """What every pipeline stage's memory of one layout shares, worked out once per estimate."""
+
+    def __init__(self, cfg: RecipeConfig, vocab_size: int, world_size: int, grad_bytes: int):
+        self.cfg, self.vocab_size, self.world_size, self.grad_bytes = cfg, vocab_size, world_size, grad_bytes
+        self.layout, self.shape = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size)
+        self.stages = tuple(pipeline_stage_layers(cfg))
+        self._largest: dict[bool, float] = {}
+
+    def largest_layer_activation(self, moe: bool) -> float:
+        """The working set of the layer being back-propagated (recomputed or not: it is materialized then)."""
+        if moe not in self._largest:
+            cfg = self.cfg
+            no_recompute = cfg if cfg.train.recompute_granularity is None else dataclasses.replace(
+                cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
+            self._largest[moe] = layer_activation_bytes(no_recompute, moe=moe)
+        return self._largest[moe]
+
+    def memory(self, pp_rank: int) -> dict[str, float]:
+        cfg, layout, shape, stages = self.cfg, self.layout, self.shape, self.stages
+        d_bytes = shape.bytes_per_value
+        bucket_size = ddp_bucket_size(cfg, layout.dp)
+        params, grads, owned = stage_static(shape, stages, layout.vpp, pp_rank, layout.dp, layout.distopt, bucket_size)
+        if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
+            expert_params, expert_grads, expert_owned = expert_static(
+                shape, self.world_size, stages, layout.vpp, pp_rank, layout.distopt, bucket_size)
+            params, grads, owned = params + expert_params, grads + expert_grads, (max(owned) + max(expert_owned),)
+        gathered = 0
+        if layout.sharding:
+            params, grads, shard, gathered = sharded_static(shape, layout.dp * layout.cp, layout.sharding,
+                                                            layout.replicas, cfg.parallel.outer_dp_sharding_strategy)
+            owned = (shard,)
+        tokens = layout.mbs * shape.seq // layout.cp
+        # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
+        largest = max(self.largest_layer_activation(moe) for moe in {
+            shape.model.is_moe_layer(layer) for layer in stage_layer_indices(stages, layout.vpp, pp_rank)})
+        buffers = largest * (2 if layout.recompute == "full" else 1)
+        if layout.sp:
+            buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
+        if layout.sharding:  # gathered layers, and one layer's unsharded gradients before their reduce-scatter
+            buffers += (gathered + largest_layer_elements(shape)) * d_bytes
+        if stage_chunks(stages, layout.vpp, pp_rank)[-1][2]:
+            buffers += output_loss_bytes(cfg, shape, tokens)[1]
+        if cfg.data.reset_attention_mask:  # document ids and FlexAttention's block mask, per micro batch
+            buffers += block_mask_bytes(layout.mbs, shape.seq)
+        # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
+        # optimizer.optimizer_cpu_offload keeps that fraction of the state (fp32 master weights, moments) in host
+        # memory.
+        on_device = 1 - layout.offload
+        mem = {
+            "params": params * d_bytes, "grads": grads * self.grad_bytes,
+            "optimizer": max(owned) * optimizer_bytes_per_element(shape) * on_device,
+            "activations": stage_activation_bytes(cfg, self.vocab_size, self.world_size, pp_rank),
+            "buffers": buffers, "reserved": NON_TORCH_RESERVE_GIB * GIB,
+        }
+        mem["total"] = sum(mem.values())
+        mem["host"] = layout.offload * max(owned) * HOST_BYTES_PER_OFFLOADED_ELEMENT  # not on the GPU: not in the total
+        return mem
+
+
 def stage_memory(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int,
                   grad_bytes: int) -> dict[str, float]:
     """Peak bytes on one pipeline stage (worst DP×CP rank), by category."""
-    layout, shape, stages = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size), tuple(pipeline_stage_layers(cfg))
-    d_bytes = shape.bytes_per_value
-    bucket_size = ddp_bucket_size(cfg, layout.dp)
-    params, grads, owned = stage_static(shape, stages, layout.vpp, pp_rank, layout.dp, layout.distopt, bucket_size)
-    if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
-        expert_params, expert_grads, expert_owned = expert_static(
-            shape, world_size, stages, layout.vpp, pp_rank, layout.distopt, bucket_size)
-        params, grads, owned = params + expert_params, grads + expert_grads, (max(owned) + max(expert_owned),)
-    gathered = 0
-    if layout.sharding:
-        params, grads, shard, gathered = sharded_static(shape, layout.dp * layout.cp, layout.sharding,
-                                                        layout.replicas, cfg.parallel.outer_dp_sharding_strategy)
-        owned = (shard,)
-    tokens = layout.mbs * shape.seq // layout.cp
-    no_recompute = cfg if cfg.train.recompute_granularity is None else dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, recompute_granularity=None))
-    # Working set of the layer being back-propagated (and the one being recomputed, with full recompute).
-    largest = max(layer_activation_bytes(no_recompute, moe=moe) for moe in {
-        shape.model.is_moe_layer(layer) for layer in stage_layer_indices(stages, layout.vpp, pp_rank)})
-    buffers = largest * (2 if layout.recompute == "full" else 1)
-    if layout.sp:
-        buffers += tokens * shape.hidden * d_bytes  # all-gathered input of one linear
-    if layout.sharding:  # gathered layers, and one layer's unsharded gradients before their reduce-scatter
-        buffers += (gathered + largest_layer_elements(shape)) * d_bytes
-    if stage_chunks(stages, layout.vpp, pp_rank)[-1][2]:
-        buffers += output_loss_bytes(cfg, shape, tokens)[1]
-    if cfg.data.reset_attention_mask:  # document ids and FlexAttention's block mask, per micro batch
-        buffers += block_mask_bytes(layout.mbs, shape.seq)
-    # bf16 grads get fp32 copies for the optimizer shard only at step time, after activations are freed.
-    # optimizer.optimizer_cpu_offload keeps that fraction of the state (fp32 master weights, moments) in host memory.
-    on_device = 1 - layout.offload
-    mem = {
-        "params": params * d_bytes, "grads": grads * grad_bytes,
-        "optimizer": max(owned) * optimizer_bytes_per_element(shape) * on_device,
-        "activations": stage_activation_bytes(cfg, vocab_size, world_size, pp_rank),
-        "buffers": buffers, "reserved": NON_TORCH_RESERVE_GIB * GIB,
-    }
-    mem["total"] = sum(mem.values())
-    mem["host"] = layout.offload * max(owned) * HOST_BYTES_PER_OFFLOADED_ELEMENT  # not on the GPU: not in the total
-    return mem
+    return _Stages(cfg, vocab_size, world_size, grad_bytes).memory(pp_rank)
 
 
 def stage_peak_bytes(cfg: RecipeConfig, vocab_size: int, world_size: int, pp_rank: int) -> float:
@@ -120,7 +141,8 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     """
     layout, shape = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size)
     grad_bytes = 4 if grad_reduce_in_fp32 else shape.bytes_per_value
-    stages = [stage_memory(cfg, vocab_size, world_size, r, grad_bytes) for r in range(layout.pp)]
+    per_stage = _Stages(cfg, vocab_size, world_size, grad_bytes)
+    stages = [per_stage.memory(r) for r in range(layout.pp)]
     peak_stage = max(range(layout.pp), key=lambda r: stages[r]["total"])
     memory = stages[peak_stage]
     fits = (memory["total"] * (1 + FRAGMENTATION) <= gpu.memory_gib * GIB

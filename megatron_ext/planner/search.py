@@ -8,6 +8,7 @@ import itertools
 import math
 from typing import Any, Iterator, Optional
 
+from megatron_ext.config.model_rules import megatron_fsdp_refusal, needs_sequence_parallel
 from megatron_ext.config.schema import RecipeConfig, ShardingStrategy, model_expert_tensor_parallel_size
 from megatron_ext.config.validate import validate_layout_rules
 from megatron_ext.errors import ConfigError
@@ -83,6 +84,10 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
     (:func:`plan`)."""
     gpn = min(gpus_per_node, world_size)
     layers = cfg.model.num_layers
+    # ZeRO-2/3 only where the model may use Megatron-FSDP at all (else every such layout would be refused below)
+    shardings = [choice for choice in _DATA_PARALLEL_SHARDINGS
+                 if choice[1] is None or megatron_fsdp_refusal(cfg.model) is None]
+    sequence_parallel = [True] if needs_sequence_parallel(cfg.model) else [False, True]  # under TP
     for tp in _divisors(gpn):
         for pp in _divisors(world_size // tp):
             splits: list[tuple[Optional[int], tuple[Optional[int], Optional[int]]]] = [
@@ -92,7 +97,7 @@ def candidate_layouts(cfg: RecipeConfig, world_size: int, gpus_per_node: int,
             for cp in [c for c in _divisors(world_size // (tp * pp)) if c == 1 or
                        cfg.model.seq_length // (2 * c) >= MIN_CP_CHUNK_TOKENS]:
                 dp = world_size // (tp * pp * cp)
-                choices = itertools.product(splits, [False, True] if tp > 1 else [False], _DATA_PARALLEL_SHARDINGS,
+                choices = itertools.product(splits, sequence_parallel if tp > 1 else [False], shardings,
                                             (None, "selective", "full"), micro_batch_sizes,
                                             _expert_layouts(cfg, world_size // pp, tp))
                 for (vpp, (first, last)), sp, (distopt, sharding), recompute, mbs, (ep, etp) in choices:
