@@ -10,6 +10,7 @@ per-row correction. Local layers (megatron-core's own, eager or compiled) keep t
 
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
 from megatron_ext.config.schema import RecipeConfig
@@ -93,36 +94,39 @@ def te_compute_seconds(cfg: RecipeConfig, shape: RankShape, layers: Sequence[int
     per_expert = 0.0
     if shape.experts:  # a balanced share of the EP group's routed tokens per local expert
         per_expert = shape.ep * tokens / (tp if shape.sp else 1) * shape.topk / shape.experts
-    for layer in layers:
-        moe, windowed = model.is_moe_layer(layer), model.is_window_layer(layer)
+    # layers of one kind cost the same: each kind once, times its count (a search asks for every layer of every stage)
+    kinds_of_layers = collections.Counter((model.is_moe_layer(layer), model.is_window_layer(layer)) for layer in layers)
+    for (moe, windowed), count in kinds_of_layers.items():
         kinds = model.layer_flops_by_kind(moe, windowed=windowed)
         scale = 4 / 3 if recompute == "full" else 1.0  # the forward again
         for kind, value in kinds.items():
-            flops[kind] += value * scale
+            flops[kind] += count * value * scale
         if recompute == "selective":
-            flops["dense_gemm"] += model.recompute_flops_per_token(moe, [m for m in modules if m != "core_attn"])
-            flops["attention"] += model.recompute_flops_per_token(moe, [m for m in modules if m == "core_attn"],
-                                                                  windowed)
+            flops["dense_gemm"] += count * model.recompute_flops_per_token(
+                moe, [m for m in modules if m != "core_attn"])
+            flops["attention"] += count * model.recompute_flops_per_token(
+                moe, [m for m in modules if m == "core_attn"], windowed)
         ffn = shape.topk * shape.expert_ffn + shape.shared_ffn if moe else shape.ffn
         dense_ffn = shape.shared_ffn if moe else shape.ffn
         # weights on this rank and each token's GEMM inputs and outputs (qkv, proj, fc1, fc2), read or written once
         # per pass: forward, input gradient, weight gradient
-        operands["dense_gemm"] += 3 * width * (
+        operands["dense_gemm"] += count * 3 * width * (
             (model.attention_parameters() + 3 * h * dense_ffn) / tp
             + tokens * (4 * h + (model.attention_parameters() / h + 3 * dense_ffn) / tp))
         if moe:
             experts_here, f = shape.experts // shape.ep, shape.expert_ffn // shape.etp
-            operands["expert_gemm"] += 3 * width * experts_here * (3 * h * f + per_expert * (2 * h + 3 * f))
-        elements += ELEMENTWISE_PER_HIDDEN * h + ELEMENTWISE_PER_FFN * ffn + (
-            PERMUTE_PER_ROUTED_HIDDEN * shape.topk * h if moe else 0)
+            operands["expert_gemm"] += count * 3 * width * experts_here * (
+                3 * h * f + per_expert * (2 * h + 3 * f))
+        elements += count * (ELEMENTWISE_PER_HIDDEN * h + ELEMENTWISE_PER_FFN * ffn + (
+            PERMUTE_PER_ROUTED_HIDDEN * shape.topk * h if moe else 0))
         # every linear's input and output gradient quantized, forward and backward: attention's in and out
         # projections' and the MLP's (up: h → 2f, down: f → h)
-        quantized += 2 * (h + model.num_attention_heads * model.query_key_head_dim) + 2 * (
-            2 * (h + 2 * ffn) + (ffn + h))
+        quantized += count * (2 * (h + model.num_attention_heads * model.query_key_head_dim) + 2 * (
+            2 * (h + 2 * ffn) + (ffn + h)))
         # the sync stays with per-layer graphs (the experts and their dispatch run outside them); a full-iteration
         # graph pads the experts to a capacity and has none
         dropless = moe and cfg.model.moe_expert_capacity_factor is None and t.cuda_graph_impl != "full_iteration"
-        launch += LAUNCH_S * (1 - graphed_launch_share(cfg, moe)) + (MOE_SYNC_S if dropless else 0.0)
+        launch += count * (LAUNCH_S * (1 - graphed_launch_share(cfg, moe)) + (MOE_SYNC_S if dropless else 0.0))
     if output_layer:
         flops["dense_gemm"] += model.output_layer_flops_per_token(shape.vocab) + model.mtp_num_layers * (
             model.output_layer_flops_per_token(shape.vocab) + 12.0 * h * h)
