@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -353,10 +354,12 @@ def test_a_skipped_nonfinite_step_or_spike_leaves_weights_optimizer_state_and_sc
 
 def test_ctrl_c_to_the_launcher_checkpoints_and_says_where_to_resume(tmp_path):
     """Ctrl-C to recipes.launch alone (its ranks are in their own sessions): the ranks checkpoint at the next step
-    boundary, the launcher ends with one line naming that checkpoint and exit 130, no traceback."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out.txt"
-    cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"checkpoint.save={ckpt}", "checkpoint.save_interval=1000"],
-                           launcher="recipes.launch")
+    boundary, the launcher ends with one line naming that checkpoint and exit 130, no traceback. The elastic
+    agent's own files stay in the run's log directory (torch's agent would make a directory under /tmp)."""
+    ckpt, out, logs = tmp_path / "ckpt", tmp_path / "out.txt", tmp_path / "logs"
+    cmd = pretrain_command(2, [*TWO_STAGES_UNTIL_STOPPED, f"checkpoint.save={ckpt}", "checkpoint.save_interval=1000",
+                               f"logging.log_dir={logs}"], launcher="recipes.launch")
+    in_tmp = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     with open(out, "w") as sink:  # a suite started from a non-interactive shell inherits SIGINT ignored
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=sink, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -373,3 +376,4 @@ def test_ctrl_c_to_the_launcher_checkpoints_and_says_where_to_resume(tmp_path):
     iteration = int(stopped.group(1))
     assert iteration >= 2 and latest_iteration(ckpt) == iteration and iteration in complete_iterations(ckpt)
     assert f"stopped cleanly after iteration {iteration} (exit signal)" in text
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == in_tmp and (logs / "agent").is_dir()
