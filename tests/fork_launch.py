@@ -1,6 +1,7 @@
 """The suite's launcher for multi-process runs whose subject is not the launcher: ``python -m tests.fork_launch
 --nproc-per-node=N -m MODULE [args]`` starts N ranks of MODULE as torchrun does (same environment variables, each
-rank in its own session, the others stopped when one fails, exit 1 then), but forks them from this process after it
+rank in its own session, the others stopped when one fails, exit 1 then, what is left of each session killed at the
+end), but forks them from this process after it
 has imported torch, megatron-core and the trainer once.
 
 Why: on the 2-core CI machine a rank spends ~5 s of CPU importing, so a 4-process torchrun launch spends more time
@@ -106,6 +107,11 @@ def launch(nproc: int, module: str, argv: list[str]) -> int:
             failed.append((ranks[pid], code))
             _stop(running, signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
+    for pid in ranks:  # what is left of each rank's session (its helper processes), as torchrun's agent kills it
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if failed:
         rank, code = failed[0]
         print(f"tests.fork_launch: rank {rank} (local_rank: {rank}) failed first, exitcode : {code}", file=sys.stderr)

@@ -3,9 +3,11 @@ aside, a failed save leaves nothing behind, retention keeps what it should. One 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -478,23 +480,30 @@ def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_p
 
 
 def test_a_save_that_never_finishes_is_named_by_the_hang_watchdog(tmp_path):
-    """Rank 1's save of iteration 4 never returns (its writer stuck: the fault worker's HANG_MARKER) while rank 0
-    waits for it in the save's collectives: the watchdog, whose step timeout does not apply during a save, ends the
-    job when the save outlasts its limit (ten times the tiny model's planned write, at least the hang timeout: 10 s;
-    the collectives time out after 1 minute), naming the save — not "a stuck device or network" after the collective timeout — with every rank's stacks in its log and
-    the tracker still at iteration 2."""
+    """Rank 1's checkpoint save helper stopped (SIGSTOP: alive, so no death to notice, and never answering) as
+    iteration 4 starts: rank 1's save of 4 waits on it while rank 0 waits in the save's collectives. The watchdog,
+    whose step timeout does not apply during a save, ends the job when the save outlasts its limit (ten times the
+    tiny model's planned write, at least the hang timeout: 10 s; the collectives time out after 1 minute), naming
+    the save — not "a stuck device or network" after the collective timeout — with every rank's stacks in its log
+    (rank 1's in the helper's queue) and the tracker still at iteration 2."""
     from megatron_ext.errors import EXIT_HUNG
 
-    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    env = {"FAIL_ITERATION": "4", "FAIL_RANK": "1", "HANG_MARKER": str(tmp_path / "saving")}
-    proc = run_pretrain(2, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6",
-                            f"checkpoint.save={ckpt}", "checkpoint.save_interval=2", "train.hang_timeout_s=10",
-                            "parallel.distributed_timeout_minutes=1", f"logging.log_dir={logs}",
-                            "logging.tensorboard_dir=null"],
-                        module="tests.workers.checkpoint_fault_worker", check=False, env=env, timeout=300)
+    ckpt, logs, stopped = tmp_path / "ckpt", tmp_path / "logs", tmp_path / "stopped"
+    env = {"KILL_HELPER_AT": "4", "KILL_HELPER_RANK": "1", "KILLED_MARKER": str(stopped),
+           "KILL_HELPER_SIGNAL": "SIGSTOP"}
+    try:
+        proc = run_pretrain(2, [*SMALL_MODEL, *SINGLE_PROCESS, "train.train_iters=6",
+                                f"checkpoint.save={ckpt}", "checkpoint.save_interval=2", "train.hang_timeout_s=10",
+                                "parallel.distributed_timeout_minutes=1", f"logging.log_dir={logs}",
+                                "logging.tensorboard_dir=null"],
+                            module="tests.workers.helper_killed_worker", check=False, env=env, timeout=300)
+    finally:
+        if stopped.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stopped.read_text()), signal.SIGKILL)
     assert f"exitcode : {EXIT_HUNG}" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("[rank 0, the checkpoint save of iteration 4] hang: the checkpoint save of iteration 4 has not finished "
             "in 10 s") in proc.stderr, proc.stderr[-3000:]
     assert "a stuck device or network" not in proc.stderr
-    assert "checkpoint_fault_worker.py" in (logs / "rank-1.log").read_text()  # where rank 1 waits
+    assert "save_helper.py" in (logs / "rank-1.log").read_text()  # where rank 1 waits
     assert latest_iteration(ckpt) == 2

@@ -2,7 +2,9 @@
 which rank KILL_HELPER_RANK kills its own checkpoint save helper process (SIGKILL, as the kernel's OOM killer would
 pick the process holding a copy of the shards), once: as it starts iteration KILL_HELPER_AT, or with
 KILL_HELPER_IN_SAVE=1 right after the asynchronous save of that iteration was scheduled (its shards being written).
-KILLED_MARKER names a file that says it happened (a restarted worker leaves its new helper alone)."""
+KILLED_MARKER names a file that says it happened (a restarted worker leaves its new helper alone) and holds the
+helper's pid. KILL_HELPER_SIGNAL=SIGSTOP stops the helper instead (a process that neither answers nor dies: the
+test kills it when it is done)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from tests.workers.step_patch import forward_step_per_step
 def _kill_once(rank: int) -> None:
     marker = Path(os.environ["KILLED_MARKER"])
     if rank == int(os.environ["KILL_HELPER_RANK"]) and not marker.exists():
-        marker.touch()
-        os.kill(save_helper.pid(), signal.SIGKILL)
+        marker.write_text(str(save_helper.pid()))
+        os.kill(save_helper.pid(), signal.Signals[os.environ.get("KILL_HELPER_SIGNAL", "SIGKILL")])
 
 
 def _choose(step: trainer.Trainer, plain):
