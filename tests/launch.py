@@ -20,9 +20,13 @@ SESSION_TEMP_DIRS: list[str] = []
 
 
 def session_temp_dir(prefix: str) -> str:
-    """A directory for the whole test session, removed with it (the machine's /tmp is not the tests' to fill)."""
-    SESSION_TEMP_DIRS.append(tempfile.mkdtemp(prefix=prefix))
-    return SESSION_TEMP_DIRS[-1]
+    """A directory for the whole test session, removed with it (the machine's /tmp is not the tests' to fill). The
+    processes the session starts that import this module find the session's own through the environment."""
+    variable = "TESTS_SESSION_DIR_" + prefix.strip("-").replace("-", "_").upper()
+    if variable not in os.environ:
+        SESSION_TEMP_DIRS.append(tempfile.mkdtemp(prefix=prefix))
+        os.environ[variable] = SESSION_TEMP_DIRS[-1]
+    return os.environ[variable]
 
 
 # megatron-core's GPTDataset index cache, shared by the session's runs: by default it would go next to the data,
