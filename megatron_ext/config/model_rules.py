@@ -201,6 +201,7 @@ def megatron_fsdp_refusal(m: ModelConfig) -> Optional[str]:
 
 
 def validate_megatron_fsdp_model(cfg: RecipeConfig) -> None:
+    """parallel.use_megatron_fsdp against the model (:func:`megatron_fsdp_refusal`)."""
     why = megatron_fsdp_refusal(cfg.model)
     require(not cfg.parallel.use_megatron_fsdp or why is None, "parallel.use_megatron_fsdp", True, why or "")
 

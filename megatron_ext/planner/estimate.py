@@ -66,6 +66,7 @@ class _Stages:
         self.cfg, self.vocab_size, self.world_size, self.grad_bytes = cfg, vocab_size, world_size, grad_bytes
         self.layout, self.shape = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size)
         self.stages = tuple(pipeline_stage_layers(cfg))
+        self.bucket_size = ddp_bucket_size(cfg, self.layout.dp)
         self._largest: dict[bool, float] = {}
 
     def largest_layer_activation(self, moe: bool) -> float:
@@ -79,8 +80,7 @@ class _Stages:
 
     def memory(self, pp_rank: int) -> dict[str, float]:
         cfg, layout, shape, stages = self.cfg, self.layout, self.shape, self.stages
-        d_bytes = shape.bytes_per_value
-        bucket_size = ddp_bucket_size(cfg, layout.dp)
+        d_bytes, bucket_size = shape.bytes_per_value, self.bucket_size
         params, grads, owned = stage_static(shape, stages, layout.vpp, pp_rank, layout.dp, layout.distopt, bucket_size)
         if shape.experts:  # the worst dense shard and the worst expert shard, on one rank
             expert_params, expert_grads, expert_owned = expert_static(
@@ -139,9 +139,9 @@ def estimate(cfg: RecipeConfig, world_size: int, gpus_per_node: int, gpu: GPUSpe
     `grad_reduce_in_fp32=False` is a what-if for bf16 grad buffers (as Megatron-Bridge's performance
     configs run); the recipe's ``wrap_with_ddp`` always reduces in fp32.
     """
-    layout, shape = Layout.of(cfg, world_size), RankShape.of(cfg, vocab_size)
-    grad_bytes = 4 if grad_reduce_in_fp32 else shape.bytes_per_value
-    per_stage = _Stages(cfg, vocab_size, world_size, grad_bytes)
+    shape = RankShape.of(cfg, vocab_size)
+    per_stage = _Stages(cfg, vocab_size, world_size, 4 if grad_reduce_in_fp32 else shape.bytes_per_value)
+    layout, grad_bytes = per_stage.layout, per_stage.grad_bytes
     stages = [per_stage.memory(r) for r in range(layout.pp)]
     peak_stage = max(range(layout.pp), key=lambda r: stages[r]["total"])
     memory = stages[peak_stage]
