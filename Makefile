@@ -34,12 +34,23 @@ pretrain: data
 	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC) \
 		--config $(CONFIG) $(ARGS)
 
-# --durations: the slowest tests, in every CI log, against the suite's 30-minute budget
+# The suite in two parts: on every core (pytest-xdist, a test file at a time per worker: two on 2 cores, half the cores
+# on more), then the tests marked serial alone (they measure wall-clock time or look at the machine's processes:
+# pyproject.toml). --durations: the slowest tests, in every CI log, against the suite's 30-minute budget. ARGS go to
+# both parts (-k, -x, ...); a part that selects nothing (pytest's exit 5) is not a failure.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n > 4 ? n / 2 : 2 )))
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15
+define run_suite
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(1) $(ARGS); parallel=$$?; \
+	$(PYTEST) -m serial $(1) $(ARGS); serial=$$?; \
+	for rc in $$parallel $$serial; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
+endef
+
 test: data
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests $(ARGS)
+	$(call run_suite,tests)
 
 test-fast: data
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests/unit $(ARGS)
+	$(call run_suite,tests/unit)
 
 # The GPU checklist (recipes/gpu_check.py), with the machine's own CUDA torch and packages (Python >= 3.12), not .venv.
 gpu-check:

@@ -21,8 +21,10 @@ SESSION_TEMP_DIRS: list[str] = []
 
 def session_temp_dir(prefix: str) -> str:
     """A directory for the whole test session, removed with it (the machine's /tmp is not the tests' to fill). The
-    processes the session starts that import this module find the session's own through the environment."""
-    variable = "TESTS_SESSION_DIR_" + prefix.strip("-").replace("-", "_").upper()
+    processes the session starts that import this module find the session's own through the environment; each
+    pytest-xdist worker is a session of its own (its runs' GPTDataset caches and rank logs are not another's)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    variable = "TESTS_SESSION_DIR_" + f"{prefix.strip('-')}-{worker}".strip("-").replace("-", "_").upper()
     if variable not in os.environ:
         SESSION_TEMP_DIRS.append(tempfile.mkdtemp(prefix=prefix))
         os.environ[variable] = SESSION_TEMP_DIRS[-1]

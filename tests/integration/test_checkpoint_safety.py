@@ -479,6 +479,7 @@ def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_p
         subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+@pytest.mark.serial  # a 10 s hang timeout
 def test_a_save_that_never_finishes_is_named_by_the_hang_watchdog(tmp_path):
     """Rank 1's checkpoint save helper stopped (SIGSTOP: alive, so no death to notice, and never answering) as
     iteration 4 starts: rank 1's save of 4 waits on it while rank 0 waits in the save's collectives. The watchdog,

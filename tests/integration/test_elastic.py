@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from megatron_ext.checkpoint.layout import latest_iteration
 from megatron_ext.errors import EXIT_RERUN_ELSEWHERE
@@ -35,6 +36,9 @@ from tests.launch import (
     run_env,
     run_pretrain,
 )
+
+# rendezvous windows and a join timed against the training (make test runs it alone)
+pytestmark = pytest.mark.serial
 
 STEPS = 48
 FAULTY_FROM = 18  # the spare's node goes bad here, a few checkpoints after it took b's place

@@ -139,6 +139,7 @@ def _stop_a_rank(cmd: list[str], out: Path, rank: int, after_step: int, env: dic
             os.kill(stopped, signal.SIGKILL)
 
 
+@pytest.mark.serial  # hang timeouts of seconds
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_path):
     """SIGSTOP one of 4 ranks (a stuck GPU, a dead NIC): the others' watchdogs write their stacks, name it once,
     and the job is gone (exit 4, for SLURM to requeue) within the timeout plus a margin. The job is a node of a
@@ -191,6 +192,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends_within_the_hang_timeout(tmp_pa
                                                                           "node-spare": "not needed"}
 
 
+@pytest.mark.serial  # hang timeouts of seconds
 def test_under_nvrx_a_stopped_rank_is_ended_by_the_rank_monitor_outside_it(tmp_path):
     """recipes.launch --nvrx (NVIDIA Resiliency Extension's ft_launcher), the hang watchdog off: rank 1 SIGSTOPped
     after step 3 stalls both pipeline stages; their rank monitors kill them once 3 s pass without a heartbeat, and
@@ -209,6 +211,7 @@ def test_under_nvrx_a_stopped_rank_is_ended_by_the_rank_monitor_outside_it(tmp_p
     assert proc.returncode == EXIT_FAILED and "SignalException" not in text, text[-3000:]
 
 
+@pytest.mark.serial  # step times compared across ranks
 def test_a_rank_slowed_on_purpose_is_named_and_nobody_else(tmp_path):
     """PP2 × DP2, rank 1 (stage 0) 150 ms slower in every forward pass: the loop's detector names it against its
     stage's other rank; the last stage, which always computes more, is not named, nor anybody else."""
@@ -221,6 +224,7 @@ def test_a_rank_slowed_on_purpose_is_named_and_nobody_else(tmp_path):
     assert "the median of its pipeline stage's other ranks" in named[0] and "that CPU's cores" in named[0]
 
 
+@pytest.mark.serial  # processes gone within seconds
 @pytest.mark.parametrize("signal_lost", [False, True], ids=["signalled", "signal_lost"])
 def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost, tmp_path):
     """kill -9 of torchrun (its ranks are in their own sessions, so nothing reached them before): every rank is
@@ -266,6 +270,7 @@ def test_a_killed_launcher_leaves_no_rank_running_and_no_checkpoint(signal_lost,
     assert any("the launcher died: stopped without a checkpoint" in text for text in said), said
 
 
+@pytest.mark.serial  # processes gone within seconds
 def test_die_with_parent_ends_a_busy_child_when_its_parent_is_killed(tmp_path):
     """A grandchild spinning in pure Python (nothing would stop it) is gone once its parent is SIGKILLed, also when it
     inherited SIGHUP ignored (a job started under nohup)."""
@@ -297,6 +302,7 @@ def test_die_with_parent_ends_a_busy_child_when_its_parent_is_killed(tmp_path):
             os.kill(child, signal.SIGKILL)
 
 
+@pytest.mark.serial  # processes gone within seconds
 def test_the_checkpoint_save_helper_ends_with_a_rank_killed_by_sigkill():
     """The trainer starts dist_checkpointing's Manager process with die_with_parent: a rank that cannot unwind (the
     OOM killer, a native crash) does not leave it and its resource tracker running for good."""
@@ -352,6 +358,7 @@ def test_a_skipped_nonfinite_step_or_spike_leaves_weights_optimizer_state_and_sc
     assert all(result["unchanged"].values()), result["unchanged"]
 
 
+@pytest.mark.serial  # what the launch leaves in /tmp
 def test_ctrl_c_to_the_launcher_checkpoints_and_says_where_to_resume(tmp_path):
     """Ctrl-C to recipes.launch alone (its ranks are in their own sessions): the ranks checkpoint at the next step
     boundary, the launcher ends with one line naming that checkpoint and exit 130, no traceback. The elastic

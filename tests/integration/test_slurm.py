@@ -31,6 +31,9 @@ from megatron_ext.resilience.run_record import verdict
 from tests.integration.test_parallel_parity import TOLERANCE
 from tests.launch import ROOT, SMALL_MODEL, free_ports, max_relative_difference, read_scalars
 
+# one local SLURM cluster, and the processes its jobs leave (make test runs it alone)
+pytestmark = pytest.mark.serial
+
 STEPS = 16
 SAVE_INTERVAL = 5  # a periodic checkpoint before the signal, as in any real run
 SIGNAL_AFTER = 6  # the step whose log line triggers the signal

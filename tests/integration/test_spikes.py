@@ -57,6 +57,7 @@ def skipped(initial_weights, tmp_path_factory) -> dict[str, dict[int, float]]:
     return _numbers(root / "tb_skipped")
 
 
+@pytest.mark.serial  # the seconds it was down, measured
 def test_a_rewind_past_a_spike_and_a_restart_end_as_a_run_that_skipped_its_batches_and_every_second_is_accounted(
         initial_weights, skipped, tmp_path):
     started = time.time()

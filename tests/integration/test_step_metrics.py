@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from tests.launch import SMALL_MODEL, read_scalars, run_pretrain
+
+# step-time breakdowns and the advice drawn from them are wall-clock measurements (make test runs them alone)
+pytestmark = pytest.mark.serial
 
 DP2 = [*SMALL_MODEL, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
        "parallel.sequence_parallel=false", "train.train_iters=8", "logging.log_interval=2"]

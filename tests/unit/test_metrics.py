@@ -224,6 +224,7 @@ def test_the_run_summary_sets_the_measured_breakdown_beside_the_planners_and_nam
     assert lines[5].endswith(": agrees") and lines[6].endswith(": DISAGREES"), lines
 
 
+@pytest.mark.serial  # timed sleeps within 15 ms
 def test_step_timers_split_megatron_cores_regions_and_take_the_data_wait_out_of_compute():
     import time
 

@@ -152,6 +152,7 @@ def test_a_launch_joining_the_live_elastic_job_that_holds_the_lock_is_let_in(tmp
     assert "is in use by another run" in holder_of(tmp_path)
 
 
+@pytest.mark.serial  # a heartbeat of 50 ms against a stale age of 0.5 s
 def test_the_heartbeat_keeps_a_live_lock_from_another_hosts_take_over_and_stops_with_the_run(tmp_path, monkeypatch):
     """The holder refreshes its lock every HEARTBEAT_S, so a launch on another host is refused for as long as the run
     lives, however long that is; once the heartbeat stops (the run died without releasing), the lock ages past
