@@ -454,6 +454,7 @@ def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_p
     log directory, and both the rank and the launcher point there); no run lock is left, the checkpoints are as
     they were."""
     from megatron_ext.errors import EXIT_STORAGE
+    from megatron_ext.resilience.failures import writable_log_dir
 
     mount = tmp_path / "mount"
     mount.mkdir()
@@ -476,7 +477,12 @@ def test_a_read_only_checkpoint_directory_is_the_storage_error_in_one_line(tmp_p
         assert not (ckpt / RUN_LOCK).exists()
         assert {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()} == before
     finally:
+        stand_in = writable_log_dir(mount / "logs")  # while the mount is read-only: the logs' place under /tmp
         subprocess.run(["umount", str(mount)], capture_output=True)
+        if mount not in stand_in.parents:
+            shutil.rmtree(stand_in, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                stand_in.parent.rmdir()  # unless another run's logs are there
 
 
 @pytest.mark.serial  # a 10 s hang timeout
