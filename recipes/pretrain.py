@@ -23,7 +23,7 @@ from megatron_ext.config.schema import (
 )
 from megatron_ext.config.validate import TrainedWorld, trained_world
 from megatron_ext.errors import EXIT_USER_ERROR, ConfigError
-from megatron_ext.metrics.run_logger import perplexity
+from megatron_ext.metrics.run_logger import perplexity, remove_wandb_import_temp_dirs
 from megatron_ext.resilience.failures import fatal_signal_stacks_logged
 from megatron_ext.resilience.process_guard import guard_training_rank
 from megatron_ext.resilience.run_record import (
@@ -86,7 +86,8 @@ def _exit_now(code: int) -> None:
     free that much sooner, torchrun's agent restarts failed workers that much sooner, and the peers of a rank that
     ends on its launcher's death see its sockets close that much sooner. Nothing is left to write by then: the
     trainer has closed the checkpoints, TensorBoard, W&B and the rank monitor, on success and on failure alike;
-    what was logged is flushed here."""
+    what was logged is flushed here, and the temporary directories the teardown would have removed are removed."""
+    remove_wandb_import_temp_dirs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

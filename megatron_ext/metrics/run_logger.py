@@ -18,7 +18,9 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -336,6 +338,25 @@ class RunLogger:
                 self.wandb.finish(exit_code=1 if failed else 0)
         except OSError as e:  # a full disk must not hide the failure being reported, nor crash a finished run
             log.warning(f"TensorBoard/W&B could not write their last records ({type(e).__name__}: {e})")
+
+
+# The temporary directories wandb (0.31) makes when it is imported: (module, attribute path) of each.
+_WANDB_IMPORT_TEMP_DIRS = (("wandb.sdk.data_types._private", "MEDIA_TMP"),
+                           ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"))
+
+
+def remove_wandb_import_temp_dirs() -> None:
+    """Remove the two temporary directories wandb makes when it is imported (every rank of a run that logs to W&B
+    imports it), which wandb leaves to finalizers at interpreter exit, which a rank that ends with ``os._exit``
+    skips (recipes/pretrain.py): without this every rank of every such launch leaves two behind in the temporary
+    directory. tests/integration/test_wandb.py checks that a run leaves none."""
+    for module_name, attributes in _WANDB_IMPORT_TEMP_DIRS:
+        holder = sys.modules.get(module_name)
+        for attribute in attributes.split("."):
+            holder = getattr(holder, attribute, None)
+        if holder is not None:
+            with suppress(OSError):  # a process forked from one that removed them already
+                holder.cleanup()
 
 
 def read_scalars(tensorboard_dir: str | Path, tag: str) -> dict[int, float]:

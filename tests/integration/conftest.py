@@ -17,10 +17,12 @@ from tests.zygote import SOCKET_ENV, start_server
 @pytest.fixture(scope="session", autouse=True)
 def zygote() -> Iterator[None]:
     """Started with the first integration test, stopped with the session; its runs see its socket through the
-    environment they inherit."""
+    environment they inherit. Its temporary directory is its own, removed with it: what its imports make there
+    (wandb's two directories, which megatron-core's timers import) and what its forked runs leave (multiprocessing's
+    pymp-* of a rank that ends with os._exit) is not the machine's /tmp."""
     directory = tempfile.mkdtemp(prefix="zygote-")
     path = os.path.join(directory, "server.sock")
-    server = start_server(path, run_env())
+    server = start_server(path, run_env({"TMPDIR": directory}))
     os.environ[SOCKET_ENV] = path
     try:
         yield

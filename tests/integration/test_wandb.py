@@ -60,7 +60,12 @@ def test_wandb_gets_the_tensorboard_scalars_and_the_resolved_config_and_a_resume
            "logging.wandb_run_name=smoke"]
     wandb_env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     run_pretrain(1, [*run, "train.exit_interval=2"], env=wandb_env)
-    proc = run_pretrain(1, run, env=wandb_env)
+    # the relaunch a fresh interpreter, as a user's rank is: the temporary directories its import of wandb made are
+    # gone when it ends, as they would be without os._exit
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = run_pretrain(1, run, env={**wandb_env, "TMPDIR": str(temp)}, launcher="torchrun")
+    assert not [p.name for p in temp.iterdir() if "wandb" in p.name], list(temp.iterdir())
     first, second = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert first.name == second.name, (first, second)  # run-<id>.wandb: one run id for both launches
     (history, config), (appended, _) = _history_and_config(first), _history_and_config(second)
