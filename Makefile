@@ -34,11 +34,11 @@ pretrain: data
 	OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore $(PY) -m recipes.launch --standalone --nproc-per-node $(NPROC) \
 		--config $(CONFIG) $(ARGS)
 
-# The suite in two parts: on every core (pytest-xdist, a test file at a time per worker: two on 2 cores, half the cores
-# on more), then the tests marked serial alone (they measure wall-clock time or look at the machine's processes:
+# The suite in two parts: on every core (pytest-xdist, a test file at a time per worker; how many: tests/xdist_workers.py),
+# then the tests marked serial alone (they measure wall-clock time or look at the machine's processes:
 # pyproject.toml). --durations: the slowest tests, in every CI log, against the suite's 30-minute budget. ARGS go to
 # both parts (-k, -x, ...); a part that selects nothing (pytest's exit 5) is not a failure.
-TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n > 4 ? n / 2 : 2 )))
+TEST_WORKERS ?= $(shell $(PY) -m tests.xdist_workers)
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=15
 define run_suite
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(1) $(ARGS); parallel=$$?; \
